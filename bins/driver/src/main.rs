@@ -1,1 +1,258 @@
-fn main() {}
+//! `driver`: write workload plans and replay them closed-loop or open-loop against an
+//! OpenAI-compatible server, one `client.csv` row per request.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use driver::{ProgressMode, RunConfig};
+use workload::spec::{
+    DEFAULT_BYTES_PER_TOKEN, DEFAULT_OUTPUT_TOKENS, DEFAULT_PREFIX_TOKENS, DEFAULT_TURNS,
+    DEFAULT_USER_TOKENS,
+};
+use workload::{ArrivalSpec, Plan, Sizing, WorkloadSpec};
+
+#[derive(Parser)]
+#[command(name = "driver", version, about = "kvroute load driver")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Build a plan (bincode) and print its name and fingerprint.
+    Plan(PlanArgs),
+    /// Print a plan's name, fingerprint and size.
+    Inspect {
+        /// The plan file.
+        #[arg(long)]
+        plan: PathBuf,
+    },
+    /// Closed loop: the plan's users each send a turn, wait for the reply, think, repeat.
+    Closed(RunArgs),
+    /// Open loop: send at the plan's Poisson arrival times (never rescaled).
+    Open(RunArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Arrival {
+    Closed,
+    Open,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Where to write the plan.
+    #[arg(long)]
+    out: PathBuf,
+    /// Seed for every text and draw.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Fleet KV capacity in tokens (with --ws: size the working set against it).
+    #[arg(long, requires = "ws", conflicts_with = "conversations")]
+    capacity_tokens: Option<u64>,
+    /// Working set ÷ capacity (0.25, 1, 3, 8, …).
+    #[arg(long, requires = "capacity_tokens")]
+    ws: Option<f64>,
+    /// A fixed number of conversations instead of sizing.
+    #[arg(long)]
+    conversations: Option<u32>,
+    /// Zipf exponent over conversations (0 = uniform).
+    #[arg(long, default_value_t = 0.0)]
+    skew: f64,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = DEFAULT_TURNS)]
+    turns: u32,
+    /// Context prefix at turn 1, in tokens.
+    #[arg(long, default_value_t = DEFAULT_PREFIX_TOKENS)]
+    prefix_tokens: u32,
+    /// Each user turn, in tokens.
+    #[arg(long, default_value_t = DEFAULT_USER_TOKENS)]
+    user_tokens: u32,
+    /// max_tokens per request (and scripted reply length).
+    #[arg(long, default_value_t = DEFAULT_OUTPUT_TOKENS)]
+    output_tokens: u32,
+    /// Bytes per token of the generated text.
+    #[arg(long, default_value_t = DEFAULT_BYTES_PER_TOKEN)]
+    bytes_per_token: u32,
+    /// Arrival process.
+    #[arg(long, value_enum, default_value_t = Arrival::Closed)]
+    arrival: Arrival,
+    /// Closed loop: concurrent users.
+    #[arg(long, default_value_t = 32)]
+    users: u32,
+    /// Closed loop: mean think time, seconds.
+    #[arg(long, default_value_t = 1.0)]
+    think_mean_s: f64,
+    /// Closed loop: requests per user.
+    #[arg(long, default_value_t = 24)]
+    requests_per_user: u32,
+    /// Open loop: arrival rate, requests per second.
+    #[arg(long, default_value_t = 4.0)]
+    rate: f64,
+    /// Open loop: schedule length, seconds.
+    #[arg(long, default_value_t = 120.0)]
+    duration_s: f64,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// Server base URL (router, replica or vLLM), e.g. http://127.0.0.1:8000.
+    #[arg(long)]
+    url: String,
+    /// The plan file.
+    #[arg(long)]
+    plan: PathBuf,
+    /// Where to write client.csv (rows stream into <out>.partial during the run).
+    #[arg(long)]
+    out: PathBuf,
+    /// Model name; default: the first id of GET /v1/models.
+    #[arg(long)]
+    model: Option<String>,
+    /// Requests sent in the first S seconds are flagged warmup=1.
+    #[arg(long, default_value_t = 0.0)]
+    warmup_s: f64,
+    /// A request unfinished this long after sending fails with `timeout`.
+    #[arg(long, default_value_t = 600.0)]
+    timeout_s: f64,
+    /// Stop sending new requests after S seconds.
+    #[arg(long)]
+    duration_s: Option<f64>,
+    /// Progress line on stderr.
+    #[arg(long, value_enum, default_value_t = Progress::Auto)]
+    progress: Progress,
+    /// Skip the GET /v1/models check (requires --model).
+    #[arg(long)]
+    no_preflight: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Progress {
+    Auto,
+    On,
+    Off,
+}
+
+fn main() {
+    if let Err(e) = real_main() {
+        eprintln!("driver: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn real_main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Plan(a) => make_plan(&a),
+        Command::Inspect { plan } => {
+            let plan = load_plan(&plan)?;
+            println!("{}", describe(&plan, None)?);
+            Ok(())
+        }
+        Command::Closed(a) => drive(&a, Arrival::Closed),
+        Command::Open(a) => drive(&a, Arrival::Open),
+    }
+}
+
+fn make_plan(a: &PlanArgs) -> Result<()> {
+    let sizing = match (a.capacity_tokens, a.ws, a.conversations) {
+        (Some(capacity_tokens), Some(ratio), None) => Sizing::WorkingSet {
+            capacity_tokens,
+            ratio,
+        },
+        (None, None, Some(n)) => Sizing::Conversations(n),
+        _ => bail!("give either --capacity-tokens with --ws, or --conversations"),
+    };
+    let spec = WorkloadSpec {
+        seed: a.seed,
+        sizing,
+        zipf_s: a.skew,
+        turns: a.turns,
+        prefix_tokens: a.prefix_tokens,
+        user_tokens: a.user_tokens,
+        output_tokens: a.output_tokens,
+        bytes_per_token: a.bytes_per_token,
+    };
+    let arrival = match a.arrival {
+        Arrival::Closed => ArrivalSpec::Closed {
+            users: a.users,
+            think_mean_s: a.think_mean_s,
+            requests_per_user: a.requests_per_user,
+        },
+        Arrival::Open => ArrivalSpec::Open {
+            rate_rps: a.rate,
+            duration_s: a.duration_s,
+        },
+    };
+    let plan = Plan::build(&spec, &arrival)?;
+    let bytes = plan.to_bytes()?;
+    let tmp = a.out.with_extension("tmp");
+    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(&tmp, &bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &a.out).with_context(|| format!("renaming to {}", a.out.display()))?;
+    println!("{}", describe(&plan, Some(&a.out))?);
+    Ok(())
+}
+
+fn describe(plan: &Plan, out: Option<&Path>) -> Result<String> {
+    let mut v = serde_json::json!({
+        "name": plan.name(),
+        "workload_name": plan.spec.name(),
+        "fingerprint": plan.fingerprint_hex()?,
+        "workload_fingerprint": plan.workload_fingerprint_hex()?,
+        "conversations": plan.conversations.len(),
+        "requests": plan.request_count(),
+        "working_set_tokens": plan.working_set_tokens().round(),
+    });
+    if let Some(out) = out {
+        v["out"] = serde_json::Value::String(out.display().to_string());
+    }
+    Ok(v.to_string())
+}
+
+fn load_plan(path: &Path) -> Result<Plan> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading plan {}", path.display()))?;
+    Plan::from_bytes(&bytes).with_context(|| format!("plan {}", path.display()))
+}
+
+fn drive(a: &RunArgs, mode: Arrival) -> Result<()> {
+    let plan = load_plan(&a.plan)?;
+    let cfg = RunConfig {
+        url: a.url.clone(),
+        out: a.out.clone(),
+        model: a.model.clone(),
+        warmup_s: a.warmup_s,
+        timeout_s: a.timeout_s,
+        duration_s: a.duration_s,
+        preflight: !a.no_preflight,
+        progress: match a.progress {
+            Progress::Auto => ProgressMode::Auto,
+            Progress::On => ProgressMode::On,
+            Progress::Off => ProgressMode::Off,
+        },
+    };
+    // One core: the benchmark in crates/driver/README.md was measured this way.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    let summary = rt.block_on(async {
+        let run = async {
+            match mode {
+                Arrival::Closed => driver::run_closed(&plan, &cfg).await,
+                Arrival::Open => driver::run_open(&plan, &cfg).await,
+            }
+        };
+        tokio::select! {
+            r = run => r.map_err(anyhow::Error::from),
+            _ = tokio::signal::ctrl_c() => bail!(
+                "interrupted; rows so far are in {}",
+                driver::rows::partial_path(&cfg.out).display()
+            ),
+        }
+    })?;
+    println!("{summary}");
+    Ok(())
+}

@@ -1,1 +1,194 @@
-fn main() {}
+//! `router`: kvroute's cache-aware router (flags → [`proxy::RouterConfig`] → [`proxy::run_blocking`]).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use proxy::{ReplicaSpec, RouterConfig};
+
+/// A streaming, OpenAI-compatible router in front of N replicas.
+#[derive(Debug, Parser)]
+#[command(name = "router", version, about)]
+struct Args {
+    /// Listen address.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Listen port (0 = ephemeral; the readiness line names it).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Replica base URLs, comma-separated (ids 0, 1, … in this order).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        required_unless_present = "config",
+        conflicts_with = "config"
+    )]
+    replicas: Vec<String>,
+    /// JSON file with the replica list (`[{"url":…,"kv_events":…,"kv_replay":…}]`).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Routing policy.
+    #[arg(long, default_value = "prefix-affinity", value_parser = clap::builder::PossibleValuesParser::new(policies::POLICY_NAMES))]
+    policy: String,
+    /// KV event PUB endpoints, one per replica in the same order (exact residency).
+    #[arg(long, value_delimiter = ',')]
+    kv_events: Vec<String>,
+    /// KV event replay (ROUTER) endpoints, one per replica in the same order (gap repair).
+    #[arg(long, value_delimiter = ',')]
+    kv_replay: Vec<String>,
+    /// Where to write router.csv.
+    #[arg(long)]
+    rows: Option<PathBuf>,
+    /// Model name: the salt of block keys and the model sent to /tokenize (default: each
+    /// request's own `model`).
+    #[arg(long)]
+    model: Option<String>,
+    /// Belief block size in bytes.
+    #[arg(long, default_value_t = 64)]
+    block_bytes: usize,
+    /// Engine block size in tokens (exact keys).
+    #[arg(long, default_value_t = 16)]
+    block_tokens: u32,
+    /// Sliding TTL of believed index entries, seconds.
+    #[arg(long)]
+    index_ttl_s: Option<f64>,
+    /// Node cap of the index.
+    #[arg(long)]
+    index_node_cap: Option<usize>,
+    /// Spill (load branch) of prefix-affinity / exact-residency.
+    #[arg(long, value_parser = ["on", "off"])]
+    spill: Option<String>,
+    /// Spill needs matched − least outstanding > N.
+    #[arg(long)]
+    spill_abs: Option<u32>,
+    /// Spill needs matched > F × least outstanding (0 disables this half).
+    #[arg(long)]
+    spill_ratio: Option<f64>,
+    /// Bounded-load factor c (session-bounded, prefix-hash).
+    #[arg(long)]
+    load_factor: Option<f64>,
+    /// Virtual nodes per replica on the hash ring.
+    #[arg(long)]
+    virtual_nodes: Option<u32>,
+    /// Leading blocks prefix-hash hashes.
+    #[arg(long)]
+    prefix_hash_blocks: Option<u32>,
+    /// Residency branch: decline matches on replicas above this KV usage (0..1); off when absent.
+    #[arg(long)]
+    residency_kv_usage: Option<f32>,
+    /// Lifetime of speculative entries (exact-residency-spec), milliseconds.
+    #[arg(long)]
+    speculative_ttl_ms: Option<u64>,
+    /// Seed of every tie-break.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Tokio worker threads (on a small shared machine one can beat two).
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    /// Largest request body accepted; larger gets 413.
+    #[arg(long, default_value_t = 8 << 20)]
+    max_body_bytes: usize,
+    /// Health-check period, milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    health_interval_ms: u64,
+    /// How long SIGTERM/SIGINT waits for in-flight responses, milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    shutdown_grace_ms: u64,
+}
+
+fn config(a: Args) -> Result<RouterConfig, String> {
+    let mut replicas: Vec<ReplicaSpec> = match &a.config {
+        Some(path) => proxy::load_replicas_file(path)?,
+        None => a.replicas.iter().map(ReplicaSpec::new).collect(),
+    };
+    if replicas.is_empty() {
+        return Err("no replicas given".into());
+    }
+    for (flag, list) in [("--kv-events", &a.kv_events), ("--kv-replay", &a.kv_replay)] {
+        if !list.is_empty() && list.len() != replicas.len() {
+            return Err(format!(
+                "{flag} has {} endpoints for {} replicas",
+                list.len(),
+                replicas.len()
+            ));
+        }
+    }
+    for (i, r) in replicas.iter_mut().enumerate() {
+        if let Some(e) = a.kv_events.get(i) {
+            r.kv_events = Some(e.clone());
+        }
+        if let Some(e) = a.kv_replay.get(i) {
+            r.kv_replay = Some(e.clone());
+        }
+    }
+    let mut p = policies::PolicySpec::named(&a.policy);
+    p.seed = a.seed;
+    p.salt = a.model.clone().unwrap_or_default();
+    p.tokens_per_block = a.block_tokens;
+    if let Some(v) = a.index_ttl_s {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(format!("--index-ttl-s must be > 0, got {v}"));
+        }
+        p.index_ttl_us = (v * 1e6) as u64;
+    }
+    if let Some(v) = a.index_node_cap {
+        p.index_node_cap = v;
+    }
+    if let Some(v) = &a.spill {
+        p.spill = v == "on";
+    }
+    if let Some(v) = a.spill_abs {
+        p.spill_abs = v;
+    }
+    if let Some(v) = a.spill_ratio {
+        p.spill_ratio = v;
+    }
+    if let Some(v) = a.load_factor {
+        p.load_factor = v;
+    }
+    if let Some(v) = a.virtual_nodes {
+        p.virtual_nodes = v;
+    }
+    if let Some(v) = a.prefix_hash_blocks {
+        p.prefix_hash_blocks = v;
+    }
+    if let Some(v) = a.residency_kv_usage {
+        p.residency_branch = true;
+        p.residency_kv_usage = v;
+    }
+    if let Some(v) = a.speculative_ttl_ms {
+        p.speculative_ttl_us = v * 1000;
+    }
+    p.validate()?;
+    if a.block_bytes == 0 {
+        return Err("--block-bytes must be ≥ 1".into());
+    }
+    let mut cfg = RouterConfig::new(replicas, p);
+    cfg.host = a.host;
+    cfg.port = a.port;
+    cfg.rows = a.rows;
+    cfg.model = a.model;
+    cfg.block_bytes = a.block_bytes;
+    cfg.max_body_bytes = a.max_body_bytes;
+    cfg.health_interval_ms = a.health_interval_ms;
+    cfg.workers = a.workers.max(1);
+    cfg.shutdown_grace_ms = a.shutdown_grace_ms;
+    Ok(cfg)
+}
+
+fn main() -> ExitCode {
+    let cfg = match config(Args::parse()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("router: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match proxy::run_blocking(cfg) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("router: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,1 +1,25 @@
-//! placeholder
+//! kvroute analysis: rows + meta → goodput, medians with ranges, spread verdicts, mechanism,
+//! belief divergence and decay, drift check, comparability guard, and the sweep report.
+//!
+//! Pure: it reads files and computes; no network, no clock. See the crate README for the module
+//! map and the `report.json` schema.
+
+pub mod compare;
+pub mod drift;
+pub mod error;
+pub mod load;
+pub mod markdown;
+pub mod meta;
+pub mod metrics;
+pub mod report;
+pub mod rows;
+pub mod stats;
+
+pub use compare::{Margin, Refusal, Verdict, check_comparable};
+pub use drift::{DriftConfig, DriftVerdict, check_rep_dir, check_rows};
+pub use error::{AnalysisError, Result};
+pub use load::{RepData, SweepData, load_rep, load_sweep};
+pub use meta::{Meta, Slo, Window, read_meta};
+pub use metrics::{MetricsConfig, is_good};
+pub use report::{Report, ReportConfig, analyze, analyze_dir};
+pub use rows::{ClientRow, RouterRow, read_client_csv, read_router_csv};

@@ -1,1 +1,257 @@
-//! placeholder
+//! kvroute's six figures (DESIGN.md §3.11), each as PNG, SVG and a CSV of exactly the numbers
+//! drawn, from published measurements.
+//!
+//! Figures 1–5 come from a grid sweep analysed by the `analysis` crate; figure 6 from a fault
+//! sweep's `timeline.csv` (docs/CONTRACTS.md). The figures never compute a metric themselves:
+//! they pick numbers out of `analysis::Report` and fail, naming what is missing, when a number
+//! they need is not there. Text is drawn with an embedded font (no fontconfig).
+//!
+//! ```no_run
+//! let files = figures::render_all("docs/measurements".as_ref(), "docs/figures".as_ref())?;
+//! # Ok::<(), anyhow::Error>(())
+//! ```
+
+pub mod data;
+pub mod draw;
+pub mod font;
+pub mod input;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result, bail};
+
+pub use input::{Context, FaultInput, GridInput, load_fault, load_grid};
+
+/// Sweep directories looked for (in order) under the measurements directory for figures 1–5.
+pub const GRID_SWEEPS: [&str; 2] = ["pressure-grid", "pressure-grid-quick"];
+/// Sweep directories looked for (in order) for figure 6.
+pub const FAULT_SWEEPS: [&str; 2] = ["fault-kill", "fault-kill-quick"];
+
+/// The six figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FigureId {
+    /// 1: prefix-affinity's margin over session-affinity across working set × skew.
+    PressureMap,
+    /// 2: winner and runner-up per grid point.
+    WinnersMap,
+    /// 3: prefix-hit rate vs busiest replica's share, spill on vs off.
+    Mechanism,
+    /// 4: prefix-hash vs believed vs exact (± speculative).
+    KnowledgeLadder,
+    /// 5: belief divergence and decay.
+    Belief,
+    /// 6: goodput per second through a replica kill and restart.
+    FaultTimeline,
+}
+
+impl FigureId {
+    /// All six, in order.
+    pub const ALL: [FigureId; 6] = [
+        FigureId::PressureMap,
+        FigureId::WinnersMap,
+        FigureId::Mechanism,
+        FigureId::KnowledgeLadder,
+        FigureId::Belief,
+        FigureId::FaultTimeline,
+    ];
+
+    /// File stem of its outputs (`<stem>.png`, `.svg`, `.csv`).
+    pub fn stem(&self) -> &'static str {
+        match self {
+            FigureId::PressureMap => "fig1-pressure-map",
+            FigureId::WinnersMap => "fig2-winners-map",
+            FigureId::Mechanism => "fig3-mechanism",
+            FigureId::KnowledgeLadder => "fig4-knowledge-ladder",
+            FigureId::Belief => "fig5-belief",
+            FigureId::FaultTimeline => "fig6-fault-timeline",
+        }
+    }
+
+    /// Parses `1`…`6` or a stem (`fig3-mechanism`) or its tail (`mechanism`).
+    pub fn parse(s: &str) -> Option<FigureId> {
+        FigureId::ALL.into_iter().enumerate().find_map(|(i, f)| {
+            let stem = f.stem();
+            (s == (i + 1).to_string() || s == stem || stem.split_once('-').map(|x| x.1) == Some(s))
+                .then_some(f)
+        })
+    }
+}
+
+impl fmt::Display for FigureId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.stem())
+    }
+}
+
+/// Where the figures read from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sources {
+    /// The grid sweep directory (figures 1–5).
+    pub grid: PathBuf,
+    /// The fault sweep directory holding `timeline.csv` (figure 6).
+    pub fault: PathBuf,
+}
+
+impl Sources {
+    /// The first of [`GRID_SWEEPS`] and of [`FAULT_SWEEPS`] that exists under
+    /// `measurements_dir` (the first name when none does, so that errors name it).
+    pub fn discover(measurements_dir: &Path) -> Sources {
+        let pick = |names: &[&str]| {
+            names
+                .iter()
+                .map(|n| measurements_dir.join(n))
+                .find(|p| p.is_dir())
+                .unwrap_or_else(|| measurements_dir.join(names[0]))
+        };
+        Sources {
+            grid: pick(&GRID_SWEEPS),
+            fault: pick(&FAULT_SWEEPS),
+        }
+    }
+}
+
+/// Renders all six figures from `measurements_dir` (see [`Sources::discover`]) into `out_dir`.
+/// Every figure that can be drawn is written even when another fails; the error then lists
+/// each failure with what is missing. Returns the files written.
+pub fn render_all(measurements_dir: &Path, out_dir: &Path) -> Result<Vec<PathBuf>> {
+    render(
+        &Sources::discover(measurements_dir),
+        out_dir,
+        &FigureId::ALL,
+    )
+}
+
+/// Renders `which` from `sources` into `out_dir` (created if needed): for each figure
+/// `<stem>.png`, `<stem>.svg` and `<stem>.csv`. Same error behaviour as [`render_all`].
+pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(out_dir)
+        .with_context(|| format!("figures: cannot create {}", out_dir.display()))?;
+    let needs_grid = which.iter().any(|f| *f != FigureId::FaultTimeline);
+    let grid = if needs_grid {
+        Some(grid_input(&sources.grid))
+    } else {
+        None
+    };
+    let mut files = Vec::new();
+    let mut failures = Vec::new();
+    for &fig in which {
+        let out = match (fig, &grid) {
+            (FigureId::FaultTimeline, _) => {
+                load_fault(&sources.fault).and_then(|f| render_one(fig, Input::Fault(&f), out_dir))
+            }
+            (_, Some(Ok(g))) => render_one(fig, Input::Grid(g), out_dir),
+            (_, Some(Err(e))) => Err(anyhow::anyhow!("{e:#}")),
+            (_, None) => unreachable!("the grid is loaded whenever a grid figure is asked for"),
+        };
+        match out {
+            Ok(mut written) => files.append(&mut written),
+            Err(e) => failures.push(format!("{fig}: {e:#}")),
+        }
+    }
+    if !failures.is_empty() {
+        bail!(
+            "{} of {} figures not drawn:\n  {}\n(written: {})",
+            failures.len(),
+            which.len(),
+            failures.join("\n  "),
+            if files.is_empty() {
+                "nothing".to_string()
+            } else {
+                files
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        );
+    }
+    Ok(files)
+}
+
+fn grid_input(dir: &Path) -> Result<GridInput> {
+    if !dir.is_dir() {
+        bail!(
+            "figures 1–5 need a grid sweep: {} does not exist (looked for {} beside it)",
+            dir.display(),
+            GRID_SWEEPS.join(", ")
+        );
+    }
+    load_grid(dir)
+}
+
+/// What one figure is drawn from.
+#[derive(Debug, Clone, Copy)]
+pub enum Input<'a> {
+    /// A loaded grid sweep (figures 1–5).
+    Grid(&'a GridInput),
+    /// A loaded fault sweep (figure 6).
+    Fault(&'a FaultInput),
+}
+
+/// Draws one figure from an already loaded input and writes its three files into `out_dir`
+/// (which must exist). Returns the files written.
+pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec<PathBuf>> {
+    let base = out_dir.join(fig.stem());
+    let png = base.with_extension("png");
+    let svg = base.with_extension("svg");
+    let csv = base.with_extension("csv");
+    let table = match (fig, input) {
+        (FigureId::FaultTimeline, Input::Fault(f)) => {
+            let d = data::timeline(f)?;
+            draw::render_files(
+                &draw::TimelineFigure {
+                    data: &d,
+                    ctx: &f.context,
+                },
+                &png,
+                &svg,
+            )?;
+            d.table()
+        }
+        (FigureId::FaultTimeline, Input::Grid(_)) => {
+            bail!("{fig} is drawn from a fault sweep, not a grid sweep")
+        }
+        (_, Input::Fault(_)) => bail!("{fig} is drawn from a grid sweep, not a fault sweep"),
+        (fig, Input::Grid(g)) => {
+            let (r, ctx) = (&g.report, &g.context);
+            match fig {
+                FigureId::PressureMap => {
+                    let d = data::pressure(r)?;
+                    draw::render_files(&draw::PressureFigure { data: &d, ctx }, &png, &svg)?;
+                    d.table()
+                }
+                FigureId::WinnersMap => {
+                    let d = data::winners(r)?;
+                    draw::render_files(&draw::WinnersFigure { data: &d, ctx }, &png, &svg)?;
+                    d.table()
+                }
+                FigureId::Mechanism => {
+                    let d = data::mechanism(r)?;
+                    draw::render_files(&draw::MechanismFigure { data: &d, ctx }, &png, &svg)?;
+                    d.table()
+                }
+                FigureId::KnowledgeLadder => {
+                    let d = data::ladder(r)?;
+                    draw::render_files(&draw::LadderFigure { data: &d, ctx }, &png, &svg)?;
+                    d.table()
+                }
+                FigureId::Belief => {
+                    let d = data::belief(r)?;
+                    draw::render_files(&draw::BeliefFigure { data: &d, ctx }, &png, &svg)?;
+                    d.table()
+                }
+                FigureId::FaultTimeline => unreachable!("matched above"),
+            }
+        }
+    };
+    write_atomic(&csv, table.to_csv()?.as_bytes())?;
+    Ok(vec![png, svg, csv])
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("csv.tmp");
+    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}

@@ -1,1 +1,39 @@
-//! placeholder
+//! `proxy`: kvroute's router service — the sole ingress in front of N OpenAI-compatible replicas.
+//!
+//! It accepts `POST /v1/completions` and `POST /v1/chat/completions` (streamed or not), renders
+//! each prompt into block keys (DESIGN.md §3.1), asks a [`policies::Policy`] for a replica under
+//! one short lock that also takes the replica's load, forwards the client's bytes unchanged, and
+//! streams the response back frame by frame. One row per request goes to `router.csv` off the
+//! request path. Exact residency consumes each replica's KV event stream (vLLM's ZMQ format).
+//!
+//! Module map:
+//! - [`server`]: [`Router`] (start, address, graceful shutdown), [`run_blocking`] (the binary's
+//!   main loop), health checks, KV subscriber start-up.
+//! - [`service`]: the HTTP handler — LLM endpoints, retries, `/v1/models`, `/health`, `/metrics`,
+//!   admin API, OpenAI-style errors.
+//! - [`state`]: replica table, policy lock, RAII load guards.
+//! - [`body`]: the streaming response body (usage scan, mid-stream failure, row completion).
+//! - [`request`]: body parsing, canonical rendering, `/tokenize` bodies.
+//! - [`usage`]: usage parsing in passing (SSE and JSON).
+//! - [`events`]: KV event decoding (both encodings), sequence-gap detection, replay, subscriber.
+//! - [`rows`]: `router.csv` writer thread.
+//! - [`metrics`]: Prometheus counters and the overhead histogram.
+//! - [`upstream`]: the pooled client, the router clock, the self-timing request body.
+//! - [`config`]: [`RouterConfig`], [`ReplicaSpec`], config-file parsing.
+
+#![forbid(unsafe_code)]
+
+pub mod body;
+pub mod config;
+pub mod events;
+pub mod metrics;
+pub mod request;
+pub mod rows;
+pub mod server;
+pub mod service;
+pub mod state;
+pub mod upstream;
+pub mod usage;
+
+pub use config::{ReplicaSpec, RouterConfig, load_replicas_file};
+pub use server::{Router, RouterError, run_blocking};

@@ -1,1 +1,48 @@
-//! placeholder
+//! Deterministic multi-turn chat workloads for kvroute.
+//!
+//! A [`Plan`] holds conversations (a context prefix, scripted user turns and scripted assistant
+//! replies, so no turn depends on what an engine generated), sized against the fleet's KV
+//! capacity, plus an arrival schedule (closed loop or open loop) drawn with a bounded
+//! [`Zipf`] over conversations. Plans serialize with bincode so the identical plan is replayed
+//! for every policy; [`Plan::name`] is derived from the parameters and
+//! [`Plan::fingerprint`] hashes the plan's bytes.
+//!
+//! Pure: no I/O, no clock, no async.
+
+pub mod plan;
+pub mod spec;
+pub mod text;
+pub mod zipf;
+
+pub use plan::{
+    Arrival, Conversation, Message, PLAN_FORMAT, Plan, Role, Schedule, Step, closed_request_id,
+    open_request_id, prefix_lengths,
+};
+pub use spec::{ArrivalSpec, Sizing, WorkloadSpec};
+pub use zipf::Zipf;
+
+/// Why a workload could not be built, encoded or decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkloadError {
+    /// A parameter is out of range; the message names it.
+    InvalidSpec(String),
+    /// Serialization failed.
+    Encode(String),
+    /// The bytes are not a valid plan.
+    Decode(String),
+    /// A conversation or turn index outside the plan.
+    OutOfRange(String),
+}
+
+impl std::fmt::Display for WorkloadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WorkloadError::InvalidSpec(m) => write!(f, "invalid workload: {m}"),
+            WorkloadError::Encode(m) => write!(f, "cannot encode plan: {m}"),
+            WorkloadError::Decode(m) => write!(f, "not a valid plan: {m}"),
+            WorkloadError::OutOfRange(m) => write!(f, "out of range: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for WorkloadError {}

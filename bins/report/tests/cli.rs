@@ -1,0 +1,88 @@
+//! The `report` binary on the analysis fixtures: output matches the analysis crate's goldens,
+//! refusals and malformed rows give their documented exit statuses and messages.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/analysis")
+}
+
+/// A scratch directory removed on drop, even when the test fails.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir =
+            std::env::temp_dir().join(format!("kvroute-report-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn report(sweep: &Path, out: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_report"))
+        .arg(sweep)
+        .arg("--json")
+        .arg(out.join("report.json"))
+        .arg("--markdown")
+        .arg(out.join("report.md"))
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn prints_markdown_and_writes_json() {
+    let tmp = Scratch::new("basic");
+    let out = report(&fixtures().join("sweep-basic"), &tmp.0);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let golden_md =
+        std::fs::read_to_string(fixtures().join("golden/sweep-basic.report.md")).unwrap();
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), golden_md);
+    assert_eq!(
+        std::fs::read_to_string(tmp.0.join("report.md")).unwrap(),
+        golden_md
+    );
+    let golden_json =
+        std::fs::read_to_string(fixtures().join("golden/sweep-basic.report.json")).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(tmp.0.join("report.json")).unwrap(),
+        golden_json
+    );
+}
+
+#[test]
+fn refused_points_exit_3_and_are_named() {
+    let tmp = Scratch::new("incomparable");
+    let out = report(&fixtures().join("sweep-incomparable"), &tmp.0);
+    assert_eq!(out.status.code(), Some(3));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("`pf-1111`") && err.contains("`pf-2222`"),
+        "{err}"
+    );
+    // the comparable point is still reported
+    assert!(String::from_utf8_lossy(&out.stdout).contains("## Point `p0`"));
+    assert!(tmp.0.join("report.json").exists());
+}
+
+#[test]
+fn malformed_rows_exit_1_with_path_and_line() {
+    let tmp = Scratch::new("malformed");
+    let out = report(&fixtures().join("sweep-malformed"), &tmp.0);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rep-1/client.csv:3: truncated"), "{err}");
+    assert!(!tmp.0.join("report.json").exists());
+}

@@ -1,0 +1,354 @@
+//! Renders a [`Report`] as Markdown: one table per point, then mechanism, belief, overhead, the
+//! adaptive-router test, and everything that was not analysed or should be read with care.
+
+use std::fmt::Write;
+
+use crate::compare::Margin;
+use crate::metrics::DecayBucket;
+use crate::report::{Cell, PREFIX_AFFINITY, Point, Report, SESSION_AFFINITY};
+use crate::stats::Spread;
+
+const DASH: &str = "—";
+
+fn num(v: Option<f64>, decimals: usize) -> String {
+    v.map_or_else(|| DASH.to_string(), |x| format!("{x:.decimals$}"))
+}
+
+fn pct(v: Option<f64>) -> String {
+    v.map_or_else(|| DASH.to_string(), |x| format!("{:.1}%", x * 100.0))
+}
+
+fn spread(s: &Option<Spread>, decimals: usize) -> String {
+    match s {
+        Some(s) => format!(
+            "{:.d$} [{:.d$}–{:.d$}]",
+            s.median,
+            s.min,
+            s.max,
+            d = decimals
+        ),
+        None => DASH.to_string(),
+    }
+}
+
+fn median(s: &Option<Spread>) -> Option<f64> {
+    s.map(|s| s.median)
+}
+
+fn margin_cell(m: Option<&Margin>) -> String {
+    match m {
+        Some(m) => format!(
+            "{:+.3} ({}) {}",
+            m.margin_rps,
+            m.relative
+                .map_or_else(|| DASH.to_string(), |r| format!("{:+.1}%", r * 100.0)),
+            m.verdict.as_str()
+        ),
+        None => DASH.to_string(),
+    }
+}
+
+fn pair(a: Option<f64>, b: Option<f64>, f: fn(Option<f64>) -> String) -> String {
+    format!("{} / {}", f(a), f(b))
+}
+
+fn band(b: &DecayBucket) -> String {
+    match b.upper_s {
+        Some(u) => format!("{}–{} s", b.lower_s, u),
+        None => format!("≥ {} s", b.lower_s),
+    }
+}
+
+fn point_table(out: &mut String, p: &Point) {
+    let _ = writeln!(out, "## Point `{}`\n", p.point);
+    let _ = writeln!(
+        out,
+        "Workload `{}` · plan `{}` · SLO: TTFT < {} ms, ITL p50 < {} ms\n",
+        p.workload_name, p.plan_fingerprint, p.slo.ttft_ms, p.slo.itl_ms
+    );
+    out.push_str(
+        "| policy | reps | goodput req/s median [min–max] | vs session-affinity | vs prefix-affinity | TTFT p50 ms | hit rate | busiest share | spill rate | overhead p50 / p99 µs |\n",
+    );
+    out.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
+    for c in &p.cells {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
+            c.policy,
+            c.reps_used.len(),
+            spread(&c.goodput_rps, 3),
+            margin_cell(p.margin(&c.policy, SESSION_AFFINITY)),
+            margin_cell(p.margin(&c.policy, PREFIX_AFFINITY)),
+            num(median(&c.ttft_p50_ms), 1),
+            pct(median(&c.mechanism.all.prefix_hit_rate)),
+            pct(median(&c.mechanism.all.busiest_share)),
+            pct(median(&c.mechanism.all.spill_rate)),
+            num(median(&c.overhead_p50_us), 0),
+            num(median(&c.overhead_p99_us), 0),
+        );
+    }
+    out.push('\n');
+    match (&p.winner, &p.runner_up, p.winner_verdict) {
+        (Some(w), Some(r), Some(v)) => {
+            let _ = writeln!(
+                out,
+                "**Winner:** {} ({:.3} req/s); runner-up {} ({:.3} req/s); the difference {}.\n",
+                w.policy,
+                w.goodput_median_rps,
+                r.policy,
+                r.goodput_median_rps,
+                match v {
+                    crate::compare::Verdict::Separates => "separates",
+                    crate::compare::Verdict::WithinSpread => "is within spread",
+                    crate::compare::Verdict::TooFewReps => "rests on too few reps to judge",
+                }
+            );
+        }
+        (Some(w), _, _) => {
+            let _ = writeln!(
+                out,
+                "**Winner:** {} ({:.3} req/s); no runner-up.\n",
+                w.policy, w.goodput_median_rps
+            );
+        }
+        _ => out.push_str("No policy has goodput at this point.\n\n"),
+    }
+    for c in &p.cells {
+        notes(out, c);
+    }
+    let skipped: Vec<String> = p
+        .cells
+        .iter()
+        .flat_map(|c| {
+            c.drift
+                .iter()
+                .filter(|d| d.verdict.skipped.is_some())
+                .map(move |d| format!("{}/rep-{}", c.policy, d.rep))
+        })
+        .collect();
+    if let Some(any) = p.cells.iter().flat_map(|c| &c.drift).next()
+        && !skipped.is_empty()
+    {
+        let _ = writeln!(
+            out,
+            "Drift check not run on {} (fewer than {} measured requests each).\n",
+            skipped.join(", "),
+            any.verdict.config.min_requests
+        );
+    }
+}
+
+fn notes(out: &mut String, c: &Cell) {
+    for s in &c.set_aside {
+        let _ = writeln!(
+            out,
+            "- {}: rep-{} set aside ({}); the figures rest on {} repetition(s).",
+            c.policy,
+            s.rep,
+            s.reason,
+            c.reps_used.len()
+        );
+    }
+    let mut noted = !c.set_aside.is_empty();
+    for d in c.drift.iter().filter(|d| d.verdict.warming) {
+        noted = true;
+        let _ = writeln!(
+            out,
+            "- {}: rep-{} is flagged `warming` by this report's drift check ({}) but was accepted by the sweep.",
+            c.policy,
+            d.rep,
+            d.verdict.reason.as_deref().unwrap_or("")
+        );
+    }
+    if noted {
+        out.push('\n');
+    }
+}
+
+fn mechanism_table(out: &mut String, p: &Point) {
+    let _ = writeln!(
+        out,
+        "### Mechanism by turn, `{}` (first / later turns)\n",
+        p.point
+    );
+    out.push_str("| policy | hit rate | new tokens per request | busiest share | spill rate | replicas per hot conversation (all) |\n");
+    out.push_str("|---|---|---|---|---|---|\n");
+    for c in &p.cells {
+        let (f, l) = (&c.mechanism.first_turn, &c.mechanism.later_turns);
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} |",
+            c.policy,
+            pair(median(&f.prefix_hit_rate), median(&l.prefix_hit_rate), pct),
+            pair(
+                median(&f.new_tokens_per_request),
+                median(&l.new_tokens_per_request),
+                |v| num(v, 0)
+            ),
+            pair(median(&f.busiest_share), median(&l.busiest_share), pct),
+            pair(median(&f.spill_rate), median(&l.spill_rate), pct),
+            num(median(&c.mechanism.all.replicas_per_hot_conversation), 2),
+        );
+    }
+    out.push('\n');
+}
+
+fn belief_tables(out: &mut String, p: &Point) {
+    let cells: Vec<&Cell> = p
+        .cells
+        .iter()
+        .filter(|c| c.divergence.compared > 0)
+        .collect();
+    if cells.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "### Belief divergence, `{}` (predicted vs engine-cached tokens; over and under never netted)\n",
+        p.point
+    );
+    out.push_str("| policy | compared | exact | over: requests | over: tokens total / mean | under: requests | under: tokens total / mean | honoured share | implied TTL s | implied node cap |\n");
+    out.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
+    for c in &cells {
+        let d = &c.divergence;
+        let ttl = match c.implied.ttl_s {
+            Some(t) if c.implied.ttl_is_lower_bound => format!("≥ {t}"),
+            Some(t) => format!("{t}"),
+            None => DASH.to_string(),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} / {} | {} | {} / {} | {} | {} | {} |",
+            c.policy,
+            d.compared,
+            d.exact,
+            d.over.count,
+            d.over.tokens_total,
+            num(d.over.tokens_mean, 1),
+            d.under.count,
+            d.under.tokens_total,
+            num(d.under.tokens_mean, 1),
+            pct(c.implied.honoured_share),
+            ttl,
+            c.implied
+                .node_cap
+                .map_or_else(|| DASH.to_string(), |n| n.to_string()),
+        );
+    }
+    out.push('\n');
+    let _ = writeln!(
+        out,
+        "### Belief decay, `{}` (honoured share of predicted tokens by time since the session was last served; requests in brackets)\n",
+        p.point
+    );
+    let mut header = String::from("| since last served |");
+    let mut rule = String::from("|---|");
+    for c in &cells {
+        let _ = write!(header, " {} |", c.policy);
+        rule.push_str("---|");
+    }
+    let _ = writeln!(out, "{header}\n{rule}");
+    let cellf = |b: &DecayBucket| format!("{} ({})", pct(b.honoured_share), b.requests);
+    let mut row = String::from("| never (first request) |");
+    for c in &cells {
+        let _ = write!(row, " {} |", cellf(&c.decay.unseen));
+    }
+    let _ = writeln!(out, "{row}");
+    let bands = cells[0].decay.by_gap.len();
+    for i in 0..bands {
+        if cells.iter().all(|c| c.decay.by_gap[i].requests == 0) {
+            continue;
+        }
+        let mut row = format!("| {} |", band(&cells[0].decay.by_gap[i]));
+        for c in &cells {
+            let _ = write!(row, " {} |", cellf(&c.decay.by_gap[i]));
+        }
+        let _ = writeln!(out, "{row}");
+    }
+    out.push('\n');
+}
+
+fn summary(out: &mut String, report: &Report) {
+    if report.points.is_empty() {
+        return;
+    }
+    out.push_str("## Summary\n\n");
+    out.push_str("| point | winner | runner-up | winner vs runner-up | prefix-affinity vs session-affinity |\n");
+    out.push_str("|---|---|---|---|---|\n");
+    for p in &report.points {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} |",
+            p.point,
+            p.winner.as_ref().map_or(DASH, |w| w.policy.as_str()),
+            p.runner_up.as_ref().map_or(DASH, |w| w.policy.as_str()),
+            p.winner_verdict.map_or(DASH, |v| v.as_str()),
+            margin_cell(p.margin(PREFIX_AFFINITY, SESSION_AFFINITY)),
+        );
+    }
+    out.push('\n');
+}
+
+/// The report as Markdown.
+pub fn render(report: &Report) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# Sweep `{}`\n", report.sweep);
+    let _ = writeln!(
+        out,
+        "Goodput = requests meeting the SLO (TTFT and per-request ITL p50 below their bounds, no error) sent in the measured window ÷ window length. Each figure is the median of repetitions with [min–max]; two policies *separate* when their ranges do not overlap, otherwise the difference is *within spread* (*too few reps* when either side rests on fewer than two repetitions).\n"
+    );
+    summary(&mut out, report);
+    for p in &report.points {
+        point_table(&mut out, p);
+        mechanism_table(&mut out, p);
+        belief_tables(&mut out, p);
+    }
+    if !report.overhead_by_policy.is_empty() {
+        out.push_str("## Router overhead per policy (all measured requests)\n\n");
+        out.push_str("| policy | requests | overhead p50 µs | overhead p99 µs | decide p50 ns | decide p99 ns | tokenize p50 ms |\n");
+        out.push_str("|---|---|---|---|---|---|---|\n");
+        for o in &report.overhead_by_policy {
+            let v = &o.overhead;
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                o.policy,
+                v.requests,
+                num(v.overhead_p50_us, 0),
+                num(v.overhead_p99_us, 0),
+                num(v.decide_p50_ns, 0),
+                num(v.decide_p99_ns, 0),
+                num(v.tokenize_p50_ms, 1)
+            );
+        }
+        out.push('\n');
+    }
+    out.push_str("## Adaptive-router test\n\n");
+    let _ = writeln!(out, "{}\n", report.adaptive_router_test.statement);
+    if !report.refused.is_empty() {
+        out.push_str("## Refused points (not comparable, not tabulated)\n\n");
+        for r in &report.refused {
+            let _ = writeln!(out, "- {r}");
+        }
+        out.push('\n');
+    }
+    if !report.incomplete.is_empty() {
+        out.push_str("## Incomplete repetitions (not analysed)\n\n");
+        for i in &report.incomplete {
+            let _ = writeln!(
+                out,
+                "- `{}/{}/rep-{}`: {}",
+                i.point, i.policy, i.rep, i.reason
+            );
+        }
+        out.push('\n');
+    }
+    if !report.warnings.is_empty() {
+        out.push_str("## Warnings\n\n");
+        for w in &report.warnings {
+            let _ = writeln!(out, "- {w}");
+        }
+        out.push('\n');
+    }
+    out
+}

@@ -1,0 +1,597 @@
+//! The sweep report: per point, per policy, the median of repetitions with its range, margins and
+//! verdicts, winner and runner-up, mechanism, belief divergence and decay, implied TTL and node
+//! cap; across the sweep, router overhead per policy and the adaptive-router test. This is the
+//! structure `report.json` serialises (schema in the crate README).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::compare::{Margin, Refusal, Verdict, check_comparable, margin};
+use crate::drift::{DriftConfig, DriftVerdict, check_rows};
+use crate::error::Result;
+use crate::load::{IncompleteRep, RepData, SweepData, discover, load_point};
+use crate::meta::Slo;
+use crate::metrics::{
+    Decay, Divergence, Implied, Mechanism, MetricsConfig, Overhead, OverheadSamples, RepMetrics,
+    Request, Split, decay, divergence, implied, measured_requests, rep_metrics,
+};
+use crate::stats::Spread;
+
+/// Version of the `report.json` layout; bumped on any incompatible change.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Policy names in the order tables list them (CONTRACTS.md); unknown names follow, sorted.
+pub const POLICY_ORDER: &[&str] = &[
+    "round-robin",
+    "least-outstanding",
+    "session-affinity",
+    "session-bounded",
+    "prefix-hash",
+    "prefix-affinity",
+    "prefix-affinity-spill-off",
+    "exact-residency",
+    "exact-residency-spec",
+];
+
+/// The session-affinity baseline.
+pub const SESSION_AFFINITY: &str = "session-affinity";
+/// The prefix-affinity baseline (and the adaptive-router test's reference).
+pub const PREFIX_AFFINITY: &str = "prefix-affinity";
+
+fn policy_rank(name: &str) -> (usize, String) {
+    (
+        POLICY_ORDER
+            .iter()
+            .position(|p| *p == name)
+            .unwrap_or(POLICY_ORDER.len()),
+        name.to_string(),
+    )
+}
+
+/// Knobs of the report.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ReportConfig {
+    /// Metric knobs.
+    pub metrics: MetricsConfig,
+    /// Drift thresholds.
+    pub drift: DriftConfig,
+}
+
+/// A repetition the sweep set aside, with its reason.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SetAside {
+    /// `k` of `rep-<k>`.
+    pub rep: u32,
+    /// Reason from meta.json.
+    pub reason: String,
+}
+
+/// The report's own drift check on a used repetition.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RepDrift {
+    /// `k` of `rep-<k>`.
+    pub rep: u32,
+    /// The check's outcome.
+    pub verdict: DriftVerdict,
+}
+
+/// Median-with-range of each mechanism figure.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MechanismSpread {
+    /// Engine prefix-hit rate.
+    pub prefix_hit_rate: Option<Spread>,
+    /// Prompt tokens computed per request.
+    pub new_tokens_per_request: Option<Spread>,
+    /// Busiest replica's share of requests.
+    pub busiest_share: Option<Spread>,
+    /// Spill fire rate.
+    pub spill_rate: Option<Spread>,
+    /// Replicas per hot conversation.
+    pub replicas_per_hot_conversation: Option<Spread>,
+}
+
+fn spread_of<T>(reps: &[T], f: impl Fn(&T) -> Option<f64>) -> Option<Spread> {
+    let v: Vec<f64> = reps.iter().filter_map(f).collect();
+    Spread::of(&v)
+}
+
+fn mechanism_spread(ms: &[&Mechanism]) -> MechanismSpread {
+    MechanismSpread {
+        prefix_hit_rate: spread_of(ms, |m| m.prefix_hit_rate),
+        new_tokens_per_request: spread_of(ms, |m| m.new_tokens_per_request),
+        busiest_share: spread_of(ms, |m| m.busiest_share),
+        spill_rate: spread_of(ms, |m| m.spill_rate),
+        replicas_per_hot_conversation: spread_of(ms, |m| m.replicas_per_hot_conversation),
+    }
+}
+
+/// One policy at one point: its used repetitions summarised.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Cell {
+    /// Policy name.
+    pub policy: String,
+    /// Repetitions the figures rest on.
+    pub reps_used: Vec<u32>,
+    /// Repetitions the sweep set aside (`accepted: false`).
+    pub set_aside: Vec<SetAside>,
+    /// This report's drift check on each used repetition (the sweep's own check decided
+    /// `accepted`; a `warming` verdict here on an accepted rep is worth a look).
+    pub drift: Vec<RepDrift>,
+    /// Goodput, req/s.
+    pub goodput_rps: Option<Spread>,
+    /// Share of measured requests meeting the SLO.
+    pub slo_attainment: Option<Spread>,
+    /// TTFT p50, ms.
+    pub ttft_p50_ms: Option<Spread>,
+    /// TTFT p99, ms.
+    pub ttft_p99_ms: Option<Spread>,
+    /// Median per-request ITL p50, ms.
+    pub itl_p50_ms: Option<Spread>,
+    /// Mechanism, all / first turns / later turns.
+    pub mechanism: Split<MechanismSpread>,
+    /// Router overhead p50, µs.
+    pub overhead_p50_us: Option<Spread>,
+    /// Router overhead p99, µs.
+    pub overhead_p99_us: Option<Spread>,
+    /// Belief divergence over the used repetitions' requests pooled.
+    pub divergence: Divergence,
+    /// Belief decay over the used repetitions' requests pooled.
+    pub decay: Decay,
+    /// TTL and node cap implied by the pooled honoured belief.
+    pub implied: Implied,
+    /// Each used repetition in full.
+    pub reps: Vec<RepMetrics>,
+}
+
+/// A policy's rank at a point.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Ranked {
+    /// Policy name.
+    pub policy: String,
+    /// Its median goodput, req/s.
+    pub goodput_median_rps: f64,
+}
+
+/// The grid axes a point name carries (`ws<ratio>-s<skew>[-suffix]`, as the sweep names points);
+/// `None` where the name does not follow that form.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PointAxes {
+    /// Working set ÷ fleet KV capacity.
+    pub working_set_ratio: Option<f64>,
+    /// Zipf exponent over conversations.
+    pub zipf_s: Option<f64>,
+}
+
+/// Reads the axes from a point name such as `ws0.25-s1.4` or `ws1-s0-rate2`.
+pub fn point_axes(name: &str) -> PointAxes {
+    let mut parts = name.split('-');
+    let ws = parts
+        .next()
+        .and_then(|p| p.strip_prefix("ws"))
+        .and_then(|v| v.parse().ok());
+    let skew = ws
+        .and(parts.next())
+        .and_then(|p| p.strip_prefix('s'))
+        .and_then(|v| v.parse().ok());
+    PointAxes {
+        working_set_ratio: ws,
+        zipf_s: skew,
+    }
+}
+
+/// All policies at one grid point.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Point {
+    /// Point directory name.
+    pub point: String,
+    /// Axes parsed from the name (for maps over working set × skew).
+    pub axes: PointAxes,
+    /// The workload every cell sent.
+    pub workload_name: String,
+    /// The arrival plan every cell sent.
+    pub plan_fingerprint: String,
+    /// The SLO goodput is measured against (of the first cell; differences are warned about).
+    pub slo: Slo,
+    /// Cells in policy order.
+    pub cells: Vec<Cell>,
+    /// Every ordered pair of policies with goodput.
+    pub margins: Vec<Margin>,
+    /// Highest median goodput.
+    pub winner: Option<Ranked>,
+    /// Second highest.
+    pub runner_up: Option<Ranked>,
+    /// Winner vs runner-up.
+    pub winner_verdict: Option<Verdict>,
+}
+
+impl Point {
+    /// The margin of `policy` over `baseline`, when both have goodput here.
+    pub fn margin(&self, policy: &str, baseline: &str) -> Option<&Margin> {
+        self.margins
+            .iter()
+            .find(|m| m.policy == policy && m.baseline == baseline)
+    }
+}
+
+/// Router overhead of one policy over the whole sweep (measured requests pooled).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyOverhead {
+    /// Policy name.
+    pub policy: String,
+    /// Its overhead.
+    pub overhead: Overhead,
+}
+
+/// A policy that beats prefix-affinity beyond the spread at some point.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Beat {
+    /// The point.
+    pub point: String,
+    /// The margin (policy over prefix-affinity, verdict `separates`).
+    pub margin: Margin,
+}
+
+/// Would a router that picks its policy per load point beat always using prefix-affinity?
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdaptiveTest {
+    /// The reference policy.
+    pub baseline: String,
+    /// Points where prefix-affinity was measured and compared.
+    pub points_tested: Vec<String>,
+    /// Where some policy beats it beyond the spread.
+    pub beats: Vec<Beat>,
+    /// The finding in one sentence (including the null result).
+    pub statement: String,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    /// [`SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// Sweep directory name.
+    pub sweep: String,
+    /// Knobs used.
+    pub config: ReportConfig,
+    /// Tabulated points, sorted by name.
+    pub points: Vec<Point>,
+    /// Points not tabulated because their cells are not comparable.
+    pub refused: Vec<Refusal>,
+    /// Repetition directories without a complete meta.json (never analysed).
+    pub incomplete: Vec<IncompleteRep>,
+    /// Router overhead per policy across the sweep.
+    pub overhead_by_policy: Vec<PolicyOverhead>,
+    /// The adaptive-router test.
+    pub adaptive_router_test: AdaptiveTest,
+    /// Things a reader should know (mixed SLOs, unjoined rows, meta/dir mismatches).
+    pub warnings: Vec<String>,
+}
+
+fn build_cell(policy: &str, reps: &[&RepData], cfg: &ReportConfig) -> (Cell, OverheadSamples) {
+    let mut set_aside = Vec::new();
+    let mut used: Vec<&RepData> = Vec::new();
+    for r in reps {
+        if r.meta.accepted == Some(false) {
+            set_aside.push(SetAside {
+                rep: r.rep,
+                reason: r
+                    .meta
+                    .set_aside_reason
+                    .clone()
+                    .unwrap_or_else(|| "set aside (no reason recorded)".into()),
+            });
+        } else {
+            used.push(r);
+        }
+    }
+    let mut metrics = Vec::new();
+    let mut pooled: Vec<Request<'_>> = Vec::new();
+    let mut drift = Vec::new();
+    let mut capacity = None;
+    for r in &used {
+        let reqs = measured_requests(r, &r.meta.slo);
+        metrics.push(rep_metrics(r, &reqs, &cfg.metrics));
+        drift.push(RepDrift {
+            rep: r.rep,
+            verdict: check_rows(&r.client, &r.meta.slo, &r.meta.window, &cfg.drift),
+        });
+        capacity = capacity.or(r.meta.capacity_tokens());
+        pooled.extend(reqs);
+    }
+    let mech = |f: fn(&Split<Mechanism>) -> &Mechanism| {
+        let ms: Vec<&Mechanism> = metrics.iter().map(|m| f(&m.mechanism)).collect();
+        mechanism_spread(&ms)
+    };
+    let dec = decay(&pooled, &cfg.metrics.decay_edges_s);
+    let imp = implied(&dec, capacity, &cfg.metrics);
+    let mut samples = OverheadSamples::default();
+    pooled
+        .iter()
+        .filter_map(|r| r.router)
+        .for_each(|r| samples.add(r));
+    let cell = Cell {
+        policy: policy.to_string(),
+        reps_used: used.iter().map(|r| r.rep).collect(),
+        set_aside,
+        drift,
+        goodput_rps: spread_of(&metrics, |m| Some(m.goodput_rps)),
+        slo_attainment: spread_of(&metrics, |m| m.latency.slo_attainment),
+        ttft_p50_ms: spread_of(&metrics, |m| m.latency.ttft_p50_ms),
+        ttft_p99_ms: spread_of(&metrics, |m| m.latency.ttft_p99_ms),
+        itl_p50_ms: spread_of(&metrics, |m| m.latency.itl_p50_ms),
+        mechanism: Split {
+            all: mech(|s| &s.all),
+            first_turn: mech(|s| &s.first_turn),
+            later_turns: mech(|s| &s.later_turns),
+        },
+        overhead_p50_us: spread_of(&metrics, |m| m.overhead.overhead_p50_us),
+        overhead_p99_us: spread_of(&metrics, |m| m.overhead.overhead_p99_us),
+        divergence: divergence(&pooled),
+        decay: dec,
+        implied: imp,
+        reps: metrics,
+    };
+    (cell, samples)
+}
+
+fn build_point(
+    point: &str,
+    reps: &[&RepData],
+    cfg: &ReportConfig,
+    warnings: &mut Vec<String>,
+) -> (Point, Vec<(String, OverheadSamples)>) {
+    let mut by_policy: BTreeMap<(usize, String), Vec<&RepData>> = BTreeMap::new();
+    for r in reps {
+        by_policy.entry(policy_rank(&r.policy)).or_default().push(r);
+    }
+    let first = reps[0];
+    for r in reps {
+        if r.meta.slo != first.meta.slo {
+            warnings.push(format!(
+                "point `{point}`: {}/rep-{} has SLO {:?}, {}/rep-{} has {:?}",
+                r.policy, r.rep, r.meta.slo, first.policy, first.rep, first.meta.slo
+            ));
+        }
+    }
+    let (cells, samples): (Vec<Cell>, Vec<OverheadSamples>) = by_policy
+        .iter()
+        .map(|((_, policy), reps)| build_cell(policy, reps, cfg))
+        .unzip();
+    let samples = cells
+        .iter()
+        .map(|c| c.policy.clone())
+        .zip(samples)
+        .collect();
+    let with_goodput: Vec<(&str, Spread)> = cells
+        .iter()
+        .filter_map(|c| c.goodput_rps.map(|g| (c.policy.as_str(), g)))
+        .collect();
+    let mut margins = Vec::new();
+    for (a, ga) in &with_goodput {
+        for (b, gb) in &with_goodput {
+            if a != b {
+                margins.push(margin(a, ga, b, gb));
+            }
+        }
+    }
+    let mut ranked = with_goodput.clone();
+    // Highest median first; equal medians fall back to table order, so the result is stable.
+    ranked.sort_by(|a, b| b.1.median.total_cmp(&a.1.median));
+    let rank = |i: usize| {
+        ranked.get(i).map(|(p, g)| Ranked {
+            policy: p.to_string(),
+            goodput_median_rps: g.median,
+        })
+    };
+    let winner_verdict = match (ranked.first(), ranked.get(1)) {
+        (Some(a), Some(b)) => Some(Verdict::between(&a.1, &b.1)),
+        _ => None,
+    };
+    let point = Point {
+        point: point.to_string(),
+        axes: point_axes(point),
+        workload_name: first.meta.workload_name.clone(),
+        plan_fingerprint: first.meta.plan_fingerprint.clone(),
+        slo: first.meta.slo,
+        winner: rank(0),
+        runner_up: rank(1),
+        winner_verdict,
+        cells,
+        margins,
+    };
+    (point, samples)
+}
+
+fn adaptive_test(points: &[Point]) -> AdaptiveTest {
+    let mut tested = Vec::new();
+    let mut beats = Vec::new();
+    for p in points {
+        if !p
+            .cells
+            .iter()
+            .any(|c| c.policy == PREFIX_AFFINITY && c.goodput_rps.is_some())
+        {
+            continue;
+        }
+        tested.push(p.point.clone());
+        for m in p.margins.iter().filter(|m| m.baseline == PREFIX_AFFINITY) {
+            if m.margin_rps > 0.0 && m.verdict == Verdict::Separates {
+                beats.push(Beat {
+                    point: p.point.clone(),
+                    margin: m.clone(),
+                });
+            }
+        }
+    }
+    let statement = if tested.is_empty() {
+        "Not tested: no point has prefix-affinity measured.".to_string()
+    } else if beats.is_empty() {
+        format!(
+            "Null result: at none of the {} points tested does any policy beat prefix-affinity beyond the spread of repetitions, so a router that switches policy by load point would gain nothing measurable here.",
+            tested.len()
+        )
+    } else {
+        let list: Vec<String> = beats
+            .iter()
+            .map(|b| {
+                format!(
+                    "{} at `{}` (+{:.3} req/s)",
+                    b.margin.policy, b.point, b.margin.margin_rps
+                )
+            })
+            .collect();
+        format!(
+            "At {} of {} points tested some policy beats prefix-affinity beyond the spread: {}. An adaptive router could gain there.",
+            beats
+                .iter()
+                .map(|b| &b.point)
+                .collect::<std::collections::BTreeSet<_>>()
+                .len(),
+            tested.len(),
+            list.join(", ")
+        )
+    };
+    AdaptiveTest {
+        baseline: PREFIX_AFFINITY.to_string(),
+        points_tested: tested,
+        beats,
+        statement,
+    }
+}
+
+/// Accumulates points one at a time, so a sweep need not be in memory all at once.
+struct Builder<'c> {
+    cfg: &'c ReportConfig,
+    points: Vec<Point>,
+    refused: Vec<Refusal>,
+    warnings: Vec<String>,
+    overhead: BTreeMap<(usize, String), OverheadSamples>,
+}
+
+impl<'c> Builder<'c> {
+    fn new(cfg: &'c ReportConfig) -> Self {
+        Builder {
+            cfg,
+            points: Vec::new(),
+            refused: Vec::new(),
+            warnings: Vec::new(),
+            overhead: BTreeMap::new(),
+        }
+    }
+
+    fn add_point(&mut self, point: &str, reps: &[&RepData]) {
+        if reps.is_empty() {
+            return;
+        }
+        for r in reps {
+            let id = format!("{}/{}/rep-{}", r.point, r.policy, r.rep);
+            if let Some(p) = r.meta.point.as_deref().filter(|p| *p != r.point) {
+                self.warnings.push(format!(
+                    "{id}: meta.json names point `{p}`; the directory name is used"
+                ));
+            }
+            if let Some(p) = r.meta.policy.as_deref().filter(|p| *p != r.policy) {
+                self.warnings.push(format!(
+                    "{id}: meta.json names policy `{p}`; the directory name is used"
+                ));
+            }
+        }
+        if let Err(refusal) = check_comparable(point, reps) {
+            self.refused.push(refusal);
+            return;
+        }
+        let (p, samples) = build_point(point, reps, self.cfg, &mut self.warnings);
+        for c in &p.cells {
+            for m in c.reps.iter().filter(|m| m.unjoined_requests > 0) {
+                self.warnings.push(format!(
+                    "{}/{}/rep-{}: {} measured requests have no router row",
+                    p.point, c.policy, m.rep, m.unjoined_requests
+                ));
+            }
+        }
+        for (policy, s) in samples {
+            let acc = self.overhead.entry(policy_rank(&policy)).or_default();
+            acc.extend(&s);
+        }
+        self.points.push(p);
+    }
+
+    fn finish(self, sweep: String, incomplete: Vec<IncompleteRep>) -> Report {
+        let overhead_by_policy = self
+            .overhead
+            .into_iter()
+            .filter(|(_, s)| !s.is_empty())
+            .map(|((_, policy), s)| PolicyOverhead {
+                policy,
+                overhead: s.summary(),
+            })
+            .collect();
+        Report {
+            schema_version: SCHEMA_VERSION,
+            sweep,
+            config: self.cfg.clone(),
+            adaptive_router_test: adaptive_test(&self.points),
+            points: self.points,
+            refused: self.refused,
+            incomplete,
+            overhead_by_policy,
+            warnings: self.warnings,
+        }
+    }
+}
+
+/// Analyses loaded sweep data. Points whose cells are not comparable are listed in `refused`
+/// and not tabulated.
+pub fn analyze(sweep: &SweepData, cfg: &ReportConfig) -> Report {
+    let mut by_point: BTreeMap<&str, Vec<&RepData>> = BTreeMap::new();
+    for r in &sweep.reps {
+        by_point.entry(r.point.as_str()).or_default().push(r);
+    }
+    let mut b = Builder::new(cfg);
+    for (point, reps) in &by_point {
+        b.add_point(point, reps);
+    }
+    b.finish(sweep.sweep.clone(), sweep.incomplete.clone())
+}
+
+/// Loads and analyses a sweep directory one point at a time (only one point's rows are held in
+/// memory), with the same result as [`analyze`] over [`load_sweep`].
+pub fn analyze_dir(dir: &Path, cfg: &ReportConfig) -> Result<Report> {
+    let (sweep, points) = discover(dir)?;
+    let mut b = Builder::new(cfg);
+    let mut incomplete = Vec::new();
+    for dirs in &points {
+        let (reps, inc) = load_point(dirs)?;
+        incomplete.extend(inc);
+        let refs: Vec<&RepData> = reps.iter().collect();
+        b.add_point(&dirs.point, &refs);
+    }
+    Ok(b.finish(sweep, incomplete))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn point_axes_follow_the_sweep_names() {
+        let a = point_axes("ws0.25-s1.4");
+        assert_eq!((a.working_set_ratio, a.zipf_s), (Some(0.25), Some(1.4)));
+        let b = point_axes("ws1-s0-rate2");
+        assert_eq!((b.working_set_ratio, b.zipf_s), (Some(1.0), Some(0.0)));
+        let c = point_axes("frozen");
+        assert_eq!((c.working_set_ratio, c.zipf_s), (None, None));
+    }
+
+    #[test]
+    fn streaming_and_in_memory_analysis_agree() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/analysis/sweep-basic");
+        let cfg = ReportConfig::default();
+        let streamed = analyze_dir(&dir, &cfg).unwrap();
+        let in_memory = analyze(&crate::load::load_sweep(&dir).unwrap(), &cfg);
+        assert_eq!(streamed, in_memory);
+    }
+}

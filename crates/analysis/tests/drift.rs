@@ -1,0 +1,149 @@
+//! The drift check flags a synthetic cell still warming and passes steady ones.
+
+mod common;
+
+use analysis::{ClientRow, DriftConfig, Slo, Window, check_rep_dir, check_rows};
+
+const SLO: Slo = Slo {
+    ttft_ms: 990.0,
+    itl_ms: 24.0,
+};
+const WINDOW: Window = Window {
+    warmup_s: 10.0,
+    measured_start_s: 10.0,
+    measured_end_s: 110.0,
+};
+
+/// Deterministic noise in [-1, 1) (xorshift64*, fixed seed): no RNG crate, same on every machine.
+struct Noise(u64);
+impl Noise {
+    fn next(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let x = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11;
+        x as f64 / (1u64 << 52) as f64 - 1.0
+    }
+}
+
+fn row(i: usize, sent_s: f64, ttft_ms: f64, warmup: bool) -> ClientRow {
+    ClientRow {
+        request_id: format!("r{i}"),
+        session_id: Some(format!("s{}", i % 16)),
+        turn: (i / 16) as u32,
+        scheduled_s: Some(sent_s),
+        sent_s: Some(sent_s),
+        first_token_s: Some(sent_s + ttft_ms / 1000.0),
+        last_s: Some(sent_s + ttft_ms / 1000.0 + 1.0),
+        ttft_ms: Some(ttft_ms),
+        itl_p50_ms: Some(8.0),
+        tpot_ms: Some(8.0),
+        e2el_ms: Some(ttft_ms + 1000.0),
+        prompt_tokens: Some(1100),
+        output_tokens: Some(128),
+        cached_tokens: Some(0),
+        status: 200,
+        error: None,
+        warmup,
+        send_lag_ms: Some(0.0),
+        chunks: Some(128),
+    }
+}
+
+/// 4 requests a second across warm-up and the 100 s window; `ttft(t)` gives the TTFT at
+/// window-relative time t (s).
+fn cell(ttft: impl Fn(f64) -> f64, seed: u64, noise_ms: f64) -> Vec<ClientRow> {
+    let mut noise = Noise(seed);
+    (0..440)
+        .map(|i| {
+            let sent = i as f64 * 0.25;
+            let t = sent - WINDOW.measured_start_s;
+            row(
+                i,
+                sent,
+                ttft(t) + noise_ms * noise.next(),
+                sent < WINDOW.warmup_s,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_warming_cell_is_flagged() {
+    // The cache fills during the first half of the window: TTFT falls from 1.6 s to 0.4 s, so
+    // early requests miss the SLO and goodput climbs.
+    let rows = cell(|t| (1600.0 - 24.0 * t).max(400.0), 7, 80.0);
+    let v = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
+    assert!(v.warming, "{v:?}");
+    let g = v.goodput.as_ref().unwrap();
+    assert!(g.flagged && g.slope_per_s > 0.0, "{g:?}");
+    let t = v.ttft.as_ref().unwrap();
+    assert!(t.flagged && t.slope_per_s < 0.0, "{t:?}");
+    assert!(t.t_stat.unwrap() < -3.0);
+    let reason = v.reason.unwrap();
+    assert!(
+        reason.contains("goodput trends up") && reason.contains("TTFT trends down"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn a_steady_cell_passes() {
+    let rows = cell(|_| 400.0, 11, 120.0);
+    let v = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
+    assert!(!v.warming, "{v:?}");
+    assert_eq!(v.reason, None);
+    assert_eq!(v.skipped, None);
+    let t = v.ttft.unwrap();
+    assert_eq!(t.n, 400);
+    assert!(!t.flagged && t.t_stat.unwrap().abs() < 3.0, "{t:?}");
+    assert!(!v.goodput.unwrap().flagged);
+}
+
+#[test]
+fn a_steady_cell_with_failures_passes() {
+    // A tenth of the requests miss the TTFT bound at random: goodput is noisy but flat.
+    let mut coin = Noise(3);
+    let rows = cell(|_| 400.0, 5, 50.0)
+        .into_iter()
+        .map(|mut r| {
+            if coin.next() > 0.8 {
+                r.ttft_ms = Some(1200.0);
+            }
+            r
+        })
+        .collect::<Vec<_>>();
+    let v = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
+    assert!(!v.warming, "{v:?}");
+}
+
+#[test]
+fn a_real_but_small_trend_is_not_flagged() {
+    // TTFT rises 5% across the window with little noise: the slope is real (|t| ≫ 3) but below
+    // the 10% that matters.
+    let rows = cell(|t| 400.0 + 0.2 * t, 13, 5.0);
+    let v = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
+    let t = v.ttft.as_ref().unwrap();
+    assert!(t.t_stat.unwrap() > 3.0, "{t:?}");
+    assert!(t.relative_change.unwrap() < 0.10);
+    assert!(!v.warming);
+    // a stricter threshold catches it
+    let strict = DriftConfig {
+        min_relative_change: 0.02,
+        ..DriftConfig::default()
+    };
+    assert!(check_rows(&rows, &SLO, &WINDOW, &strict).warming);
+}
+
+#[test]
+fn too_few_requests_skip_the_check() {
+    let dir = common::fixtures().join("sweep-basic/ws1-s0/prefix-affinity/rep-1");
+    let window = Window {
+        warmup_s: 2.0,
+        measured_start_s: 2.0,
+        measured_end_s: 6.0,
+    };
+    let v = check_rep_dir(&dir, &SLO, &window, &DriftConfig::default()).unwrap();
+    assert!(!v.warming);
+    assert!(v.skipped.unwrap().starts_with("9 measured requests"));
+}

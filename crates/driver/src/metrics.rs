@@ -1,0 +1,117 @@
+//! Per-request latency metrics from chunk arrival times (pure).
+//!
+//! Definitions (DESIGN.md §3.6):
+//! - TTFT = first content chunk − send.
+//! - ITL p50 = median over the request's gaps between consecutive content chunks, each gap
+//!   divided by the tokens that chunk carried (1 when the server did not say); an even count
+//!   takes the mean of the two middle values.
+//! - TPOT = (last content chunk − first content chunk) ÷ (output tokens − 1).
+//! - E2E = end of the response (or the failure) − send.
+
+use std::time::Duration;
+
+/// One content chunk: when it arrived and how many tokens it carried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkMark {
+    /// Arrival, since the driver's clock start.
+    pub at: Duration,
+    /// Tokens in the chunk (≥ 1).
+    pub tokens: u32,
+}
+
+/// Derived per-request latencies, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Latencies {
+    /// Time to first content token.
+    pub ttft_ms: Option<f64>,
+    /// Median per-token inter-chunk gap.
+    pub itl_p50_ms: Option<f64>,
+    /// Mean time per output token after the first.
+    pub tpot_ms: Option<f64>,
+    /// Send to end of response.
+    pub e2el_ms: Option<f64>,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Median of `values` (sorted in place); `None` when empty.
+pub fn median(values: &mut [f64]) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    Some(if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    })
+}
+
+/// Computes the latencies of one request.
+///
+/// `output_tokens` is the server's count when it sent one, else the sum of chunk tokens.
+pub fn latencies(
+    sent: Duration,
+    chunks: &[ChunkMark],
+    end: Option<Duration>,
+    output_tokens: Option<u64>,
+) -> Latencies {
+    let first = chunks.first().map(|c| c.at);
+    let last = chunks.last().map(|c| c.at);
+    let mut gaps: Vec<f64> = chunks
+        .windows(2)
+        .map(|w| ms(w[1].at.saturating_sub(w[0].at)) / f64::from(w[1].tokens.max(1)))
+        .collect();
+    let tpot_ms = match (first, last, output_tokens) {
+        (Some(f), Some(l), Some(n)) if n > 1 => Some(ms(l.saturating_sub(f)) / (n - 1) as f64),
+        _ => None,
+    };
+    Latencies {
+        ttft_ms: first.map(|f| ms(f.saturating_sub(sent))),
+        itl_p50_ms: median(&mut gaps),
+        tpot_ms,
+        e2el_ms: end.map(|e| ms(e.saturating_sub(sent))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at_ms(v: u64, tokens: u32) -> ChunkMark {
+        ChunkMark {
+            at: Duration::from_millis(v),
+            tokens,
+        }
+    }
+
+    #[test]
+    fn exact_values() {
+        let chunks = [at_ms(110, 1), at_ms(120, 1), at_ms(150, 3), at_ms(158, 1)];
+        let l = latencies(
+            Duration::from_millis(10),
+            &chunks,
+            Some(Duration::from_millis(160)),
+            Some(6),
+        );
+        assert_eq!(l.ttft_ms, Some(100.0));
+        // Gaps per token: 10, 30/3 = 10, 8 → median 10.
+        assert_eq!(l.itl_p50_ms, Some(10.0));
+        assert_eq!(l.tpot_ms, Some(48.0 / 5.0));
+        assert_eq!(l.e2el_ms, Some(150.0));
+    }
+
+    #[test]
+    fn even_count_median_and_single_chunk() {
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), Some(2.5));
+        assert_eq!(median(&mut []), None);
+        let l = latencies(Duration::ZERO, &[at_ms(5, 1)], None, Some(1));
+        assert_eq!(l.ttft_ms, Some(5.0));
+        assert_eq!(l.itl_p50_ms, None);
+        assert_eq!(l.tpot_ms, None);
+        assert_eq!(l.e2el_ms, None);
+    }
+}

@@ -1,0 +1,648 @@
+//! Closed-loop and open-loop runs of a plan: scheduling, rows, progress, summary.
+//!
+//! Both drivers honour "one turn of a conversation in flight at a time":
+//! - closed loop: each user follows its script; before sending, it takes the conversation's
+//!   turn lock, so when two users drew the same conversation the later one waits for the
+//!   earlier turn to finish (the wait shows in `send_lag_ms`);
+//! - open loop: the arrivals are grouped per conversation and each conversation's arrivals are
+//!   sent by one task, in order: an arrival is sent at its scheduled time, or as soon as the
+//!   conversation's previous turn completes if that is later. Gaps are never rescaled; lateness
+//!   is recorded per row as `send_lag_ms`.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use workload::{Plan, Schedule, closed_request_id, open_request_id};
+
+use crate::DriverError;
+use crate::client::{ChatRequest, Outcome, Requester, chat_body};
+use crate::metrics::{latencies, median};
+use crate::rows::{ClientRow, RowWriter};
+
+/// When to draw the progress line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProgressMode {
+    /// Only when stderr is a terminal.
+    #[default]
+    Auto,
+    /// Never.
+    Off,
+    /// Always (even into a file).
+    On,
+}
+
+/// How to run a plan.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// Base URL of the server (router, replica or vLLM), e.g. `http://127.0.0.1:8000`.
+    pub url: String,
+    /// Where `client.csv` goes (rows stream into `<out>.partial` until the run ends).
+    pub out: PathBuf,
+    /// Model name; `None` = the first id of `GET /v1/models`.
+    pub model: Option<String>,
+    /// Requests sent before this many seconds are flagged `warmup = 1`.
+    pub warmup_s: f64,
+    /// A request not finished this many seconds after it was sent fails with `timeout`.
+    pub timeout_s: f64,
+    /// Stop sending new requests after this many seconds (in-flight ones finish).
+    pub duration_s: Option<f64>,
+    /// Check the server with `GET /v1/models` before starting (clear error when unreachable).
+    pub preflight: bool,
+    /// Progress line on stderr.
+    pub progress: ProgressMode,
+}
+
+impl RunConfig {
+    /// Defaults: no warm-up, 600 s request timeout, no duration cap, preflight on, progress on
+    /// a terminal.
+    pub fn new(url: impl Into<String>, out: impl Into<PathBuf>) -> Self {
+        Self {
+            url: url.into(),
+            out: out.into(),
+            model: None,
+            warmup_s: 0.0,
+            timeout_s: 600.0,
+            duration_s: None,
+            preflight: true,
+            progress: ProgressMode::Auto,
+        }
+    }
+
+    fn validate(&self) -> Result<(), DriverError> {
+        let bad = |m: String| Err(DriverError::Config(m));
+        if !self.warmup_s.is_finite() || self.warmup_s < 0.0 {
+            return bad(format!("warm-up must be >= 0 s, got {}", self.warmup_s));
+        }
+        if !self.timeout_s.is_finite() || self.timeout_s <= 0.0 {
+            return bad(format!("timeout must be > 0 s, got {}", self.timeout_s));
+        }
+        if let Some(d) = self.duration_s
+            && (!d.is_finite() || d <= 0.0)
+        {
+            return bad(format!("duration must be > 0 s, got {d}"));
+        }
+        if !self.preflight && self.model.is_none() {
+            return bad("a model name is required when the preflight is off".into());
+        }
+        Ok(())
+    }
+}
+
+/// p50 / p90 / p99 of a metric, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Quantiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+impl Quantiles {
+    /// Nearest-rank quantiles; `None` when there are no values.
+    pub fn of(values: &mut [f64]) -> Option<Self> {
+        if values.is_empty() {
+            return None;
+        }
+        let p50 = median(values).unwrap_or(0.0);
+        let q = |p: f64| {
+            let rank = (p * values.len() as f64).ceil() as usize;
+            values[rank.clamp(1, values.len()) - 1]
+        };
+        Some(Self {
+            p50,
+            p90: q(0.90),
+            p99: q(0.99),
+        })
+    }
+}
+
+/// What a run did, for the summary table and for the sweep's bookkeeping.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RunSummary {
+    /// `closed` or `open`.
+    pub mode: String,
+    /// The model requested.
+    pub model: String,
+    /// [`Plan::name`].
+    pub plan_name: String,
+    /// [`Plan::fingerprint_hex`].
+    pub plan_fingerprint: String,
+    /// The final `client.csv`.
+    pub out: PathBuf,
+    /// Rows written (requests sent or attempted).
+    pub requests: u64,
+    /// Planned requests never sent (duration cap reached).
+    pub not_sent: u64,
+    /// Rows without error.
+    pub ok: u64,
+    /// Rows with an error.
+    pub errors: u64,
+    /// Errors per kind (`connect`, `timeout`, `http`, `stream`, `sse`, `upstream`).
+    pub errors_by_kind: BTreeMap<String, u64>,
+    /// Rows flagged warm-up.
+    pub warmup_requests: u64,
+    /// Clock start to the last response, seconds.
+    pub elapsed_s: f64,
+    /// End of warm-up to the last response, seconds.
+    pub measured_s: f64,
+    /// Successful measured requests per second of the measured window.
+    pub throughput_rps: f64,
+    /// TTFT over successful measured requests.
+    pub ttft_ms: Option<Quantiles>,
+    /// Per-request ITL p50, distribution over successful measured requests.
+    pub itl_p50_ms: Option<Quantiles>,
+    /// End-to-end latency over successful measured requests.
+    pub e2el_ms: Option<Quantiles>,
+    /// Send lag over all rows.
+    pub send_lag_ms: Option<Quantiles>,
+    /// Output tokens over all rows.
+    pub output_tokens: u64,
+    /// Content chunks over all rows.
+    pub chunks: u64,
+}
+
+impl std::fmt::Display for RunSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "plan      {} ({})",
+            self.plan_name, self.plan_fingerprint
+        )?;
+        writeln!(f, "mode      {}   model {}", self.mode, self.model)?;
+        writeln!(
+            f,
+            "requests  {} sent, {} ok, {} errors, {} warm-up, {} not sent",
+            self.requests, self.ok, self.errors, self.warmup_requests, self.not_sent
+        )?;
+        if !self.errors_by_kind.is_empty() {
+            let kinds: Vec<String> = self
+                .errors_by_kind
+                .iter()
+                .map(|(k, n)| format!("{k} {n}"))
+                .collect();
+            writeln!(f, "errors    {}", kinds.join(", "))?;
+        }
+        writeln!(
+            f,
+            "window    {:.1} s elapsed, {:.1} s measured, {:.2} ok req/s, {} chunks, {} output tokens",
+            self.elapsed_s, self.measured_s, self.throughput_rps, self.chunks, self.output_tokens
+        )?;
+        writeln!(
+            f,
+            "{:<14}{:>10}{:>10}{:>10}",
+            "metric (ms)", "p50", "p90", "p99"
+        )?;
+        for (name, q) in [
+            ("ttft", self.ttft_ms),
+            ("itl p50", self.itl_p50_ms),
+            ("e2el", self.e2el_ms),
+            ("send lag", self.send_lag_ms),
+        ] {
+            match q {
+                Some(q) => writeln!(f, "{name:<14}{:>10.2}{:>10.2}{:>10.2}", q.p50, q.p90, q.p99)?,
+                None => writeln!(f, "{name:<14}{:>10}{:>10}{:>10}", "-", "-", "-")?,
+            }
+        }
+        write!(f, "rows      {}", self.out.display())
+    }
+}
+
+/// Live counters behind the progress line and the summary.
+struct Sink {
+    writer: Option<RowWriter>,
+    write_error: Option<DriverError>,
+    done: u64,
+    errors: u64,
+    errors_by_kind: BTreeMap<String, u64>,
+    warmup: u64,
+    last_end: Duration,
+    ttft: Vec<f64>,
+    itl: Vec<f64>,
+    e2el: Vec<f64>,
+    lag: Vec<f64>,
+    /// Every TTFT so far (measured or not) for the progress line.
+    progress_ttft: hdrhistogram::Histogram<u64>,
+    output_tokens: u64,
+    chunks: u64,
+}
+
+impl Sink {
+    fn record(&mut self, row: &ClientRow, end: Duration) {
+        if self.write_error.is_none()
+            && let Some(w) = self.writer.as_mut()
+            && let Err(e) = w.write(row)
+        {
+            self.write_error = Some(e);
+        }
+        self.done += 1;
+        self.last_end = self.last_end.max(end);
+        self.output_tokens += row.output_tokens.unwrap_or(0);
+        self.chunks += u64::from(row.chunks);
+        if let Some(l) = row.send_lag_ms {
+            self.lag.push(l);
+        }
+        if row.warmup == 1 {
+            self.warmup += 1;
+        }
+        if !row.is_ok() {
+            self.errors += 1;
+            *self
+                .errors_by_kind
+                .entry(row.error_kind().to_owned())
+                .or_default() += 1;
+            return;
+        }
+        if let Some(t) = row.ttft_ms {
+            self.progress_ttft.saturating_record((t * 1e3) as u64);
+        }
+        if row.warmup == 0 {
+            self.ttft.extend(row.ttft_ms);
+            self.itl.extend(row.itl_p50_ms);
+            self.e2el.extend(row.e2el_ms);
+        }
+    }
+}
+
+/// What every task shares.
+struct Shared {
+    plan: Arc<Plan>,
+    requester: Requester,
+    model: String,
+    warmup: Duration,
+    stop_at: Option<Duration>,
+    sink: Mutex<Sink>,
+}
+
+impl Shared {
+    fn stopped(&self, scheduled: Duration) -> bool {
+        self.stop_at.is_some_and(|s| scheduled >= s)
+    }
+
+    /// Sends one planned request and records its row.
+    async fn fire(&self, request_id: &str, conversation: u32, turn: u32, scheduled: Duration) {
+        let session_id = self.plan.session_id(conversation);
+        let body = match self.plan.messages(conversation, turn) {
+            Ok(m) => chat_body(&self.model, &m, self.plan.spec.output_tokens),
+            Err(e) => {
+                // Plans are checked on load, so this is a bug, but it still becomes a row.
+                let outcome = Outcome {
+                    sent: self.requester.clock_start().elapsed(),
+                    error: Some(format!("http: {e}")),
+                    ..Outcome::default()
+                };
+                self.record(request_id, &session_id, turn, scheduled, &outcome);
+                return;
+            }
+        };
+        let req = ChatRequest {
+            request_id,
+            session_id: &session_id,
+            body,
+        };
+        let outcome = self.requester.send(&req).await;
+        self.record(request_id, &session_id, turn, scheduled, &outcome);
+    }
+
+    fn record(
+        &self,
+        request_id: &str,
+        session_id: &str,
+        turn: u32,
+        scheduled: Duration,
+        o: &Outcome,
+    ) {
+        let output_tokens = o.output_tokens();
+        let lat = latencies(o.sent, &o.chunks, o.end, output_tokens);
+        let s = |d: Duration| d.as_secs_f64();
+        let row = ClientRow {
+            request_id: request_id.to_owned(),
+            session_id: session_id.to_owned(),
+            turn,
+            scheduled_s: Some(s(scheduled)),
+            sent_s: Some(s(o.sent)),
+            first_token_s: o.chunks.first().map(|c| s(c.at)),
+            last_s: o.chunks.last().map(|c| s(c.at)),
+            ttft_ms: lat.ttft_ms,
+            itl_p50_ms: lat.itl_p50_ms,
+            tpot_ms: lat.tpot_ms,
+            e2el_ms: lat.e2el_ms,
+            prompt_tokens: o.usage.prompt_tokens,
+            output_tokens,
+            cached_tokens: o.usage.cached_tokens,
+            status: o.status,
+            error: o.error.clone().unwrap_or_default(),
+            warmup: u8::from(o.sent < self.warmup),
+            send_lag_ms: Some(o.sent.saturating_sub(scheduled).as_secs_f64() * 1e3),
+            chunks: u32::try_from(o.chunks.len()).unwrap_or(u32::MAX),
+        };
+        let end = o.end.unwrap_or(o.sent);
+        // A poisoned lock means another task panicked; its JoinError is reported instead.
+        if let Ok(mut sink) = self.sink.lock() {
+            sink.record(&row, end);
+        }
+    }
+}
+
+/// Runs a plan with the driver its schedule calls for.
+pub async fn run(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, DriverError> {
+    match plan.schedule {
+        Schedule::Closed { .. } => run_closed(plan, cfg).await,
+        Schedule::Open { .. } => run_open(plan, cfg).await,
+    }
+}
+
+/// [`run`] on a fresh single-threaded runtime (one core, as the benchmark measured).
+pub fn run_blocking(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, DriverError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| DriverError::Io(format!("cannot start the runtime: {e}")))?;
+    rt.block_on(run(plan, cfg))
+}
+
+/// Runs a closed-loop plan; writes `cfg.out`.
+pub async fn run_closed(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, DriverError> {
+    let Schedule::Closed { users } = &plan.schedule else {
+        return Err(DriverError::Config(
+            "this plan is open-loop; run it with `driver open`".into(),
+        ));
+    };
+    let shared = prepare(plan, cfg).await?;
+    let total = plan.request_count() as u64;
+    let turn_locks: Arc<Vec<tokio::sync::Mutex<()>>> = Arc::new(
+        (0..plan.conversations.len())
+            .map(|_| tokio::sync::Mutex::new(()))
+            .collect(),
+    );
+    let start = shared.requester.clock_start();
+    let progress = spawn_progress(&shared, cfg, total, None);
+    let mut tasks = Vec::with_capacity(users.len());
+    for (u, script) in users.iter().enumerate() {
+        let shared = shared.clone();
+        let locks = turn_locks.clone();
+        let script = script.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut ready = start;
+            let mut sent = 0u64;
+            for (k, step) in script.iter().enumerate() {
+                let scheduled_at = ready + Duration::from_micros(step.think_us);
+                let scheduled = scheduled_at - start;
+                if shared.stopped(scheduled) {
+                    break;
+                }
+                tokio::time::sleep_until(scheduled_at.into()).await;
+                let Some(lock) = locks.get(step.conversation as usize) else {
+                    break;
+                };
+                let _turn = lock.lock().await;
+                let id = closed_request_id(u, k);
+                shared
+                    .fire(&id, step.conversation, step.turn, scheduled)
+                    .await;
+                sent += 1;
+                ready = Instant::now();
+            }
+            sent
+        }));
+    }
+    finish(shared, tasks, progress, total, "closed").await
+}
+
+/// Runs an open-loop plan; writes `cfg.out`.
+pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, DriverError> {
+    let Schedule::Open { arrivals } = &plan.schedule else {
+        return Err(DriverError::Config(
+            "this plan is closed-loop; run it with `driver closed`".into(),
+        ));
+    };
+    let shared = prepare(plan, cfg).await?;
+    let total = arrivals.len() as u64;
+    let mut per_conversation: Vec<Vec<(usize, u64, u32)>> =
+        vec![Vec::new(); plan.conversations.len()];
+    for (i, a) in arrivals.iter().enumerate() {
+        if let Some(list) = per_conversation.get_mut(a.conversation as usize) {
+            list.push((i, a.at_us, a.turn));
+        }
+    }
+    let plan_end = Duration::from_micros(arrivals.last().map_or(0, |a| a.at_us));
+    let start = shared.requester.clock_start();
+    let progress = spawn_progress(&shared, cfg, total, Some(plan_end));
+    let mut tasks = Vec::new();
+    for (c, list) in per_conversation.into_iter().enumerate() {
+        if list.is_empty() {
+            continue;
+        }
+        let shared = shared.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut sent = 0u64;
+            for (i, at_us, turn) in list {
+                let scheduled = Duration::from_micros(at_us);
+                if shared.stopped(scheduled) {
+                    break;
+                }
+                tokio::time::sleep_until((start + scheduled).into()).await;
+                shared
+                    .fire(&open_request_id(i), c as u32, turn, scheduled)
+                    .await;
+                sent += 1;
+            }
+            sent
+        }));
+    }
+    finish(shared, tasks, progress, total, "open").await
+}
+
+async fn prepare(plan: &Plan, cfg: &RunConfig) -> Result<Arc<Shared>, DriverError> {
+    cfg.validate()?;
+    plan.check().map_err(|e| DriverError::Plan(e.to_string()))?;
+    // The clock starts after the preflight so that plan time 0 is when sending may begin.
+    let probe = Requester::new(
+        &cfg.url,
+        Instant::now(),
+        Duration::from_secs_f64(cfg.timeout_s),
+    )?;
+    let model = match (&cfg.model, cfg.preflight) {
+        (Some(m), false) => m.clone(),
+        (Some(m), true) => {
+            probe.models().await?;
+            m.clone()
+        }
+        (None, _) => probe
+            .models()
+            .await?
+            .into_iter()
+            .next()
+            .ok_or_else(|| DriverError::Config("the server lists no model".into()))?,
+    };
+    let writer = RowWriter::create(&cfg.out)?;
+    let start = Instant::now();
+    let requester = Requester::new(&cfg.url, start, Duration::from_secs_f64(cfg.timeout_s))?;
+    Ok(Arc::new(Shared {
+        plan: Arc::new(plan.clone()),
+        requester,
+        model,
+        warmup: Duration::from_secs_f64(cfg.warmup_s),
+        stop_at: cfg.duration_s.map(Duration::from_secs_f64),
+        sink: Mutex::new(Sink {
+            writer: Some(writer),
+            write_error: None,
+            done: 0,
+            errors: 0,
+            errors_by_kind: BTreeMap::new(),
+            warmup: 0,
+            last_end: Duration::ZERO,
+            ttft: Vec::new(),
+            itl: Vec::new(),
+            e2el: Vec::new(),
+            lag: Vec::new(),
+            // Microseconds up to an hour; `saturating_record` clamps rather than resizes.
+            progress_ttft: hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 3)
+                .map_err(|e| DriverError::Io(e.to_string()))?,
+            output_tokens: 0,
+            chunks: 0,
+        }),
+    }))
+}
+
+type ProgressTask = Option<(
+    tokio::task::JoinHandle<()>,
+    tokio::sync::oneshot::Sender<()>,
+)>;
+
+fn spawn_progress(
+    shared: &Arc<Shared>,
+    cfg: &RunConfig,
+    total: u64,
+    plan_end: Option<Duration>,
+) -> ProgressTask {
+    let on = match cfg.progress {
+        ProgressMode::Auto => std::io::stderr().is_terminal(),
+        ProgressMode::On => true,
+        ProgressMode::Off => false,
+    };
+    if !on {
+        return None;
+    }
+    let shared = shared.clone();
+    let (tx, mut rx) = tokio::sync::oneshot::channel();
+    let handle = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = &mut rx => break,
+                _ = tick.tick() => {}
+            }
+            let elapsed = shared.requester.clock_start().elapsed();
+            let line = match shared.sink.lock() {
+                Ok(s) => progress_line(&s, total, elapsed, plan_end),
+                Err(_) => break,
+            };
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[2K{line}");
+            let _ = err.flush();
+        }
+        let _ = writeln!(std::io::stderr());
+    });
+    Some((handle, tx))
+}
+
+fn progress_line(s: &Sink, total: u64, elapsed: Duration, plan_end: Option<Duration>) -> String {
+    let secs = elapsed.as_secs_f64().max(1e-3);
+    let rate = s.done as f64 / secs;
+    let eta_s = match plan_end {
+        Some(end) => end.as_secs_f64() - secs,
+        None if rate > 0.0 => total.saturating_sub(s.done) as f64 / rate,
+        None => f64::NAN,
+    };
+    let ttft = if s.progress_ttft.is_empty() {
+        "-".to_owned()
+    } else {
+        format!(
+            "{:.1} ms",
+            s.progress_ttft.value_at_quantile(0.5) as f64 / 1e3
+        )
+    };
+    let eta = if eta_s.is_finite() {
+        format!("{:.0} s", eta_s.max(0.0))
+    } else {
+        "-".to_owned()
+    };
+    format!(
+        "{}/{} done  {rate:.1} req/s  {} errors  TTFT p50 {ttft}  ETA {eta}",
+        s.done, total, s.errors
+    )
+}
+
+async fn finish(
+    shared: Arc<Shared>,
+    tasks: Vec<tokio::task::JoinHandle<u64>>,
+    progress: ProgressTask,
+    total: u64,
+    mode: &str,
+) -> Result<RunSummary, DriverError> {
+    let mut sent = 0u64;
+    let mut panicked = None;
+    for t in tasks {
+        match t.await {
+            Ok(n) => sent += n,
+            Err(e) => panicked = Some(e.to_string()),
+        }
+    }
+    if let Some((handle, stop)) = progress {
+        let _ = stop.send(());
+        let _ = handle.await;
+    }
+    if let Some(p) = panicked {
+        return Err(DriverError::Io(format!("a driver task failed: {p}")));
+    }
+    let plan_fingerprint = shared
+        .plan
+        .fingerprint_hex()
+        .map_err(|e| DriverError::Plan(e.to_string()))?;
+    let mut sink = shared
+        .sink
+        .lock()
+        .map_err(|_| DriverError::Io("row sink poisoned".into()))?;
+    if let Some(e) = sink.write_error.take() {
+        return Err(e);
+    }
+    let writer = sink
+        .writer
+        .take()
+        .ok_or_else(|| DriverError::Io("rows already finished".into()))?;
+    let out = writer.finish()?;
+    let elapsed_s = sink.last_end.as_secs_f64();
+    let measured_s = (elapsed_s - shared.warmup.as_secs_f64()).max(0.0);
+    let measured_ok = sink.ttft.len().max(sink.e2el.len()) as u64;
+    Ok(RunSummary {
+        mode: mode.to_owned(),
+        model: shared.model.clone(),
+        plan_name: shared.plan.name(),
+        plan_fingerprint,
+        out,
+        requests: sink.done,
+        not_sent: total.saturating_sub(sent),
+        ok: sink.done - sink.errors,
+        errors: sink.errors,
+        errors_by_kind: sink.errors_by_kind.clone(),
+        warmup_requests: sink.warmup,
+        elapsed_s,
+        measured_s,
+        throughput_rps: if measured_s > 0.0 {
+            measured_ok as f64 / measured_s
+        } else {
+            0.0
+        },
+        ttft_ms: Quantiles::of(&mut sink.ttft),
+        itl_p50_ms: Quantiles::of(&mut sink.itl),
+        e2el_ms: Quantiles::of(&mut sink.e2el),
+        send_lag_ms: Quantiles::of(&mut sink.lag),
+        output_tokens: sink.output_tokens,
+        chunks: sink.chunks,
+    })
+}

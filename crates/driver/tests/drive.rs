@@ -1,0 +1,405 @@
+//! Drivers against the scripted local server: timings, rows, errors, schedules.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use driver::testserver::{MODEL, Reply, ScriptUsage, ScriptedServer, StreamScript};
+use driver::{ClientRow, DriverError, ProgressMode, RunConfig, read_rows, run_closed, run_open};
+use workload::{ArrivalSpec, Plan, Schedule, Sizing, WorkloadSpec};
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+/// A per-test output directory under the target dir, removed first.
+fn out_dir(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("driver-{name}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn small_spec(conversations: u32) -> WorkloadSpec {
+    WorkloadSpec {
+        sizing: Sizing::Conversations(conversations),
+        prefix_tokens: 64,
+        user_tokens: 16,
+        output_tokens: 8,
+        turns: 3,
+        ..WorkloadSpec::default()
+    }
+}
+
+fn closed_plan(conversations: u32, users: u32, think_mean_s: f64, requests_per_user: u32) -> Plan {
+    Plan::build(
+        &small_spec(conversations),
+        &ArrivalSpec::Closed {
+            users,
+            think_mean_s,
+            requests_per_user,
+        },
+    )
+    .unwrap()
+}
+
+fn config(url: String, out: PathBuf) -> RunConfig {
+    RunConfig {
+        progress: ProgressMode::Off,
+        timeout_s: 10.0,
+        ..RunConfig::new(url, out)
+    }
+}
+
+fn near(a: f64, b: f64, tol: f64) -> bool {
+    (a - b).abs() <= tol
+}
+
+/// Row values derived from the row's own timestamps must match exactly (up to the 6-decimal
+/// rounding of `_s` columns: 1 µs each).
+fn assert_consistent(r: &ClientRow) {
+    let sent = r.sent_s.unwrap();
+    let first = r.first_token_s.unwrap();
+    let last = r.last_s.unwrap();
+    assert!(
+        near(r.ttft_ms.unwrap(), (first - sent) * 1e3, 0.003),
+        "{r:?}"
+    );
+    let out = r.output_tokens.unwrap() as f64;
+    assert!(
+        near(
+            r.tpot_ms.unwrap(),
+            (last - first) * 1e3 / (out - 1.0),
+            0.003
+        ),
+        "{r:?}"
+    );
+    assert!(r.e2el_ms.unwrap() >= (last - sent) * 1e3 - 0.003, "{r:?}");
+    assert!(near(
+        r.send_lag_ms.unwrap(),
+        (sent - r.scheduled_s.unwrap()) * 1e3,
+        0.003
+    ));
+}
+
+#[tokio::test]
+async fn ttft_and_itl_follow_the_scripted_chunks() {
+    // Chunks carry 1, 4, 4, 4, 1 tokens, 40 ms apart except the last (10 ms): every per-token
+    // gap is 10 ms, so the ITL p50 is 10 ms only if each gap is divided by its chunk's tokens.
+    let script = StreamScript {
+        first_token_delay: ms(60),
+        gaps: vec![ms(40), ms(40), ms(40), ms(10)],
+        chunk_tokens: Some(vec![1, 4, 4, 4, 1]),
+        usage: Some(ScriptUsage {
+            prompt_tokens: 100,
+            completion_tokens: 14,
+            cached_tokens: Some(48),
+        }),
+        error_event: None,
+        done: true,
+        stamp_content: None,
+    };
+    let server = ScriptedServer::start(move |_| Reply::Stream(script.clone()))
+        .await
+        .unwrap();
+    let plan = closed_plan(2, 1, 0.0, 2);
+    let dir = out_dir("timings");
+    let out = dir.join("client.csv");
+    let summary = run_closed(&plan, &config(server.url(), out.clone()))
+        .await
+        .unwrap();
+    assert_eq!(summary.model, MODEL);
+    assert_eq!((summary.requests, summary.ok, summary.errors), (2, 2, 0));
+    assert!(out.exists() && !driver::rows::partial_path(&out).exists());
+
+    let rows = read_rows(&out).unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(r.status, 200);
+        assert_eq!(r.chunks, 5);
+        assert_eq!(r.output_tokens, Some(14));
+        assert_eq!(r.prompt_tokens, Some(100));
+        assert_eq!(r.cached_tokens, Some(48));
+        assert_consistent(r);
+        let ttft = r.ttft_ms.unwrap();
+        let itl = r.itl_p50_ms.unwrap();
+        // Sleeps never end early; the upper bounds only guard against gross errors.
+        assert!((60.0..400.0).contains(&ttft), "ttft {ttft}");
+        assert!((9.0..25.0).contains(&itl), "itl p50 {itl}");
+        // TPOT: 130 ms over 13 tokens.
+        assert!((9.5..30.0).contains(&r.tpot_ms.unwrap()), "{r:?}");
+    }
+
+    // Headers and body as the contract says.
+    let seen = server.seen();
+    assert_eq!(seen.len(), 2);
+    let Schedule::Closed { users } = &plan.schedule else {
+        unreachable!()
+    };
+    for (k, s) in seen.iter().enumerate() {
+        assert_eq!(s.path, "/v1/chat/completions");
+        assert_eq!(s.request_id.as_deref(), Some(rows[k].request_id.as_str()));
+        assert_eq!(
+            s.session_id.as_deref(),
+            Some(plan.session_id(users[0][k].conversation).as_str())
+        );
+        assert_eq!(s.body["model"], MODEL);
+        assert_eq!(s.body["stream"], true);
+        assert_eq!(s.body["ignore_eos"], true);
+        assert_eq!(s.body["max_tokens"], 8);
+        assert_eq!(s.body["stream_options"]["include_usage"], true);
+        let msgs = s.body["messages"].as_array().unwrap();
+        assert_eq!(msgs.len(), 2 * users[0][k].turn as usize);
+        assert_eq!(msgs[0]["role"], "system");
+    }
+}
+
+#[tokio::test]
+async fn every_failure_is_a_row_with_its_kind() {
+    let sse = |s: &str| Bytes::from(s.to_owned());
+    let one_chunk = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}]}\n\n";
+    let replies: Vec<Reply> = vec![
+        Reply::Status {
+            status: 503,
+            message: "overloaded".into(),
+        },
+        Reply::Raw {
+            status: 200,
+            content_type: "text/event-stream".into(),
+            frames: vec![(ms(0), sse("data: {not json\n\n"))],
+            abort: false,
+        },
+        Reply::Raw {
+            status: 200,
+            content_type: "text/event-stream".into(),
+            frames: vec![(ms(0), sse(one_chunk)), (ms(30), sse("data: {\"cho"))],
+            abort: true,
+        },
+        Reply::Raw {
+            status: 200,
+            content_type: "text/event-stream".into(),
+            frames: vec![(ms(0), sse(one_chunk))],
+            abort: false,
+        },
+        Reply::Stream(StreamScript {
+            error_event: Some("engine died".into()),
+            ..StreamScript::uniform(ms(1), ms(1), 2, 10)
+        }),
+        Reply::Raw {
+            status: 200,
+            content_type: "application/json".into(),
+            frames: vec![(ms(0), sse("{\"id\":\"x\",\"choices\":[]}"))],
+            abort: false,
+        },
+        Reply::Hang,
+        Reply::Stream(StreamScript::uniform(ms(1), ms(1), 3, 10)),
+    ];
+    let expected = [
+        "http", "sse", "stream", "stream", "upstream", "http", "timeout", "",
+    ];
+    let n = replies.len();
+    let counter = Arc::new(AtomicUsize::new(0));
+    let c2 = counter.clone();
+    let server =
+        ScriptedServer::start(move |_| replies[c2.fetch_add(1, Ordering::SeqCst) % n].clone())
+            .await
+            .unwrap();
+    let plan = closed_plan(3, 1, 0.0, n as u32);
+    let out = out_dir("errors").join("client.csv");
+    let cfg = RunConfig {
+        timeout_s: 0.5,
+        ..config(server.url(), out.clone())
+    };
+    let summary = run_closed(&plan, &cfg).await.unwrap();
+    assert_eq!(summary.requests, n as u64);
+    assert_eq!(summary.errors, n as u64 - 1);
+    let rows = read_rows(&out).unwrap();
+    let kinds: Vec<&str> = rows.iter().map(|r| r.error_kind()).collect();
+    assert_eq!(kinds, expected);
+    assert_eq!(rows[0].status, 503);
+    assert!(rows[0].error.contains("overloaded"), "{}", rows[0].error);
+    assert!(rows[4].error.contains("engine died"));
+    assert!(
+        rows[5].error.contains("not an SSE stream"),
+        "{}",
+        rows[5].error
+    );
+    assert_eq!(rows[6].status, 0);
+    // A failed stream keeps what arrived before the failure.
+    assert_eq!(rows[2].chunks, 1);
+    assert!(rows[2].ttft_ms.is_some());
+    let mut by_kind = BTreeMap::new();
+    for k in &expected[..n - 1] {
+        *by_kind.entry(k.to_string()).or_insert(0u64) += 1;
+    }
+    assert_eq!(summary.errors_by_kind, by_kind);
+}
+
+#[tokio::test]
+async fn refused_connections_are_rows_and_unreachable_urls_are_clear_errors() {
+    // A port that was just free: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let plan = closed_plan(2, 1, 0.0, 3);
+    let out = out_dir("refused").join("client.csv");
+    let cfg = RunConfig {
+        preflight: false,
+        model: Some("m".into()),
+        ..config(url.clone(), out.clone())
+    };
+    let summary = run_closed(&plan, &cfg).await.unwrap();
+    assert_eq!(summary.errors, 3);
+    let rows = read_rows(&out).unwrap();
+    assert_eq!(rows.len(), 3);
+    for r in rows {
+        assert_eq!(r.status, 0);
+        assert_eq!(r.error_kind(), "connect", "{}", r.error);
+        assert!(r.error.to_lowercase().contains("refused"), "{}", r.error);
+    }
+
+    let err = run_closed(&plan, &config(url, out.clone()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DriverError::Unreachable { .. }), "{err}");
+    assert!(err.to_string().contains("cannot reach"), "{err}");
+}
+
+#[tokio::test]
+async fn a_non_openai_server_is_a_clear_error() {
+    let server = ScriptedServer::start(|_| Reply::Hang).await.unwrap();
+    let plan = closed_plan(2, 1, 0.0, 1);
+    let out = out_dir("not-openai").join("client.csv");
+    let err = run_closed(&plan, &config(format!("{}/elsewhere", server.url()), out))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DriverError::NotOpenAi { .. }), "{err}");
+    assert!(err.to_string().contains("404"), "{err}");
+}
+
+#[tokio::test]
+async fn open_loop_sends_on_schedule_one_turn_per_conversation_at_a_time() {
+    let server =
+        ScriptedServer::start(|_| Reply::Stream(StreamScript::uniform(ms(5), ms(2), 4, 50)))
+            .await
+            .unwrap();
+    let plan = Plan::build(
+        &small_spec(4),
+        &ArrivalSpec::Open {
+            rate_rps: 60.0,
+            duration_s: 2.0,
+        },
+    )
+    .unwrap();
+    let Schedule::Open { arrivals } = &plan.schedule else {
+        unreachable!()
+    };
+    let out = out_dir("open").join("client.csv");
+    let cfg = RunConfig {
+        warmup_s: 0.5,
+        ..config(server.url(), out.clone())
+    };
+    let summary = run_open(&plan, &cfg).await.unwrap();
+    assert_eq!(summary.requests, arrivals.len() as u64);
+    assert_eq!(summary.errors, 0);
+    let rows = read_rows(&out).unwrap();
+    assert_eq!(rows.len(), arrivals.len());
+    let mut lags = Vec::new();
+    for r in &rows {
+        let i: usize = r.request_id.strip_prefix('a').unwrap().parse().unwrap();
+        let a = arrivals[i];
+        assert_eq!(r.turn, a.turn);
+        assert_eq!(r.session_id, plan.session_id(a.conversation));
+        // The schedule is the plan's, never rescaled; lateness is recorded, never negative.
+        assert!(
+            near(r.scheduled_s.unwrap(), a.at_us as f64 / 1e6, 1e-6),
+            "{r:?}"
+        );
+        assert!(r.sent_s.unwrap() >= r.scheduled_s.unwrap());
+        assert_consistent(r);
+        assert_eq!(r.warmup, u8::from(r.sent_s.unwrap() < 0.5));
+        lags.push(r.send_lag_ms.unwrap());
+    }
+    assert!(rows.iter().any(|r| r.warmup == 1) && rows.iter().any(|r| r.warmup == 0));
+    lags.sort_by(f64::total_cmp);
+    let median_lag = lags[lags.len() / 2];
+    assert!(median_lag < 50.0, "median send lag {median_lag} ms");
+    assert_no_overlap_per_session(&rows);
+}
+
+/// No two turns of one conversation were in flight at once, and turns advance in plan order.
+fn assert_no_overlap_per_session(rows: &[ClientRow]) {
+    let mut by_session: BTreeMap<&str, Vec<&ClientRow>> = BTreeMap::new();
+    for r in rows {
+        by_session.entry(&r.session_id).or_default().push(r);
+    }
+    for list in by_session.values_mut() {
+        list.sort_by(|a, b| a.sent_s.unwrap().total_cmp(&b.sent_s.unwrap()));
+        for w in list.windows(2) {
+            let end = w[0].sent_s.unwrap() + w[0].e2el_ms.unwrap() / 1e3;
+            assert!(
+                w[1].sent_s.unwrap() >= end - 1e-6,
+                "{:?} overlaps {:?}",
+                w[1],
+                w[0]
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn closed_loop_users_share_conversations_without_overlap() {
+    let server =
+        ScriptedServer::start(|_| Reply::Stream(StreamScript::uniform(ms(3), ms(1), 4, 50)))
+            .await
+            .unwrap();
+    // Two conversations and four users: users collide on conversations all the time.
+    let plan = closed_plan(2, 4, 0.005, 6);
+    let out = out_dir("closed").join("client.csv");
+    let summary = run_closed(&plan, &config(server.url(), out.clone()))
+        .await
+        .unwrap();
+    assert_eq!((summary.requests, summary.errors), (24, 0));
+    let rows = read_rows(&out).unwrap();
+    assert_eq!(rows.len(), 24);
+    for r in &rows {
+        assert_consistent(r);
+    }
+    assert_no_overlap_per_session(&rows);
+    // Each user's requests went out in script order.
+    for u in 0..4 {
+        let mut mine: Vec<&ClientRow> = rows
+            .iter()
+            .filter(|r| r.request_id.starts_with(&format!("u{u}-")))
+            .collect();
+        mine.sort_by_key(|r| r.request_id[3..].parse::<usize>().unwrap());
+        assert!(mine.windows(2).all(|w| w[0].sent_s < w[1].sent_s));
+    }
+}
+
+#[tokio::test]
+async fn duration_cap_stops_new_requests_and_wrong_driver_is_refused() {
+    let server =
+        ScriptedServer::start(|_| Reply::Stream(StreamScript::uniform(ms(1), ms(1), 2, 5)))
+            .await
+            .unwrap();
+    let plan = closed_plan(2, 1, 0.05, 1_000);
+    let out = out_dir("duration").join("client.csv");
+    let cfg = RunConfig {
+        duration_s: Some(0.3),
+        ..config(server.url(), out.clone())
+    };
+    let summary = run_closed(&plan, &cfg).await.unwrap();
+    assert!(summary.requests > 0 && summary.requests < 1_000);
+    assert_eq!(summary.requests + summary.not_sent, 1_000);
+    assert_eq!(read_rows(&out).unwrap().len() as u64, summary.requests);
+
+    let err = run_open(&plan, &cfg).await.unwrap_err();
+    assert!(err.to_string().contains("driver closed"), "{err}");
+}

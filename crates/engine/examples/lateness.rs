@@ -1,0 +1,208 @@
+//! Lateness benchmark: how far behind its modelled schedule an emulated replica emits.
+//!
+//! `cargo run --release -p engine --example lateness -- streams [SECS]` — one replica at
+//! `--speed 1`, N closed-loop streaming clients (max_num_seqs = N), lateness p50/p99 per N.
+//! `cargo run --release -p engine --example lateness -- fleet [SECS]` — five replicas, 32
+//! closed-loop conversation users spread over them, lateness p99 (worst replica) per speed.
+//! Clients run in the same process and compete for the same cores, as they do on a small box.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use engine::server::{self, Server, ServerConfig};
+use engine::{EngineConfig, StepModel};
+use http_body_util::BodyExt;
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::net::TcpStream;
+
+const WORDS: [&str; 16] = [
+    "cache", "router", "replica", "prefix", "session", "token", "measure", "latency", "queue",
+    "block", "engine", "policy", "window", "spread", "median", "budget",
+];
+
+/// About `tokens` tokens of text (two-token words), distinct per `tag`.
+fn text(tag: u64, tokens: usize) -> String {
+    let mut s = format!("Context {tag}.");
+    for i in 0..tokens / 2 {
+        s.push(' ');
+        s.push_str(WORDS[(i as u64 * 7 + tag * 13) as usize % WORDS.len()]);
+        if i % 10 == 9 {
+            s.push('.');
+        }
+    }
+    s
+}
+
+async fn connect(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>> {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    stream.set_nodelay(true).expect("nodelay");
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    sender
+}
+
+/// Streams one completion to the end; returns the generated text.
+async fn stream_once(
+    sender: &mut hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>>,
+    body: String,
+) -> String {
+    sender.ready().await.expect("connection ready");
+    let req = hyper::Request::builder()
+        .method("POST")
+        .uri("/v1/completions")
+        .header("host", "127.0.0.1")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(Bytes::from(body)))
+        .expect("request");
+    let mut resp = sender.send_request(req).await.expect("response").into_body();
+    let mut out = String::new();
+    let mut buf = Vec::new();
+    while let Some(f) = resp.frame().await {
+        if let Ok(d) = f.expect("frame").into_data() {
+            buf.extend_from_slice(&d);
+        }
+    }
+    for ev in String::from_utf8_lossy(&buf).split("\n\n") {
+        if let Some(d) = ev.strip_prefix("data: ")
+            && let Ok(v) = serde_json::from_str::<Value>(d)
+            && let Some(t) = v["choices"][0]["text"].as_str()
+        {
+            out.push_str(t);
+        }
+    }
+    out
+}
+
+/// A closed-loop conversation user: ~1,100-token context, then turns of ~150 + 128 tokens.
+async fn user(addr: SocketAddr, id: u64, stop: Instant) {
+    let mut sender = connect(addr).await;
+    let mut conv = 0u64;
+    while Instant::now() < stop {
+        let mut history = text(id * 1000 + conv, 1100);
+        for turn in 0..8u64 {
+            if Instant::now() >= stop {
+                return;
+            }
+            history.push_str("\nUser: ");
+            history.push_str(&text(id * 100_000 + conv * 100 + turn, 150));
+            history.push_str("\nAssistant:");
+            let body = json!({"prompt": history, "max_tokens": 128, "ignore_eos": true,
+                              "stream": true, "stream_options": {"include_usage": true}})
+            .to_string();
+            let reply = stream_once(&mut sender, body).await;
+            history.push_str(&reply);
+        }
+        conv += 1;
+    }
+}
+
+fn replica(speed: f64, num_gpu_blocks: u32, max_num_seqs: u32) -> ServerConfig {
+    ServerConfig {
+        engine: EngineConfig {
+            num_gpu_blocks,
+            max_num_seqs,
+            model: StepModel {
+                speed,
+                ..StepModel::default()
+            },
+            ..EngineConfig::default()
+        },
+        ..ServerConfig::default()
+    }
+}
+
+/// Lateness (µs) recorded between two snapshots: p50, p99, max, steps.
+fn window(before: &Server, snap: &hdrhistogram::Histogram<u64>) -> (u64, u64, u64, u64) {
+    let mut h = before.metrics().lateness_us;
+    h.subtract(snap).expect("same histogram config");
+    (h.value_at_quantile(0.5), h.value_at_quantile(0.99), h.max(), h.len())
+}
+
+async fn streams(secs: u64) {
+    println!("| streams | steps | tokens/s | lateness p50 µs | p99 µs | max µs | p99 < 1 ms |");
+    println!("|---:|---:|---:|---:|---:|---:|:---:|");
+    for n in [16u64, 64, 128, 256, 512] {
+        // Room for every stream's longest turn, so the cell measures the emitter, not preemption.
+        let blocks = (n as u32 * 160).max(2048);
+        let srv = server::start(replica(1.0, blocks, n as u32)).await.expect("start");
+        let stop = Instant::now() + Duration::from_secs(2 + secs);
+        let tasks: Vec<_> = (0..n).map(|u| tokio::spawn(user(srv.addr(), u, stop))).collect();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let snap = srv.metrics();
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        let (p50, p99, max, steps) = window(&srv, &snap.lateness_us);
+        let toks = srv.metrics().counters.generation_tokens - snap.counters.generation_tokens;
+        println!(
+            "| {n} | {steps} | {:.0} | {p50} | {p99} | {max} | {} |",
+            toks as f64 / secs as f64,
+            if p99 < 1000 { "yes" } else { "no" }
+        );
+        for t in tasks {
+            t.abort();
+        }
+        srv.shutdown().await;
+    }
+}
+
+async fn fleet(secs: u64) {
+    println!("| speed | steps (5 replicas) | tokens/s | worst-replica lateness p50 µs | p99 µs | max µs | p99 < 1 ms |");
+    println!("|---:|---:|---:|---:|---:|---:|:---:|");
+    for speed in [1.0, 2.0, 4.0, 8.0, 16.0, 32.0] {
+        let mut srvs = Vec::new();
+        for _ in 0..5 {
+            srvs.push(server::start(replica(speed, engine::DEFAULT_NUM_GPU_BLOCKS, 256)).await.expect("start"));
+        }
+        let warm = Duration::from_secs_f64((4.0 / speed).max(1.0));
+        let stop = Instant::now() + warm + Duration::from_secs(secs);
+        let tasks: Vec<_> = (0..32u64)
+            .map(|u| tokio::spawn(user(srvs[(u % 5) as usize].addr(), u, stop)))
+            .collect();
+        tokio::time::sleep(warm).await;
+        let snaps: Vec<_> = srvs.iter().map(|s| s.metrics()).collect();
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        let mut worst = (0, 0, 0);
+        let mut steps = 0;
+        let mut toks = 0;
+        for (s, snap) in srvs.iter().zip(&snaps) {
+            let (p50, p99, max, n) = window(s, &snap.lateness_us);
+            steps += n;
+            toks += s.metrics().counters.generation_tokens - snap.counters.generation_tokens;
+            if p99 > worst.1 {
+                worst = (p50, p99, max);
+            }
+        }
+        println!(
+            "| {speed} | {steps} | {:.0} | {} | {} | {} | {} |",
+            toks as f64 / secs as f64,
+            worst.0,
+            worst.1,
+            worst.2,
+            if worst.1 < 1000 { "yes" } else { "no" }
+        );
+        for t in tasks {
+            t.abort();
+        }
+        for s in srvs {
+            s.shutdown().await;
+        }
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let secs: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    match args.get(1).map(String::as_str) {
+        Some("streams") => rt.block_on(streams(secs)),
+        Some("fleet") => rt.block_on(fleet(secs)),
+        _ => eprintln!("usage: lateness streams|fleet [SECS]"),
+    }
+}

@@ -1,0 +1,738 @@
+//! The clock-agnostic engine core: requests, vLLM v1's scheduler and the step-time model.
+//!
+//! The caller owns time. [`Engine::add_request`] stamps a request with the caller's `now_us`;
+//! it reaches the scheduler after the modelled frontend cost. [`Engine::step`] runs one scheduler
+//! step starting at `now_us` and returns how long it lasts; its tokens are emitted at
+//! `now_us + duration_us`, and the next step should start no earlier than that.
+//! [`Engine::next_wakeup_us`] says when the engine next has work. A live server drives it with
+//! a real clock; the simulator with a virtual one.
+
+use std::collections::{HashMap, VecDeque};
+
+use rand::{Rng, SeedableRng};
+use rand_pcg::Pcg64Mcg;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64_with_seed};
+
+use crate::block_pool::{BlockId, BlockPool};
+use crate::config::EngineConfig;
+use crate::kv_events::KvEvent;
+use crate::tokenizer::{EOS_TOKEN_ID, NUM_GENERATED_WORDS, generated_token};
+
+/// Caller-chosen request id, unique among live requests.
+pub type RequestId = u64;
+
+/// Parent hash of a chain's first block (vLLM's `NONE_HASH`), fixed so hashes are stable
+/// across processes.
+pub const ROOT_BLOCK_HASH: u64 = 0x9e37_79b9_7f4a_7c15;
+const BLOCK_HASH_SEED: u64 = 0x6b76_5f62_6c6f_636b;
+/// When EOS is not ignored, each generated token is EOS with probability 1 / this.
+pub const EOS_ONE_IN: u64 = 256;
+
+/// Chained hash of one full block: H(parent, token ids as little-endian u32).
+pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = Xxh3::with_seed(BLOCK_HASH_SEED);
+    h.update(&parent.to_le_bytes());
+    let mut buf = [0u8; 256];
+    for chunk in tokens.chunks(64) {
+        for (i, t) in chunk.iter().enumerate() {
+            buf[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
+        }
+        h.update(&buf[..chunk.len() * 4]);
+    }
+    h.digest()
+}
+
+/// Chained hashes of every full block of `tokens`.
+pub fn block_hashes(tokens: &[u32], block_size: u32) -> Vec<u64> {
+    let mut parent = ROOT_BLOCK_HASH;
+    tokens
+        .chunks_exact(block_size as usize)
+        .map(|b| {
+            parent = block_hash(parent, b);
+            parent
+        })
+        .collect()
+}
+
+/// Checks a request against an engine's limits: non-empty prompt, `max_tokens ≥ 1`,
+/// prompt + `max_tokens` ≤ `max_model_len`, and small enough to fit the KV pool alone.
+pub fn check_request(
+    cfg: &EngineConfig,
+    prompt_tokens: usize,
+    params: SamplingParams,
+) -> Result<(), AddError> {
+    if prompt_tokens == 0 {
+        return Err(AddError::EmptyPrompt);
+    }
+    if params.max_tokens == 0 {
+        return Err(AddError::ZeroMaxTokens);
+    }
+    let total = prompt_tokens as u64 + u64::from(params.max_tokens);
+    if total > u64::from(cfg.max_model_len) {
+        return Err(AddError::TooLong {
+            prompt_tokens: prompt_tokens.min(u32::MAX as usize) as u32,
+            max_tokens: params.max_tokens,
+            max_model_len: cfg.max_model_len,
+        });
+    }
+    let needed = total.div_ceil(u64::from(cfg.block_size));
+    let available = cfg.num_gpu_blocks - 1;
+    if needed > u64::from(available) {
+        return Err(AddError::TooLargeForCache {
+            needed_blocks: needed.min(u64::from(u32::MAX)) as u32,
+            available_blocks: available,
+        });
+    }
+    Ok(())
+}
+
+/// Why generation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The model produced EOS (and `ignore_eos` was off).
+    Stop,
+    /// `max_tokens` (or `max_model_len`) was reached.
+    Length,
+}
+
+impl FinishReason {
+    /// OpenAI/vLLM spelling: `stop` or `length`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// Per-request generation parameters the engine honours.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SamplingParams {
+    /// Most tokens to generate (at least 1).
+    pub max_tokens: u32,
+    /// Keep generating past EOS until `max_tokens`.
+    pub ignore_eos: bool,
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddError {
+    /// Another live request has this id.
+    #[error("request id {0} is already in use")]
+    DuplicateId(RequestId),
+    /// The prompt has no tokens.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// `max_tokens` is zero.
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    /// Prompt plus `max_tokens` exceeds `max_model_len` (vLLM's wording).
+    #[error(
+        "This model's maximum context length is {max_model_len} tokens. However, you requested \
+         {} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). Please \
+         reduce the length of the messages or completion.",
+        prompt_tokens + max_tokens
+    )]
+    TooLong {
+        /// Prompt tokens.
+        prompt_tokens: u32,
+        /// Requested completion tokens.
+        max_tokens: u32,
+        /// The engine's limit.
+        max_model_len: u32,
+    },
+    /// The request could never fit in the KV pool, even alone.
+    #[error("the request needs {needed_blocks} KV blocks but the cache holds {available_blocks}")]
+    TooLargeForCache {
+        /// Blocks the request would need at its longest.
+        needed_blocks: u32,
+        /// Usable blocks in the pool.
+        available_blocks: u32,
+    },
+}
+
+/// One generated token, as emitted at the end of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenOut {
+    /// The request.
+    pub id: RequestId,
+    /// Generated token id (text via [`crate::tokenizer::decode_token`]).
+    pub token: u32,
+    /// 0 for the first generated token.
+    pub output_index: u32,
+    /// Set on the request's last token.
+    pub finish: Option<FinishReason>,
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// Prompt tokens served from the prefix cache at first scheduling (block-aligned, ≤ n−1).
+    pub cached_tokens: u32,
+}
+
+/// Everything one step did. Reused across steps by [`Engine::step_into`] to avoid allocation.
+#[derive(Debug, Default, Clone)]
+pub struct StepOutput {
+    /// When the step started (the `now_us` passed in).
+    pub start_us: u64,
+    /// Modelled step duration after speed, slowdown and jitter; 0 when nothing ran.
+    pub duration_us: u64,
+    /// Tokens sampled by this step, in scheduling order.
+    pub tokens: Vec<TokenOut>,
+    /// Requests scheduled for the first time in this step (for queue-time accounting).
+    pub admitted: Vec<RequestId>,
+    /// KV events recorded during the step (and any left from a reset before it).
+    pub kv_events: Vec<KvEvent>,
+    /// Tokens scheduled.
+    pub num_scheduled_tokens: u32,
+    /// Requests scheduled.
+    pub num_scheduled_reqs: u32,
+    /// Requests preempted by this step.
+    pub num_preempted: u32,
+}
+
+impl StepOutput {
+    /// When the step's tokens are emitted.
+    pub fn end_us(&self) -> u64 {
+        self.start_us + self.duration_us
+    }
+
+    fn clear(&mut self) {
+        self.duration_us = 0;
+        self.tokens.clear();
+        self.admitted.clear();
+        self.kv_events.clear();
+        self.num_scheduled_tokens = 0;
+        self.num_scheduled_reqs = 0;
+        self.num_preempted = 0;
+    }
+}
+
+/// Cumulative counters, vLLM's metrics where vLLM has one.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Counters {
+    /// Prompt tokens of requests that produced their first token.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub generation_tokens: u64,
+    /// Tokens looked up in the prefix cache (`vllm:prefix_cache_queries`).
+    pub prefix_cache_queries_tokens: u64,
+    /// Tokens found in the prefix cache (`vllm:prefix_cache_hits`).
+    pub prefix_cache_hits_tokens: u64,
+    /// Preemptions (`vllm:num_preemptions`).
+    pub preemptions: u64,
+    /// Steps that scheduled work.
+    pub steps: u64,
+    /// Requests finished by EOS.
+    pub finished_stop: u64,
+    /// Requests finished by length.
+    pub finished_length: u64,
+    /// Requests aborted by the caller.
+    pub aborted: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Where {
+    Pending,
+    Waiting,
+    Running,
+}
+
+struct Request {
+    id: RequestId,
+    tokens: Vec<u32>,
+    num_prompt: u32,
+    params: SamplingParams,
+    num_output: u32,
+    num_computed: u32,
+    blocks: Vec<BlockId>,
+    hashes: Vec<u64>,
+    num_cached_blocks: u32,
+    cached_tokens: Option<u32>,
+    gen_key: u64,
+    place: Where,
+}
+
+/// One emulated vLLM engine: block pool, scheduler queues and step model.
+pub struct Engine {
+    cfg: EngineConfig,
+    pool: BlockPool,
+    slots: Vec<Option<Request>>,
+    free_slots: Vec<u32>,
+    index: HashMap<RequestId, u32, ahash::RandomState>,
+    pending: VecDeque<(u64, u32)>,
+    waiting: VecDeque<u32>,
+    running: Vec<u32>,
+    stalled: bool,
+    counters: Counters,
+    rng: Pcg64Mcg,
+    frontend_us: u64,
+    step_scale: f64,
+    sched: Vec<(u32, u32, u32)>,
+    hits: Vec<BlockId>,
+}
+
+/// Extends `req.hashes` to cover `num_blocks` full blocks.
+fn ensure_hashes(req: &mut Request, num_blocks: usize, block_size: usize) {
+    while req.hashes.len() < num_blocks {
+        let i = req.hashes.len();
+        let parent = if i == 0 {
+            ROOT_BLOCK_HASH
+        } else {
+            req.hashes[i - 1]
+        };
+        let h = block_hash(parent, &req.tokens[i * block_size..(i + 1) * block_size]);
+        req.hashes.push(h);
+    }
+}
+
+impl Engine {
+    /// Builds an engine; fails with a readable reason on an invalid config.
+    pub fn new(cfg: EngineConfig) -> Result<Self, String> {
+        cfg.validate()?;
+        let pool = BlockPool::new(
+            cfg.num_gpu_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching,
+            cfg.enable_kv_events,
+        );
+        Ok(Self {
+            frontend_us: cfg.model.frontend_us(),
+            step_scale: cfg.model.step_scale(),
+            rng: Pcg64Mcg::seed_from_u64(cfg.seed),
+            pool,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            index: HashMap::default(),
+            pending: VecDeque::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            stalled: false,
+            counters: Counters::default(),
+            sched: Vec::new(),
+            hits: Vec::new(),
+            cfg,
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Read access to the block pool (tests, metrics, reconciliation).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Cumulative counters.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Requests in the running batch.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests waiting for the scheduler (not counting those still in the frontend).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests still paying their frontend cost.
+    pub fn num_pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Live requests of any state.
+    pub fn num_requests(&self) -> usize {
+        self.index.len()
+    }
+
+    /// `vllm:kv_cache_usage_perc` as a fraction.
+    pub fn kv_usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// Whether `id` is live.
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.index.contains_key(&id)
+    }
+
+    /// Checks a request against the limits without adding it (see [`check_request`]).
+    pub fn check(&self, prompt_tokens: usize, params: SamplingParams) -> Result<(), AddError> {
+        check_request(&self.cfg, prompt_tokens, params)
+    }
+
+    /// Adds a request arriving at `now_us`; it reaches the scheduler after the frontend cost.
+    pub fn add_request(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        now_us: u64,
+    ) -> Result<(), AddError> {
+        if self.index.contains_key(&id) {
+            return Err(AddError::DuplicateId(id));
+        }
+        self.check(prompt.len(), params)?;
+        let gen_key = {
+            let mut h = Xxh3::with_seed(self.cfg.seed);
+            let mut buf = [0u8; 256];
+            for chunk in prompt.chunks(64) {
+                for (i, t) in chunk.iter().enumerate() {
+                    buf[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
+                }
+                h.update(&buf[..chunk.len() * 4]);
+            }
+            h.digest()
+        };
+        let req = Request {
+            id,
+            num_prompt: prompt.len() as u32,
+            tokens: prompt,
+            params,
+            num_output: 0,
+            num_computed: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            num_cached_blocks: 0,
+            cached_tokens: None,
+            gen_key,
+            place: Where::Pending,
+        };
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.slots[s as usize] = Some(req);
+                s
+            }
+            None => {
+                self.slots.push(Some(req));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.index.insert(id, slot);
+        let ready = now_us + self.frontend_us;
+        let pos = self
+            .pending
+            .iter()
+            .rposition(|&(r, _)| r <= ready)
+            .map_or(0, |p| p + 1);
+        self.pending.insert(pos, (ready, slot));
+        self.stalled = false;
+        Ok(())
+    }
+
+    /// Aborts a live request, freeing its blocks. Returns whether it was live.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let Some(slot) = self.index.remove(&id) else {
+            return false;
+        };
+        let req = self.slots[slot as usize]
+            .take()
+            .expect("indexed slot is live");
+        match req.place {
+            Where::Pending => self.pending.retain(|&(_, s)| s != slot),
+            Where::Waiting => self.waiting.retain(|&s| s != slot),
+            Where::Running => self.running.retain(|&s| s != slot),
+        }
+        self.pool.free_tail_first(&req.blocks);
+        self.free_slots.push(slot);
+        self.counters.aborted += 1;
+        self.stalled = false;
+        true
+    }
+
+    /// Clears the prefix cache if no request holds blocks (vLLM's rule). Records
+    /// `AllBlocksCleared`, fetched by the next step or [`Engine::take_events`].
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset()
+    }
+
+    /// Moves KV events recorded outside a step (a reset) into `out`.
+    pub fn take_events(&mut self, out: &mut Vec<KvEvent>) {
+        self.pool.take_events(out);
+    }
+
+    /// When the engine next has work: `now_us` if a step could run now, the earliest frontend
+    /// completion if only pending requests remain, `None` when idle.
+    pub fn next_wakeup_us(&self, now_us: u64) -> Option<u64> {
+        if !self.running.is_empty() || (!self.waiting.is_empty() && !self.stalled) {
+            return Some(now_us);
+        }
+        self.pending.front().map(|&(ready, _)| ready.max(now_us))
+    }
+
+    /// Runs one step starting at `now_us` and returns what it did (allocating a fresh output).
+    pub fn step(&mut self, now_us: u64) -> StepOutput {
+        let mut out = StepOutput::default();
+        self.step_into(now_us, &mut out);
+        out
+    }
+
+    /// Runs one step starting at `now_us`, writing into a reused `out`.
+    pub fn step_into(&mut self, now_us: u64, out: &mut StepOutput) {
+        out.clear();
+        out.start_us = now_us;
+        while let Some(&(ready, slot)) = self.pending.front() {
+            if ready > now_us {
+                break;
+            }
+            self.pending.pop_front();
+            self.slots[slot as usize].as_mut().expect("live").place = Where::Waiting;
+            self.waiting.push_back(slot);
+            self.stalled = false;
+        }
+        self.schedule(out);
+        if self.sched.is_empty() {
+            self.stalled = !self.waiting.is_empty();
+            self.pool.take_events(&mut out.kv_events);
+            return;
+        }
+        self.counters.steps += 1;
+        out.duration_us = self.step_duration_us();
+        self.update(out);
+        self.pool.take_events(&mut out.kv_events);
+    }
+
+    fn step_duration_us(&mut self) -> u64 {
+        let mut num_tokens = 0u64;
+        let mut sum_ctx = 0u64;
+        let mut attn = 0f64;
+        for &(slot, num_new, ctx_before) in &self.sched {
+            num_tokens += u64::from(num_new);
+            sum_ctx += u64::from(ctx_before + num_new);
+            let req = self.slots[slot as usize].as_ref().expect("live");
+            // A prefill chunk is any scheduled work that does not reach the sequence's end
+            // with a single token; a decode's attention cost is in the memory term.
+            let is_decode = num_new == 1 && ctx_before + 1 == req.tokens.len() as u32;
+            if !is_decode {
+                attn += f64::from(num_new) * (f64::from(ctx_before) + f64::from(num_new) / 2.0);
+            }
+        }
+        let raw = self.cfg.model.raw_step_us(num_tokens, sum_ctx, attn);
+        let jitter = if self.cfg.model.jitter > 0.0 {
+            1.0 + self.cfg.model.jitter * (2.0 * self.rng.random::<f64>() - 1.0)
+        } else {
+            1.0
+        };
+        ((raw * self.step_scale * jitter).round() as u64).max(1)
+    }
+
+    fn schedule(&mut self, out: &mut StepOutput) {
+        self.sched.clear();
+        let bs = self.cfg.block_size as usize;
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let slot = self.running[i];
+            let req = self.slots[slot as usize].as_ref().expect("live");
+            let num_new = (req.tokens.len() as u32 - req.num_computed).min(budget);
+            let num_computed = req.num_computed;
+            if num_new == 0 {
+                i += 1;
+                continue;
+            }
+            let scheduled = loop {
+                if self.allocate_slots(slot, num_computed, num_new, false) {
+                    break true;
+                }
+                let victim = self
+                    .running
+                    .pop()
+                    .expect("running holds the current request");
+                self.preempt(victim);
+                out.num_preempted += 1;
+                preempted = true;
+                if victim == slot {
+                    break false;
+                }
+            };
+            if !scheduled {
+                break;
+            }
+            self.sched.push((slot, num_new, num_computed));
+            budget -= num_new;
+            i += 1;
+        }
+        if preempted {
+            return;
+        }
+        while budget > 0 && self.running.len() < self.cfg.max_num_seqs as usize {
+            let Some(&slot) = self.waiting.front() else {
+                break;
+            };
+            self.hits.clear();
+            let req = self.slots[slot as usize].as_mut().expect("live");
+            let num_tokens = req.tokens.len();
+            if self.cfg.enable_prefix_caching {
+                // The hit is capped so at least one token is recomputed: floor((n−1)/B) blocks.
+                let max_blocks = (num_tokens - 1) / bs;
+                ensure_hashes(req, max_blocks, bs);
+                for &h in &req.hashes[..max_blocks] {
+                    match self.pool.lookup(h) {
+                        Some(b) => self.hits.push(b),
+                        None => break,
+                    }
+                }
+            }
+            let num_computed = (self.hits.len() * bs) as u32;
+            let num_new = (num_tokens as u32 - num_computed).min(budget);
+            if !self.allocate_slots(slot, num_computed, num_new, true) {
+                break;
+            }
+            if self.cfg.enable_prefix_caching {
+                self.counters.prefix_cache_queries_tokens += num_tokens as u64;
+                self.counters.prefix_cache_hits_tokens += u64::from(num_computed);
+            }
+            self.waiting.pop_front();
+            self.running.push(slot);
+            let req = self.slots[slot as usize].as_mut().expect("live");
+            req.place = Where::Running;
+            req.num_computed = num_computed;
+            if req.cached_tokens.is_none() {
+                req.cached_tokens = Some(num_computed);
+                out.admitted.push(req.id);
+            }
+            self.sched.push((slot, num_new, num_computed));
+            budget -= num_new;
+        }
+    }
+
+    /// vLLM's `allocate_slots`: takes the prefix hits (when `with_hits`), allocates the blocks
+    /// `num_computed + num_new` tokens need, and caches the blocks those tokens fill.
+    fn allocate_slots(
+        &mut self,
+        slot: u32,
+        num_computed: u32,
+        num_new: u32,
+        with_hits: bool,
+    ) -> bool {
+        let bs = self.cfg.block_size;
+        let req = self.slots[slot as usize].as_mut().expect("live");
+        let hits: &[BlockId] = if with_hits { &self.hits } else { &[] };
+        let required = (num_computed + num_new).div_ceil(bs) as usize;
+        let have = req.blocks.len() + hits.len();
+        let need = required.saturating_sub(have) as u32;
+        let evictable_hits = hits
+            .iter()
+            .filter(|&&b| self.pool.ref_count(b) == 0)
+            .count() as u32;
+        if need + evictable_hits > self.pool.num_free_blocks() {
+            return false;
+        }
+        if !hits.is_empty() {
+            self.pool.touch(hits);
+            req.blocks.extend_from_slice(hits);
+            req.num_cached_blocks = req.blocks.len() as u32;
+        }
+        let ok = self.pool.allocate(need, &mut req.blocks);
+        debug_assert!(ok, "free count checked above");
+        if self.cfg.enable_prefix_caching {
+            let num_full = ((num_computed + num_new).min(req.tokens.len() as u32) / bs) as usize;
+            let from = req.num_cached_blocks as usize;
+            if num_full > from {
+                ensure_hashes(req, num_full, bs as usize);
+                let parent = from.checked_sub(1).map(|p| req.hashes[p]);
+                self.pool.cache_blocks(
+                    &req.blocks[from..num_full],
+                    &req.hashes[from..num_full],
+                    parent,
+                    &req.tokens[from * bs as usize..num_full * bs as usize],
+                );
+                req.num_cached_blocks = num_full as u32;
+            }
+        }
+        true
+    }
+
+    /// Preemption by recompute: blocks freed (they keep their hashes), progress reset, request
+    /// to the front of the waiting queue.
+    fn preempt(&mut self, slot: u32) {
+        let req = self.slots[slot as usize].as_mut().expect("live");
+        self.pool.free_tail_first(&req.blocks);
+        req.blocks.clear();
+        req.num_computed = 0;
+        req.num_cached_blocks = 0;
+        req.place = Where::Waiting;
+        self.waiting.push_front(slot);
+        self.counters.preemptions += 1;
+    }
+
+    fn update(&mut self, out: &mut StepOutput) {
+        out.num_scheduled_reqs = self.sched.len() as u32;
+        let mut any_finished = false;
+        for k in 0..self.sched.len() {
+            let (slot, num_new, _) = self.sched[k];
+            out.num_scheduled_tokens += num_new;
+            let req = self.slots[slot as usize].as_mut().expect("live");
+            req.num_computed += num_new;
+            if (req.num_computed as usize) < req.tokens.len() {
+                continue; // a chunk of a longer prefill: nothing sampled yet
+            }
+            let k_out = u64::from(req.num_output);
+            let m = xxh3_64_with_seed(&k_out.to_le_bytes(), req.gen_key);
+            let token = if !req.params.ignore_eos && (m >> 32).is_multiple_of(EOS_ONE_IN) {
+                EOS_TOKEN_ID
+            } else {
+                generated_token((m % NUM_GENERATED_WORDS as u64) as usize)
+            };
+            req.tokens.push(token);
+            req.num_output += 1;
+            if req.num_output == 1 {
+                self.counters.prompt_tokens += u64::from(req.num_prompt);
+            }
+            self.counters.generation_tokens += 1;
+            let finish = if !req.params.ignore_eos && token == EOS_TOKEN_ID {
+                Some(FinishReason::Stop)
+            } else if req.num_output >= req.params.max_tokens
+                || req.tokens.len() >= self.cfg.max_model_len as usize
+            {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            out.tokens.push(TokenOut {
+                id: req.id,
+                token,
+                output_index: req.num_output - 1,
+                finish,
+                prompt_tokens: req.num_prompt,
+                cached_tokens: req.cached_tokens.unwrap_or(0),
+            });
+            if let Some(f) = finish {
+                match f {
+                    FinishReason::Stop => self.counters.finished_stop += 1,
+                    FinishReason::Length => self.counters.finished_length += 1,
+                }
+                let req = self.slots[slot as usize].take().expect("live");
+                self.pool.free_tail_first(&req.blocks);
+                self.index.remove(&req.id);
+                self.free_slots.push(slot);
+                any_finished = true;
+            }
+        }
+        if any_finished {
+            let slots = &self.slots;
+            self.running.retain(|&s| slots[s as usize].is_some());
+        }
+    }
+
+    /// The blocks a live request holds, in chain order (tests and debugging).
+    pub fn request_blocks(&self, id: RequestId) -> Option<&[BlockId]> {
+        let slot = *self.index.get(&id)?;
+        self.slots[slot as usize]
+            .as_ref()
+            .map(|r| r.blocks.as_slice())
+    }
+
+    /// Tokens a live request has computed so far.
+    pub fn request_num_computed(&self, id: RequestId) -> Option<u32> {
+        let slot = *self.index.get(&id)?;
+        self.slots[slot as usize].as_ref().map(|r| r.num_computed)
+    }
+}
+
+#[cfg(test)]
+#[path = "core_tests.rs"]
+mod tests;

@@ -1,0 +1,930 @@
+//! The numbers each figure draws, picked out of the analysis report (figures 1–5) or the fault
+//! timeline (figure 6), and the CSV that publishes exactly those numbers.
+//!
+//! Nothing here derives a metric: every value is a field of `analysis::Report` (or a row of
+//! `timeline.csv`). Where a figure needs something the input does not hold, the builder fails
+//! with a message that names the figure, the point, the policy and the missing value.
+
+use analysis::report::{PREFIX_AFFINITY, Point, SESSION_AFFINITY};
+use analysis::stats::Spread;
+use analysis::{Report, Verdict};
+use anyhow::{Context as _, Result, bail};
+
+use crate::input::{FaultInput, PolicyTimeline, num};
+
+/// The spill-off arm of prefix-affinity.
+pub const PREFIX_AFFINITY_SPILL_OFF: &str = "prefix-affinity-spill-off";
+/// The stateless hashing rung of the knowledge ladder.
+pub const PREFIX_HASH: &str = "prefix-hash";
+/// The event-fed rung.
+pub const EXACT_RESIDENCY: &str = "exact-residency";
+/// The event-fed rung with the speculative layer.
+pub const EXACT_RESIDENCY_SPEC: &str = "exact-residency-spec";
+
+/// Policies whose router rows carry a predicted match (belief divergence applies).
+pub const BELIEF_POLICIES: [&str; 4] = [
+    PREFIX_AFFINITY,
+    PREFIX_AFFINITY_SPILL_OFF,
+    EXACT_RESIDENCY,
+    EXACT_RESIDENCY_SPEC,
+];
+
+/// A CSV table: a header and rows of already formatted fields.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Table {
+    /// Column names.
+    pub header: Vec<&'static str>,
+    /// Rows, each as long as the header.
+    pub rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// The table as CSV text (`\n` line ends, quoting only where needed).
+    pub fn to_csv(&self) -> Result<String> {
+        let mut w = csv::WriterBuilder::new()
+            .terminator(csv::Terminator::Any(b'\n'))
+            .from_writer(Vec::new());
+        w.write_record(&self.header)?;
+        for r in &self.rows {
+            w.write_record(r)?;
+        }
+        Ok(String::from_utf8(w.into_inner()?)?)
+    }
+}
+
+fn opt(x: Option<f64>) -> String {
+    x.map(num).unwrap_or_default()
+}
+
+/// How many repetitions the drawn medians rest on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reps {
+    /// Fewest.
+    pub min: usize,
+    /// Most.
+    pub max: usize,
+}
+
+impl Reps {
+    /// Over the spreads drawn; `None` when there are none.
+    pub fn of<'a>(spreads: impl IntoIterator<Item = &'a Spread>) -> Option<Reps> {
+        let ns: Vec<usize> = spreads.into_iter().map(|s| s.n).collect();
+        Some(Reps {
+            min: *ns.iter().min()?,
+            max: *ns.iter().max()?,
+        })
+    }
+
+    /// In words, e.g. `3 reps per cell` or `2–3 reps per cell`.
+    pub fn text(&self) -> String {
+        let n = if self.min == self.max {
+            self.min.to_string()
+        } else {
+            format!("{}–{}", self.min, self.max)
+        };
+        let unit = if self.max == 1 { "rep" } else { "reps" };
+        format!("{n} {unit} per cell (median, min–max)")
+    }
+}
+
+/// The goodput spread of `policy` at `point`.
+pub fn goodput(point: &Point, policy: &str) -> Option<Spread> {
+    point
+        .cells
+        .iter()
+        .find(|c| c.policy == policy)
+        .and_then(|c| c.goodput_rps)
+}
+
+fn has_cell(point: &Point, policy: &str) -> bool {
+    point.cells.iter().any(|c| c.policy == policy)
+}
+
+/// Grid points (both axes parsed from the name), with their axis values.
+fn grid_points<'a>(report: &'a Report, figure: &str) -> Result<Vec<(&'a Point, f64, f64)>> {
+    let pts: Vec<(&Point, f64, f64)> = report
+        .points
+        .iter()
+        .filter_map(|p| Some((p, p.axes.working_set_ratio?, p.axes.zipf_s?)))
+        .collect();
+    if pts.is_empty() {
+        let names: Vec<&str> = report.points.iter().map(|p| p.point.as_str()).collect();
+        bail!(
+            "{figure}: no point of sweep `{}` is named ws<ratio>-s<skew> (found: {})",
+            report.sweep,
+            names.join(", ")
+        );
+    }
+    Ok(pts)
+}
+
+fn sorted_axis(values: impl Iterator<Item = f64>) -> Vec<f64> {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    v.dedup();
+    v
+}
+
+fn missing(figure: &str, what: Vec<String>) -> Result<()> {
+    if what.is_empty() {
+        Ok(())
+    } else {
+        bail!("{figure}: missing data: {}", what.join("; "))
+    }
+}
+
+/// One cell of the pressure map.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PressureCell {
+    /// Point name.
+    pub point: String,
+    /// Working set ÷ KV capacity.
+    pub working_set_ratio: f64,
+    /// Zipf exponent.
+    pub zipf_s: f64,
+    /// Median goodput of prefix-affinity − session-affinity, req/s.
+    pub margin_rps: f64,
+    /// That margin ÷ session-affinity's median.
+    pub relative: Option<f64>,
+    /// Spread verdict of the two.
+    pub verdict: Verdict,
+}
+
+/// Figure 1: prefix-affinity's goodput margin over session-affinity across working set × skew.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PressureData {
+    /// Working-set ratios, ascending.
+    pub ws_values: Vec<f64>,
+    /// Skews, ascending.
+    pub s_values: Vec<f64>,
+    /// One per measured grid point.
+    pub cells: Vec<PressureCell>,
+    /// Repetitions behind the medians.
+    pub reps: Reps,
+}
+
+/// Name of figure 1 in messages.
+pub const FIG1: &str = "figure 1 (pressure map)";
+/// Name of figure 2 in messages.
+pub const FIG2: &str = "figure 2 (winners map)";
+/// Name of figure 3 in messages.
+pub const FIG3: &str = "figure 3 (mechanism)";
+/// Name of figure 4 in messages.
+pub const FIG4: &str = "figure 4 (knowledge ladder)";
+/// Name of figure 5 in messages.
+pub const FIG5: &str = "figure 5 (belief divergence and decay)";
+/// Name of figure 6 in messages.
+pub const FIG6: &str = "figure 6 (fault timeline)";
+
+/// Picks figure 1's numbers: the report's margin of prefix-affinity over session-affinity at
+/// every grid point. Every grid point must have both policies' goodput.
+pub fn pressure(report: &Report) -> Result<PressureData> {
+    let pts = grid_points(report, FIG1)?;
+    let mut cells = Vec::new();
+    let mut spreads = Vec::new();
+    let mut lack = Vec::new();
+    for (p, ws, s) in &pts {
+        let pa = goodput(p, PREFIX_AFFINITY);
+        let sa = goodput(p, SESSION_AFFINITY);
+        for (name, g) in [(PREFIX_AFFINITY, pa), (SESSION_AFFINITY, sa)] {
+            if g.is_none() {
+                lack.push(format!("point `{}` has no {name} goodput", p.point));
+            }
+        }
+        let (Some(pa), Some(sa), Some(m)) = (pa, sa, p.margin(PREFIX_AFFINITY, SESSION_AFFINITY))
+        else {
+            continue;
+        };
+        spreads.extend([pa, sa]);
+        cells.push(PressureCell {
+            point: p.point.clone(),
+            working_set_ratio: *ws,
+            zipf_s: *s,
+            margin_rps: m.margin_rps,
+            relative: m.relative,
+            verdict: m.verdict,
+        });
+    }
+    missing(FIG1, lack)?;
+    Ok(PressureData {
+        ws_values: sorted_axis(cells.iter().map(|c| c.working_set_ratio)),
+        s_values: sorted_axis(cells.iter().map(|c| c.zipf_s)),
+        reps: Reps::of(&spreads).with_context(|| format!("{FIG1}: no goodput to draw"))?,
+        cells,
+    })
+}
+
+impl PressureData {
+    /// Exactly the numbers drawn.
+    pub fn table(&self) -> Table {
+        Table {
+            header: vec![
+                "point",
+                "working_set_ratio",
+                "zipf_s",
+                "margin_rps",
+                "margin_relative",
+                "verdict",
+            ],
+            rows: self
+                .cells
+                .iter()
+                .map(|c| {
+                    vec![
+                        c.point.clone(),
+                        num(c.working_set_ratio),
+                        num(c.zipf_s),
+                        num(c.margin_rps),
+                        opt(c.relative),
+                        c.verdict.as_str().to_string(),
+                    ]
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One cell of the winners map.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WinnerCell {
+    /// Point name.
+    pub point: String,
+    /// Working set ÷ KV capacity.
+    pub working_set_ratio: f64,
+    /// Zipf exponent.
+    pub zipf_s: f64,
+    /// Highest median goodput.
+    pub winner: String,
+    /// Its median, req/s.
+    pub winner_rps: f64,
+    /// Second highest.
+    pub runner_up: String,
+    /// Its median, req/s.
+    pub runner_up_rps: f64,
+    /// Winner vs runner-up.
+    pub verdict: Verdict,
+}
+
+/// Figure 2: the winner and runner-up at every grid point.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WinnersData {
+    /// Working-set ratios, ascending.
+    pub ws_values: Vec<f64>,
+    /// Skews, ascending.
+    pub s_values: Vec<f64>,
+    /// One per grid point.
+    pub cells: Vec<WinnerCell>,
+    /// Repetitions behind the winners' and runners-up's medians.
+    pub reps: Reps,
+}
+
+/// Picks figure 2's numbers: the report's winner, runner-up and their verdict per grid point.
+pub fn winners(report: &Report) -> Result<WinnersData> {
+    let pts = grid_points(report, FIG2)?;
+    let mut cells = Vec::new();
+    let mut spreads = Vec::new();
+    let mut lack = Vec::new();
+    for (p, ws, s) in &pts {
+        let (Some(w), Some(r), Some(v)) = (&p.winner, &p.runner_up, p.winner_verdict) else {
+            lack.push(format!(
+                "point `{}` has fewer than two policies with goodput (a winner needs a runner-up)",
+                p.point
+            ));
+            continue;
+        };
+        spreads.extend(goodput(p, &w.policy));
+        spreads.extend(goodput(p, &r.policy));
+        cells.push(WinnerCell {
+            point: p.point.clone(),
+            working_set_ratio: *ws,
+            zipf_s: *s,
+            winner: w.policy.clone(),
+            winner_rps: w.goodput_median_rps,
+            runner_up: r.policy.clone(),
+            runner_up_rps: r.goodput_median_rps,
+            verdict: v,
+        });
+    }
+    missing(FIG2, lack)?;
+    Ok(WinnersData {
+        ws_values: sorted_axis(cells.iter().map(|c| c.working_set_ratio)),
+        s_values: sorted_axis(cells.iter().map(|c| c.zipf_s)),
+        reps: Reps::of(&spreads).with_context(|| format!("{FIG2}: no goodput to draw"))?,
+        cells,
+    })
+}
+
+impl WinnersData {
+    /// Exactly the numbers drawn.
+    pub fn table(&self) -> Table {
+        Table {
+            header: vec![
+                "point",
+                "working_set_ratio",
+                "zipf_s",
+                "winner",
+                "winner_goodput_median_rps",
+                "runner_up",
+                "runner_up_goodput_median_rps",
+                "verdict",
+            ],
+            rows: self
+                .cells
+                .iter()
+                .map(|c| {
+                    vec![
+                        c.point.clone(),
+                        num(c.working_set_ratio),
+                        num(c.zipf_s),
+                        c.winner.clone(),
+                        num(c.winner_rps),
+                        c.runner_up.clone(),
+                        num(c.runner_up_rps),
+                        c.verdict.as_str().to_string(),
+                    ]
+                })
+                .collect(),
+        }
+    }
+}
+
+/// What a marker of figure 3 stands for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MechRole {
+    /// prefix-affinity (spill on, the default).
+    SpillOn,
+    /// prefix-affinity-spill-off.
+    SpillOff,
+    /// session-affinity, drawn as the reference the hit-rate difference is read against.
+    Reference,
+}
+
+impl MechRole {
+    /// As the CSV and legend write it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            MechRole::SpillOn => "spill on",
+            MechRole::SpillOff => "spill off",
+            MechRole::Reference => "reference",
+        }
+    }
+}
+
+/// One marker of figure 3.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MechMarker {
+    /// Point name.
+    pub point: String,
+    /// Policy.
+    pub policy: String,
+    /// Role.
+    pub role: MechRole,
+    /// Busiest replica's share of requests.
+    pub busiest_share: Spread,
+    /// Engine prefix-hit rate.
+    pub prefix_hit_rate: Spread,
+}
+
+/// Figure 3: engine prefix-hit rate against the busiest replica's share, spill on vs off, with
+/// session-affinity at the same points as the reference the difference is read against.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MechanismData {
+    /// Markers, by point then role.
+    pub markers: Vec<MechMarker>,
+    /// Repetitions behind the medians.
+    pub reps: Reps,
+}
+
+/// Picks figure 3's numbers (all turns): at every point where the spill-off arm ran, both arms'
+/// busiest share and prefix-hit rate, and session-affinity's where it ran.
+pub fn mechanism(report: &Report) -> Result<MechanismData> {
+    let pts: Vec<&Point> = report
+        .points
+        .iter()
+        .filter(|p| has_cell(p, PREFIX_AFFINITY_SPILL_OFF))
+        .collect();
+    if pts.is_empty() {
+        bail!(
+            "{FIG3}: missing data: no point of sweep `{}` has a `{PREFIX_AFFINITY_SPILL_OFF}` cell (the spill-off arm); run the sweep with it",
+            report.sweep
+        );
+    }
+    let mut markers = Vec::new();
+    let mut lack = Vec::new();
+    for p in pts {
+        for (policy, role) in [
+            (SESSION_AFFINITY, MechRole::Reference),
+            (PREFIX_AFFINITY, MechRole::SpillOn),
+            (PREFIX_AFFINITY_SPILL_OFF, MechRole::SpillOff),
+        ] {
+            let Some(cell) = p.cells.iter().find(|c| c.policy == policy) else {
+                if role != MechRole::Reference {
+                    lack.push(format!("point `{}` has no `{policy}` cell", p.point));
+                }
+                continue;
+            };
+            let m = &cell.mechanism.all;
+            match (m.busiest_share, m.prefix_hit_rate) {
+                (Some(b), Some(h)) => markers.push(MechMarker {
+                    point: p.point.clone(),
+                    policy: policy.to_string(),
+                    role,
+                    busiest_share: b,
+                    prefix_hit_rate: h,
+                }),
+                (b, h) if role != MechRole::Reference => {
+                    let mut what = Vec::new();
+                    if b.is_none() {
+                        what.push("busiest-replica share (router.csv rows)");
+                    }
+                    if h.is_none() {
+                        what.push("engine prefix-hit rate (cached_tokens)");
+                    }
+                    lack.push(format!(
+                        "point `{}` `{policy}` has no {}",
+                        p.point,
+                        what.join(" and no ")
+                    ));
+                }
+                _ => {}
+            }
+        }
+    }
+    missing(FIG3, lack)?;
+    let spreads: Vec<Spread> = markers
+        .iter()
+        .flat_map(|m| [m.busiest_share, m.prefix_hit_rate])
+        .collect();
+    Ok(MechanismData {
+        reps: Reps::of(&spreads).with_context(|| format!("{FIG3}: nothing to draw"))?,
+        markers,
+    })
+}
+
+impl MechanismData {
+    /// Exactly the numbers drawn.
+    pub fn table(&self) -> Table {
+        Table {
+            header: vec![
+                "point",
+                "policy",
+                "role",
+                "busiest_share_median",
+                "busiest_share_min",
+                "busiest_share_max",
+                "prefix_hit_rate_median",
+                "prefix_hit_rate_min",
+                "prefix_hit_rate_max",
+            ],
+            rows: self
+                .markers
+                .iter()
+                .map(|m| {
+                    let (b, h) = (m.busiest_share, m.prefix_hit_rate);
+                    vec![
+                        m.point.clone(),
+                        m.policy.clone(),
+                        m.role.as_str().to_string(),
+                        num(b.median),
+                        num(b.min),
+                        num(b.max),
+                        num(h.median),
+                        num(h.min),
+                        num(h.max),
+                    ]
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The rungs of the knowledge ladder, bottom up, with their labels; the last is optional.
+pub const LADDER: [(&str, &str); 4] = [
+    (PREFIX_HASH, "prefix-hash (no index)"),
+    (PREFIX_AFFINITY, "believed (prefix-affinity)"),
+    (EXACT_RESIDENCY, "exact (exact-residency)"),
+    (EXACT_RESIDENCY_SPEC, "exact + speculative"),
+];
+
+/// One bar of figure 4.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LadderBar {
+    /// Point name.
+    pub point: String,
+    /// Policy.
+    pub policy: String,
+    /// Index into [`LADDER`].
+    pub rung: usize,
+    /// Goodput, req/s.
+    pub goodput: Spread,
+}
+
+/// Figure 4: goodput by how much the router knows about the engines' caches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LadderData {
+    /// Points in report order.
+    pub points: Vec<String>,
+    /// Bars by point, then rung.
+    pub bars: Vec<LadderBar>,
+    /// Repetitions behind the medians.
+    pub reps: Reps,
+}
+
+/// Picks figure 4's numbers: at every point where a ladder arm (prefix-hash, exact-residency,
+/// exact-residency-spec) ran, the goodput of prefix-hash, prefix-affinity and exact-residency
+/// (required) and exact-residency-spec (drawn where it ran).
+pub fn ladder(report: &Report) -> Result<LadderData> {
+    let arms = [PREFIX_HASH, EXACT_RESIDENCY, EXACT_RESIDENCY_SPEC];
+    let pts: Vec<&Point> = report
+        .points
+        .iter()
+        .filter(|p| arms.iter().any(|a| has_cell(p, a)))
+        .collect();
+    if pts.is_empty() {
+        bail!(
+            "{FIG4}: missing data: no point of sweep `{}` has a `{PREFIX_HASH}`, `{EXACT_RESIDENCY}` or `{EXACT_RESIDENCY_SPEC}` cell",
+            report.sweep
+        );
+    }
+    let mut bars = Vec::new();
+    let mut lack = Vec::new();
+    for p in &pts {
+        for (rung, (policy, _)) in LADDER.iter().enumerate() {
+            match goodput(p, policy) {
+                Some(g) => bars.push(LadderBar {
+                    point: p.point.clone(),
+                    policy: policy.to_string(),
+                    rung,
+                    goodput: g,
+                }),
+                None if *policy != EXACT_RESIDENCY_SPEC => {
+                    lack.push(format!("point `{}` has no {policy} goodput", p.point));
+                }
+                None => {}
+            }
+        }
+    }
+    missing(FIG4, lack)?;
+    Ok(LadderData {
+        points: pts.iter().map(|p| p.point.clone()).collect(),
+        reps: Reps::of(bars.iter().map(|b| &b.goodput))
+            .with_context(|| format!("{FIG4}: nothing to draw"))?,
+        bars,
+    })
+}
+
+impl LadderData {
+    /// Exactly the numbers drawn.
+    pub fn table(&self) -> Table {
+        Table {
+            header: vec![
+                "point",
+                "policy",
+                "rung",
+                "goodput_median_rps",
+                "goodput_min_rps",
+                "goodput_max_rps",
+                "reps",
+            ],
+            rows: self
+                .bars
+                .iter()
+                .map(|b| {
+                    vec![
+                        b.point.clone(),
+                        b.policy.clone(),
+                        LADDER[b.rung].1.to_string(),
+                        num(b.goodput.median),
+                        num(b.goodput.min),
+                        num(b.goodput.max),
+                        b.goodput.n.to_string(),
+                    ]
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One policy's belief divergence at one point (its repetitions' requests pooled by analysis).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DivergenceBar {
+    /// Point name.
+    pub point: String,
+    /// Policy.
+    pub policy: String,
+    /// Requests compared.
+    pub compared: u64,
+    /// Over-predicted requests.
+    pub over_count: u64,
+    /// Their mean size, tokens (`None` when there are none).
+    pub over_tokens_mean: Option<f64>,
+    /// Under-predicted requests.
+    pub under_count: u64,
+    /// Their mean size, tokens.
+    pub under_tokens_mean: Option<f64>,
+}
+
+/// One band of prefix-affinity's belief decay at one point.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecayPoint {
+    /// Point name.
+    pub point: String,
+    /// The point's working-set ratio, when its name carries one (styles the line).
+    pub working_set_ratio: Option<f64>,
+    /// The point's skew, when its name carries one (styles the marker).
+    pub zipf_s: Option<f64>,
+    /// Index of the band in the report's `by_gap` list.
+    pub band: usize,
+    /// Lower edge, s.
+    pub lower_s: f64,
+    /// Upper edge, s (`None`: open).
+    pub upper_s: Option<f64>,
+    /// Requests with a prediction in the band.
+    pub requests: u64,
+    /// Share of predicted tokens the engine honoured.
+    pub honoured_share: f64,
+}
+
+/// Figure 5: belief divergence (over and under separately) and decay.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BeliefData {
+    /// Divergence bars by point, then policy.
+    pub divergence: Vec<DivergenceBar>,
+    /// Every band edge of the report's decay (lower edges), for the x axis.
+    pub band_edges: Vec<(f64, Option<f64>)>,
+    /// prefix-affinity's decay, by point then band; bands with no prediction are left out.
+    pub decay: Vec<DecayPoint>,
+    /// Repetitions behind the pooled numbers.
+    pub reps: Reps,
+}
+
+/// Picks figure 5's numbers: divergence of every belief policy with compared requests, and
+/// prefix-affinity's decay per point.
+pub fn belief(report: &Report) -> Result<BeliefData> {
+    let mut divergence = Vec::new();
+    let mut decay = Vec::new();
+    let mut spreads = Vec::new();
+    let mut band_edges: Vec<(f64, Option<f64>)> = Vec::new();
+    for p in &report.points {
+        for c in p
+            .cells
+            .iter()
+            .filter(|c| BELIEF_POLICIES.contains(&c.policy.as_str()))
+        {
+            let d = &c.divergence;
+            if d.compared > 0 {
+                spreads.extend(c.goodput_rps);
+                divergence.push(DivergenceBar {
+                    point: p.point.clone(),
+                    policy: c.policy.clone(),
+                    compared: d.compared,
+                    over_count: d.over.count,
+                    over_tokens_mean: d.over.tokens_mean,
+                    under_count: d.under.count,
+                    under_tokens_mean: d.under.tokens_mean,
+                });
+            }
+            if c.policy == PREFIX_AFFINITY {
+                if band_edges.is_empty() {
+                    band_edges = c
+                        .decay
+                        .by_gap
+                        .iter()
+                        .map(|b| (b.lower_s, b.upper_s))
+                        .collect();
+                }
+                for (band, b) in c.decay.by_gap.iter().enumerate() {
+                    if let Some(share) = b.honoured_share {
+                        decay.push(DecayPoint {
+                            point: p.point.clone(),
+                            working_set_ratio: p.axes.working_set_ratio,
+                            zipf_s: p.axes.zipf_s,
+                            band,
+                            lower_s: b.lower_s,
+                            upper_s: b.upper_s,
+                            requests: b.requests,
+                            honoured_share: share,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    let mut lack = Vec::new();
+    if divergence.is_empty() {
+        lack.push(format!(
+            "no cell of {} has requests with both a predicted match (router.csv predicted_match_tokens) and engine cached tokens",
+            BELIEF_POLICIES.join(", ")
+        ));
+    }
+    if decay.is_empty() {
+        lack.push(format!(
+            "no `{PREFIX_AFFINITY}` cell has a decay band with predicted tokens (router.csv predicted_match_tokens > 0 after a session's first request)"
+        ));
+    }
+    missing(FIG5, lack)?;
+    Ok(BeliefData {
+        divergence,
+        band_edges,
+        decay,
+        reps: Reps::of(&spreads)
+            .with_context(|| format!("{FIG5}: the compared cells have no goodput"))?,
+    })
+}
+
+/// A decay band in words: `0–1 s`, `300+ s`.
+pub fn band_label(lower_s: f64, upper_s: Option<f64>) -> String {
+    match upper_s {
+        Some(u) => format!("{}–{} s", num(lower_s), num(u)),
+        None => format!("{}+ s", num(lower_s)),
+    }
+}
+
+impl BeliefData {
+    /// Exactly the numbers drawn, both panels in one table (`panel` says which).
+    pub fn table(&self) -> Table {
+        let mut rows = Vec::new();
+        for d in &self.divergence {
+            for (panel, count, mean) in [
+                ("over", d.over_count, d.over_tokens_mean),
+                ("under", d.under_count, d.under_tokens_mean),
+            ] {
+                rows.push(vec![
+                    panel.to_string(),
+                    d.point.clone(),
+                    d.policy.clone(),
+                    String::new(),
+                    d.compared.to_string(),
+                    count.to_string(),
+                    opt(mean),
+                    String::new(),
+                ]);
+            }
+        }
+        for k in &self.decay {
+            rows.push(vec![
+                "decay".to_string(),
+                k.point.clone(),
+                PREFIX_AFFINITY.to_string(),
+                band_label(k.lower_s, k.upper_s),
+                String::new(),
+                k.requests.to_string(),
+                String::new(),
+                num(k.honoured_share),
+            ]);
+        }
+        Table {
+            header: vec![
+                "panel",
+                "point",
+                "policy",
+                "since_last_served",
+                "compared",
+                "requests",
+                "tokens_mean",
+                "honoured_share",
+            ],
+            rows,
+        }
+    }
+}
+
+/// A replica outage: `[down_s, up_s)`, `up_s` `None` when it did not come back in the timeline.
+pub type Outage = (f64, Option<f64>);
+
+/// Figure 6: goodput per second through a replica kill and restart, per policy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TimelineData {
+    /// One series per policy.
+    pub series: Vec<PolicyTimeline>,
+}
+
+/// Picks figure 6's numbers. Every series must show the replica down and up again.
+pub fn timeline(input: &FaultInput) -> Result<TimelineData> {
+    let mut lack = Vec::new();
+    for s in &input.series {
+        if s.rows.iter().all(|r| r.replica_alive) {
+            lack.push(format!(
+                "`{}` never has replica_alive = 0 (no kill in its timeline)",
+                s.policy
+            ));
+        }
+    }
+    missing(FIG6, lack)?;
+    Ok(TimelineData {
+        series: input.series.clone(),
+    })
+}
+
+impl TimelineData {
+    /// Exactly the numbers drawn.
+    pub fn table(&self) -> Table {
+        Table {
+            header: vec!["policy", "t_s", "goodput_rps", "replica_alive"],
+            rows: self
+                .series
+                .iter()
+                .flat_map(|s| {
+                    s.rows.iter().map(|r| {
+                        vec![
+                            s.policy.clone(),
+                            num(r.t_s),
+                            num(r.goodput_rps),
+                            u8::from(r.replica_alive).to_string(),
+                        ]
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// Repetitions behind the series.
+    pub fn reps(&self) -> Reps {
+        Reps {
+            min: self.series.iter().map(|s| s.reps).min().unwrap_or(0),
+            max: self.series.iter().map(|s| s.reps).max().unwrap_or(0),
+        }
+    }
+
+    /// Intervals `[down, up)` in which `series`' replica was down (`up` is `None` if it never
+    /// came back within the timeline).
+    pub fn outages(series: &PolicyTimeline) -> Vec<Outage> {
+        let mut out = Vec::new();
+        let mut down: Option<f64> = None;
+        for r in &series.rows {
+            match (r.replica_alive, down) {
+                (false, None) => down = Some(r.t_s),
+                (true, Some(d)) => {
+                    out.push((d, Some(r.t_s)));
+                    down = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(d) = down {
+            out.push((d, None));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::input::TimelineRow;
+
+    #[test]
+    fn reps_text_names_one_count_or_a_range() {
+        assert_eq!(
+            Reps { min: 3, max: 3 }.text(),
+            "3 reps per cell (median, min–max)"
+        );
+        assert_eq!(
+            Reps { min: 2, max: 3 }.text(),
+            "2–3 reps per cell (median, min–max)"
+        );
+        assert_eq!(
+            Reps { min: 1, max: 1 }.text(),
+            "1 rep per cell (median, min–max)"
+        );
+    }
+
+    #[test]
+    fn band_labels_close_the_open_band() {
+        assert_eq!(band_label(0.0, Some(1.0)), "0–1 s");
+        assert_eq!(band_label(300.0, None), "300+ s");
+    }
+
+    #[test]
+    fn outages_pair_kills_with_restarts() {
+        let row = |t_s: f64, alive: bool| TimelineRow {
+            t_s,
+            goodput_rps: 1.0,
+            replica_alive: alive,
+        };
+        let s = PolicyTimeline {
+            policy: "p".into(),
+            reps: 1,
+            rows: vec![
+                row(0.0, true),
+                row(1.0, false),
+                row(2.0, false),
+                row(3.0, true),
+                row(4.0, false),
+            ],
+        };
+        assert_eq!(
+            TimelineData::outages(&s),
+            vec![(1.0, Some(3.0)), (4.0, None)]
+        );
+    }
+
+    #[test]
+    fn tables_quote_only_where_needed() {
+        let t = Table {
+            header: vec!["a", "b"],
+            rows: vec![vec!["x,y".into(), "1".into()]],
+        };
+        assert_eq!(t.to_csv().unwrap(), "a,b\n\"x,y\",1\n");
+    }
+}

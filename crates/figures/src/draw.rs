@@ -1,0 +1,1178 @@
+//! Drawing: one generic routine per figure, run once on the bitmap backend (PNG) and once on
+//! the SVG backend, plus the pieces they share (header, heatmap grid, hatching, colours).
+//!
+//! Labels round for legibility; the CSV beside each figure holds the exact numbers.
+
+use std::path::Path;
+
+use anyhow::{Result, anyhow};
+use plotters::coord::Shift;
+use plotters::element::DashedPathElement;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+use crate::data::{
+    BELIEF_POLICIES, BeliefData, LADDER, LadderData, MechRole, MechanismData, Outage, PressureData,
+    TimelineData, WinnersData, band_label,
+};
+use crate::font::{self, FAMILY};
+use crate::input::{Context, num};
+use analysis::Verdict;
+
+/// A figure that can draw itself on any plotters backend.
+pub trait Figure {
+    /// Canvas size, px.
+    fn size(&self) -> (u32, u32);
+    /// Draws the whole figure on `root`.
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()>;
+}
+
+fn de<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) -> anyhow::Error {
+    anyhow!("drawing failed: {e}")
+}
+
+/// Draws `fig` into `png` and `svg`.
+pub fn render_files<F: Figure>(fig: &F, png: &Path, svg: &Path) -> Result<()> {
+    font::ensure_registered()?;
+    {
+        let root = BitMapBackend::new(png, fig.size()).into_drawing_area();
+        fig.draw(&root)?;
+        root.present()
+            .map_err(|e| anyhow!("{}: {e}", png.display()))?;
+    }
+    let root = SVGBackend::new(svg, fig.size()).into_drawing_area();
+    fig.draw(&root)?;
+    root.present()
+        .map_err(|e| anyhow!("{}: {e}", svg.display()))?;
+    Ok(())
+}
+
+fn style(size: f64, color: &RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
+    (FAMILY, size).into_font().color(color).pos(Pos::new(h, v))
+}
+
+const INK: RGBColor = RGBColor(30, 30, 30);
+const MUTED: RGBColor = RGBColor(90, 90, 90);
+const EMPTY_CELL: RGBColor = RGBColor(225, 225, 225);
+
+/// The colour a policy is drawn in, the same in every figure.
+pub fn policy_color(policy: &str) -> RGBColor {
+    match policy {
+        "round-robin" => RGBColor(127, 127, 127),
+        "least-outstanding" => RGBColor(140, 86, 75),
+        "session-affinity" => RGBColor(31, 119, 180),
+        "session-bounded" => RGBColor(23, 190, 207),
+        "prefix-hash" => RGBColor(188, 189, 34),
+        "prefix-affinity" => RGBColor(255, 127, 14),
+        "prefix-affinity-spill-off" => RGBColor(214, 39, 40),
+        "exact-residency" => RGBColor(44, 160, 44),
+        "exact-residency-spec" => RGBColor(148, 103, 189),
+        _ => RGBColor(227, 119, 194),
+    }
+}
+
+/// Colours for series that are not policies (points in the decay panel).
+const SERIES: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
+
+fn lighten(c: RGBColor, keep: f64) -> RGBColor {
+    let m = |v: u8| (255.0 - (255.0 - f64::from(v)) * keep).round() as u8;
+    RGBColor(m(c.0), m(c.1), m(c.2))
+}
+
+/// Title and subtitle lines; returns the area below them.
+fn header<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    title: &str,
+    lines: &[String],
+) -> Result<DrawingArea<DB, Shift>> {
+    root.fill(&WHITE).map_err(de)?;
+    let (w, _) = root.dim_in_pixel();
+    let cx = (w / 2) as i32;
+    root.draw(&Text::new(
+        title.to_string(),
+        (cx, 14),
+        style(26.0, &INK, HPos::Center, VPos::Top),
+    ))
+    .map_err(de)?;
+    let mut y = 50;
+    for l in lines {
+        root.draw(&Text::new(
+            l.clone(),
+            (cx, y),
+            style(15.0, &MUTED, HPos::Center, VPos::Top),
+        ))
+        .map_err(de)?;
+        y += 21;
+    }
+    let (_, rest) = root.split_vertically(y + 8);
+    Ok(rest)
+}
+
+fn context_lines(ctx: &Context, reps: &str) -> Vec<String> {
+    vec![
+        format!("sweep {} · workload {}", ctx.sweep, ctx.workload),
+        ctx.fleet.clone(),
+        format!("{reps} · {}", ctx.slo_text()),
+    ]
+}
+
+/// Anti-diagonal hatching clipped to a pixel rectangle: marks a within-spread cell.
+fn hatch<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    (x0, y0): (i32, i32),
+    (x1, y1): (i32, i32),
+) -> Result<()> {
+    let (w, h) = (x1 - x0, y1 - y0);
+    let stroke = RGBColor(70, 70, 70).mix(0.45).stroke_width(1);
+    let mut d = 12;
+    while d < w + h {
+        let a = if d <= w {
+            (x0 + d, y0)
+        } else {
+            (x1, y0 + d - w)
+        };
+        let b = if d <= h {
+            (x0, y0 + d)
+        } else {
+            (x0 + d - h, y1)
+        };
+        area.draw(&PathElement::new(vec![a, b], stroke))
+            .map_err(de)?;
+        d += 12;
+    }
+    Ok(())
+}
+
+/// One cell of a heatmap: where, its fill, its text lines, and whether it is within spread.
+struct HeatCell {
+    col: usize,
+    row: usize,
+    fill: RGBColor,
+    lines: Vec<String>,
+    verdict: Verdict,
+}
+
+/// A working set × skew grid: rows are working-set ratios (largest on top), columns skews.
+fn heatmap<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    ws_values: &[f64],
+    s_values: &[f64],
+    cells: &[HeatCell],
+) -> Result<()> {
+    let (w, h) = area.dim_in_pixel();
+    let (left, bottom, top, right) = (170i32, 80i32, 10i32, 20i32);
+    let (nx, ny) = (s_values.len() as i32, ws_values.len() as i32);
+    let cw = (w as i32 - left - right) / nx.max(1);
+    let ch = (h as i32 - top - bottom) / ny.max(1);
+    let rect = |col: i32, row: i32| {
+        let x0 = left + col * cw;
+        let y0 = top + (ny - 1 - row) * ch;
+        ((x0, y0), (x0 + cw, y0 + ch))
+    };
+    for col in 0..nx {
+        for row in 0..ny {
+            let (a, b) = rect(col, row);
+            let cell = cells
+                .iter()
+                .find(|c| c.col as i32 == col && c.row as i32 == row);
+            let fill = cell.map_or(EMPTY_CELL, |c| c.fill);
+            area.draw(&Rectangle::new([a, b], fill.filled()))
+                .map_err(de)?;
+            let c = match cell {
+                Some(c) => c,
+                None => {
+                    area.draw(&Text::new(
+                        "not run",
+                        ((a.0 + b.0) / 2, (a.1 + b.1) / 2),
+                        style(15.0, &MUTED, HPos::Center, VPos::Center),
+                    ))
+                    .map_err(de)?;
+                    continue;
+                }
+            };
+            if c.verdict != Verdict::Separates {
+                hatch(area, a, b)?;
+            }
+            let n = c.lines.len() as i32;
+            let line_h = 25;
+            let y_first = (a.1 + b.1) / 2 - (n - 1) * line_h / 2;
+            for (i, l) in c.lines.iter().enumerate() {
+                let size = if i == 0 { 21.0 } else { 17.0 };
+                let (tw, th) = area
+                    .estimate_text_size(l, &style(size, &INK, HPos::Center, VPos::Center))
+                    .map_err(de)?;
+                let (tx, ty) = ((a.0 + b.0) / 2, y_first + i as i32 * line_h);
+                // a white plate keeps the text legible over hatching and dark fills
+                area.draw(&Rectangle::new(
+                    [
+                        (tx - tw as i32 / 2 - 4, ty - th as i32 / 2 - 2),
+                        (tx + tw as i32 / 2 + 4, ty + th as i32 / 2 + 3),
+                    ],
+                    WHITE.mix(0.8).filled(),
+                ))
+                .map_err(de)?;
+                area.draw(&Text::new(
+                    l.clone(),
+                    (tx, ty),
+                    style(size, &INK, HPos::Center, VPos::Center),
+                ))
+                .map_err(de)?;
+            }
+        }
+    }
+    for col in 0..nx {
+        for row in 0..ny {
+            let (a, b) = rect(col, row);
+            area.draw(&Rectangle::new([a, b], WHITE.stroke_width(2)))
+                .map_err(de)?;
+        }
+    }
+    for (col, s) in s_values.iter().enumerate() {
+        let (a, b) = rect(col as i32, 0);
+        area.draw(&Text::new(
+            format!("s = {}", num(*s)),
+            ((a.0 + b.0) / 2, b.1 + 10),
+            style(16.0, &INK, HPos::Center, VPos::Top),
+        ))
+        .map_err(de)?;
+    }
+    let grid_bottom = top + ny * ch;
+    area.draw(&Text::new(
+        "skew (Zipf exponent over conversations)",
+        (left + nx * cw / 2, grid_bottom + 44),
+        style(17.0, &INK, HPos::Center, VPos::Top),
+    ))
+    .map_err(de)?;
+    for (row, ws) in ws_values.iter().enumerate() {
+        let (a, b) = rect(0, row as i32);
+        area.draw(&Text::new(
+            format!("{}×", num(*ws)),
+            (a.0 - 10, (a.1 + b.1) / 2),
+            style(16.0, &INK, HPos::Right, VPos::Center),
+        ))
+        .map_err(de)?;
+    }
+    area.draw(&Text::new(
+        "working set ÷ fleet KV capacity",
+        (30, top + ny * ch / 2),
+        style(17.0, &INK, HPos::Center, VPos::Center).transform(FontTransform::Rotate270),
+    ))
+    .map_err(de)?;
+    Ok(())
+}
+
+fn index_of(values: &[f64], v: f64) -> usize {
+    values.iter().position(|x| *x == v).unwrap_or(0)
+}
+
+fn verdict_line(v: Verdict) -> String {
+    match v {
+        Verdict::Separates => "separates".into(),
+        Verdict::WithinSpread => "within spread".into(),
+        Verdict::TooFewReps => "too few reps".into(),
+    }
+}
+
+/// Diverging colour: blue below zero, red above, white at zero, saturating at ±`max`.
+fn diverging(v: f64, max: f64) -> RGBColor {
+    let t = if max > 0.0 {
+        (v / max).clamp(-1.0, 1.0)
+    } else {
+        0.0
+    };
+    let c = if t >= 0.0 {
+        RGBColor(214, 96, 77)
+    } else {
+        RGBColor(67, 147, 195)
+    };
+    lighten(c, t.abs() * 0.85)
+}
+
+/// Figure 1 ready to draw.
+pub struct PressureFigure<'a> {
+    /// Its numbers.
+    pub data: &'a PressureData,
+    /// Title context.
+    pub ctx: &'a Context,
+}
+
+impl Figure for PressureFigure<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1300, 950)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
+        let body = header(
+            root,
+            "Pressure map: prefix-affinity's goodput margin over session-affinity",
+            &context_lines(self.ctx, &d.reps.text()),
+        )?;
+        let (w, _) = body.dim_in_pixel();
+        let (grid, bar) = body.split_horizontally(w - 190);
+        let max = d
+            .cells
+            .iter()
+            .map(|c| c.margin_rps.abs())
+            .fold(0.0, f64::max);
+        let cells: Vec<HeatCell> = d
+            .cells
+            .iter()
+            .map(|c| {
+                let mut lines = vec![format!("{:+.2} req/s", c.margin_rps)];
+                if let Some(r) = c.relative {
+                    lines.push(format!("{:+.0} %", r * 100.0));
+                }
+                lines.push(verdict_line(c.verdict));
+                HeatCell {
+                    col: index_of(&d.s_values, c.zipf_s),
+                    row: index_of(&d.ws_values, c.working_set_ratio),
+                    fill: diverging(c.margin_rps, max),
+                    lines,
+                    verdict: c.verdict,
+                }
+            })
+            .collect();
+        heatmap(&grid, &d.ws_values, &d.s_values, &cells)?;
+        colorbar(&bar, max)
+    }
+}
+
+fn colorbar<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, max: f64) -> Result<()> {
+    let (_, h) = area.dim_in_pixel();
+    let (x0, x1, y0, y1) = (20i32, 50i32, 30i32, h as i32 - 200);
+    let steps = (y1 - y0).max(1);
+    for i in 0..steps {
+        let v = max - 2.0 * max * f64::from(i) / f64::from(steps);
+        area.draw(&Rectangle::new(
+            [(x0, y0 + i), (x1, y0 + i + 1)],
+            diverging(v, max).filled(),
+        ))
+        .map_err(de)?;
+    }
+    area.draw(&Rectangle::new([(x0, y0), (x1, y1)], INK.stroke_width(1)))
+        .map_err(de)?;
+    for (v, y) in [(max, y0), (0.0, (y0 + y1) / 2), (-max, y1)] {
+        area.draw(&Text::new(
+            format!("{v:+.2}"),
+            (x1 + 6, y),
+            style(14.0, &INK, HPos::Left, VPos::Center),
+        ))
+        .map_err(de)?;
+    }
+    let notes = [
+        "req/s",
+        "red: prefix-affinity",
+        "  ahead",
+        "blue: session-affinity",
+        "  ahead",
+        "hatched: within",
+        "  spread (min–max",
+        "  ranges overlap)",
+    ];
+    for (i, l) in notes.iter().enumerate() {
+        area.draw(&Text::new(
+            *l,
+            (4, y1 + 14 + 20 * i as i32),
+            style(13.0, &MUTED, HPos::Left, VPos::Top),
+        ))
+        .map_err(de)?;
+    }
+    Ok(())
+}
+
+/// Figure 2 ready to draw.
+pub struct WinnersFigure<'a> {
+    /// Its numbers.
+    pub data: &'a WinnersData,
+    /// Title context.
+    pub ctx: &'a Context,
+}
+
+impl Figure for WinnersFigure<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1300, 950)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
+        let mut lines = context_lines(self.ctx, &d.reps.text());
+        lines.push("hatched: winner and runner-up within spread (no clear winner)".to_string());
+        let body = header(
+            root,
+            "Winners map: highest median goodput, with runner-up",
+            &lines,
+        )?;
+        let cells: Vec<HeatCell> = d
+            .cells
+            .iter()
+            .map(|c| HeatCell {
+                col: index_of(&d.s_values, c.zipf_s),
+                row: index_of(&d.ws_values, c.working_set_ratio),
+                fill: lighten(policy_color(&c.winner), 0.55),
+                lines: vec![
+                    c.winner.clone(),
+                    format!("{:.2} req/s", c.winner_rps),
+                    format!("runner-up: {} {:.2}", c.runner_up, c.runner_up_rps),
+                    verdict_line(c.verdict),
+                ],
+                verdict: c.verdict,
+            })
+            .collect();
+        heatmap(&body, &d.ws_values, &d.s_values, &cells)
+    }
+}
+
+fn pad_range(lo: f64, hi: f64, floor: f64, ceil: f64) -> (f64, f64) {
+    let span = (hi - lo).max(0.05);
+    ((lo - 0.12 * span).max(floor), (hi + 0.12 * span).min(ceil))
+}
+
+/// Figure 3 ready to draw.
+pub struct MechanismFigure<'a> {
+    /// Its numbers.
+    pub data: &'a MechanismData,
+    /// Title context.
+    pub ctx: &'a Context,
+}
+
+impl Figure for MechanismFigure<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1200, 900)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
+        let mut lines = context_lines(self.ctx, &d.reps.text());
+        lines.push(
+            "hit-rate difference = height above session-affinity (■) at the same point; bars: min–max over reps"
+                .to_string(),
+        );
+        let body = header(
+            root,
+            "Mechanism: engine prefix-hit rate vs busiest replica's share, spill on vs off",
+            &lines,
+        )?;
+        let (bx0, bx1) = pad_range(
+            d.markers
+                .iter()
+                .map(|m| m.busiest_share.min)
+                .fold(1.0, f64::min),
+            d.markers
+                .iter()
+                .map(|m| m.busiest_share.max)
+                .fold(0.0, f64::max),
+            0.0,
+            1.0,
+        );
+        let (hy0, hy1) = pad_range(
+            d.markers
+                .iter()
+                .map(|m| m.prefix_hit_rate.min)
+                .fold(1.0, f64::min),
+            d.markers
+                .iter()
+                .map(|m| m.prefix_hit_rate.max)
+                .fold(0.0, f64::max),
+            0.0,
+            1.0,
+        );
+        let mut chart = ChartBuilder::on(&body)
+            .margin(25)
+            .x_label_area_size(60)
+            .y_label_area_size(80)
+            .build_cartesian_2d(bx0..bx1, hy0..hy1)
+            .map_err(de)?;
+        let pct = |v: &f64| format!("{:.0} %", v * 100.0);
+        chart
+            .configure_mesh()
+            .x_desc("busiest replica's share of requests")
+            .y_desc("engine prefix-hit rate (cached ÷ prompt tokens)")
+            .x_label_formatter(&pct)
+            .y_label_formatter(&pct)
+            .label_style((FAMILY, 15))
+            .axis_desc_style((FAMILY, 17))
+            .max_light_lines(1)
+            .light_line_style(RGBColor(240, 240, 240))
+            .draw()
+            .map_err(de)?;
+        // one path per point: reference → spill on → spill off
+        let mut points: Vec<&str> = d.markers.iter().map(|m| m.point.as_str()).collect();
+        points.dedup();
+        for p in &points {
+            let path: Vec<(f64, f64)> = d
+                .markers
+                .iter()
+                .filter(|m| m.point == *p)
+                .map(|m| (m.busiest_share.median, m.prefix_hit_rate.median))
+                .collect();
+            chart
+                .draw_series(std::iter::once(PathElement::new(
+                    path,
+                    RGBColor(160, 160, 160).stroke_width(1),
+                )))
+                .map_err(de)?;
+        }
+        for role in [MechRole::Reference, MechRole::SpillOn, MechRole::SpillOff] {
+            let ms: Vec<_> = d.markers.iter().filter(|m| m.role == role).collect();
+            if ms.is_empty() {
+                continue;
+            }
+            let color = policy_color(&ms[0].policy);
+            for m in &ms {
+                let (b, h) = (m.busiest_share, m.prefix_hit_rate);
+                chart
+                    .draw_series([
+                        PathElement::new(
+                            vec![(b.min, h.median), (b.max, h.median)],
+                            color.stroke_width(2),
+                        ),
+                        PathElement::new(
+                            vec![(b.median, h.min), (b.median, h.max)],
+                            color.stroke_width(2),
+                        ),
+                    ])
+                    .map_err(de)?;
+            }
+            let at =
+                |m: &&crate::data::MechMarker| (m.busiest_share.median, m.prefix_hit_rate.median);
+            let label = format!("{} ({})", role.as_str(), ms[0].policy);
+            match role {
+                MechRole::Reference => chart
+                    .draw_series(ms.iter().map(|m| {
+                        EmptyElement::at(at(m)) + Rectangle::new([(-6, -6), (6, 6)], color.filled())
+                    }))
+                    .map_err(de)?
+                    .label(label)
+                    .legend(move |(x, y)| {
+                        Rectangle::new([(x - 6, y - 6), (x + 6, y + 6)], color.filled())
+                    }),
+                MechRole::SpillOn => chart
+                    .draw_series(ms.iter().map(|m| Circle::new(at(m), 8, color.filled())))
+                    .map_err(de)?
+                    .label(label)
+                    .legend(move |(x, y)| Circle::new((x, y), 7, color.filled())),
+                MechRole::SpillOff => chart
+                    .draw_series(
+                        ms.iter()
+                            .map(|m| TriangleMarker::new(at(m), 10, color.filled())),
+                    )
+                    .map_err(de)?
+                    .label(label)
+                    .legend(move |(x, y)| TriangleMarker::new((x, y), 9, color.filled())),
+            };
+        }
+        let anchors: Vec<((i32, i32), String)> = d
+            .markers
+            .iter()
+            .filter(|m| m.role == MechRole::SpillOn)
+            .map(|m| {
+                let (x, y) =
+                    chart.backend_coord(&(m.busiest_share.median, m.prefix_hit_rate.median));
+                ((x + 10, y - 8), m.point.clone())
+            })
+            .collect();
+        place_labels(root, anchors, 14.0)?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(MUTED)
+            .label_font((FAMILY, 15))
+            .draw()
+            .map_err(de)?;
+        Ok(())
+    }
+}
+
+/// Draws point labels left-anchored at their anchors, nudging each one up (then down) past
+/// labels already placed so that none overlap.
+fn place_labels<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    labels: Vec<((i32, i32), String)>,
+    size: f64,
+) -> Result<()> {
+    let st = style(size, &INK, HPos::Left, VPos::Bottom);
+    let mut placed: Vec<(i32, i32, i32, i32)> = Vec::new();
+    for ((x, y), text) in labels {
+        let (w, h) = root.estimate_text_size(&text, &st).map_err(de)?;
+        let (w, h) = (w as i32, h as i32 + 2);
+        let free = |y: i32| {
+            placed
+                .iter()
+                .all(|&(x0, y0, x1, y1)| x + w <= x0 || x >= x1 || y <= y0 || y - h >= y1)
+        };
+        let y = (0..40)
+            .map(|k| {
+                if k % 2 == 0 {
+                    y - (k / 2) * h
+                } else {
+                    y + (k / 2 + 1) * h
+                }
+            })
+            .find(|&y| free(y))
+            .unwrap_or(y);
+        placed.push((x, y - h, x + w, y));
+        root.draw(&Rectangle::new(
+            [(x - 2, y - h), (x + w + 2, y + 1)],
+            WHITE.mix(0.75).filled(),
+        ))
+        .map_err(de)?;
+        root.draw(&Text::new(text, (x, y), st.clone()))
+            .map_err(de)?;
+    }
+    Ok(())
+}
+
+/// Group labels under a chart whose x axis counts groups (`i + 0.5` is group `i`'s centre).
+fn group_labels<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    at: impl Fn(f64) -> (i32, i32),
+    labels: &[String],
+) -> Result<()> {
+    for (i, l) in labels.iter().enumerate() {
+        let (x, y) = at(i as f64 + 0.5);
+        root.draw(&Text::new(
+            l.clone(),
+            (x, y + 10),
+            style(15.0, &INK, HPos::Center, VPos::Top),
+        ))
+        .map_err(de)?;
+    }
+    Ok(())
+}
+
+/// Figure 4 ready to draw.
+pub struct LadderFigure<'a> {
+    /// Its numbers.
+    pub data: &'a LadderData,
+    /// Title context.
+    pub ctx: &'a Context,
+}
+
+impl Figure for LadderFigure<'_> {
+    fn size(&self) -> (u32, u32) {
+        let w = 500 + 260 * self.data.points.len() as u32;
+        (w.clamp(1100, 2400), 850)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
+        let body = header(
+            root,
+            "Knowledge ladder: goodput by what the router knows about the caches",
+            &context_lines(self.ctx, &d.reps.text()),
+        )?;
+        let n = d.points.len() as f64;
+        let top = d.bars.iter().map(|b| b.goodput.max).fold(0.0, f64::max);
+        let ymax = if top > 0.0 { top * 1.18 } else { 1.0 };
+        let mut chart = ChartBuilder::on(&body)
+            .margin(25)
+            .x_label_area_size(60)
+            .y_label_area_size(80)
+            .build_cartesian_2d(0.0..n, 0.0..ymax)
+            .map_err(de)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .y_desc("goodput, req/s (median; bar: min–max over reps)")
+            .label_style((FAMILY, 15))
+            .axis_desc_style((FAMILY, 17))
+            .max_light_lines(1)
+            .light_line_style(RGBColor(240, 240, 240))
+            .draw()
+            .map_err(de)?;
+        let slot = 0.8 / LADDER.len() as f64;
+        for (rung, (policy, label)) in LADDER.iter().enumerate() {
+            let bars: Vec<_> = d.bars.iter().filter(|b| b.rung == rung).collect();
+            if bars.is_empty() {
+                continue;
+            }
+            let color = policy_color(policy);
+            let x_of = |point: &str| {
+                let i = d.points.iter().position(|p| p == point).unwrap_or(0) as f64;
+                i + 0.1 + slot * rung as f64
+            };
+            chart
+                .draw_series(bars.iter().map(|b| {
+                    let x = x_of(&b.point);
+                    Rectangle::new(
+                        [(x + 0.01, 0.0), (x + slot - 0.01, b.goodput.median)],
+                        color.filled(),
+                    )
+                }))
+                .map_err(de)?
+                .label(*label)
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x - 7, y - 7), (x + 7, y + 7)], color.filled())
+                });
+            for b in &bars {
+                let xc = x_of(&b.point) + slot / 2.0;
+                let (g, cap) = (b.goodput, slot * 0.2);
+                chart
+                    .draw_series([
+                        PathElement::new(vec![(xc, g.min), (xc, g.max)], INK.stroke_width(2)),
+                        PathElement::new(
+                            vec![(xc - cap, g.min), (xc + cap, g.min)],
+                            INK.stroke_width(2),
+                        ),
+                        PathElement::new(
+                            vec![(xc - cap, g.max), (xc + cap, g.max)],
+                            INK.stroke_width(2),
+                        ),
+                    ])
+                    .map_err(de)?;
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        format!("{:.2}", g.median),
+                        (xc, g.max + ymax * 0.01),
+                        style(13.0, &INK, HPos::Center, VPos::Bottom),
+                    )))
+                    .map_err(de)?;
+            }
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(MUTED)
+            .label_font((FAMILY, 15))
+            .draw()
+            .map_err(de)?;
+        group_labels(root, |x| chart.backend_coord(&(x, 0.0)), &d.points)
+    }
+}
+
+/// Figure 5 ready to draw.
+pub struct BeliefFigure<'a> {
+    /// Its numbers.
+    pub data: &'a BeliefData,
+    /// Title context.
+    pub ctx: &'a Context,
+}
+
+impl Figure for BeliefFigure<'_> {
+    fn size(&self) -> (u32, u32) {
+        // room for four labelled bars per point in the divergence panel
+        let points = self
+            .data
+            .divergence
+            .iter()
+            .map(|b| b.point.as_str())
+            .collect::<std::collections::BTreeSet<_>>()
+            .len() as u32;
+        ((300 + 180 * points).clamp(1400, 2800), 1250)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
+        let mut lines = context_lines(self.ctx, &d.reps.text());
+        lines[2] = format!(
+            "requests of all used reps pooled per cell · {}",
+            self.ctx.slo_text()
+        );
+        let body = header(
+            root,
+            "Belief: how far the router's predicted match is from what the engine reused",
+            &lines,
+        )?;
+        let (_, h) = body.dim_in_pixel();
+        let (top, bottom) = body.split_vertically(h * 55 / 100);
+        divergence_panel(root, &top, d)?;
+        decay_panel(root, &bottom, d)
+    }
+}
+
+fn panel_title<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    t: &str,
+) -> Result<DrawingArea<DB, Shift>> {
+    let (w, _) = area.dim_in_pixel();
+    area.draw(&Text::new(
+        t.to_string(),
+        ((w / 2) as i32, 4),
+        style(18.0, &INK, HPos::Center, VPos::Top),
+    ))
+    .map_err(de)?;
+    Ok(area.split_vertically(28).1)
+}
+
+fn divergence_panel<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    area: &DrawingArea<DB, Shift>,
+    d: &BeliefData,
+) -> Result<()> {
+    let area = panel_title(
+        area,
+        "(a) Divergence per request, never netted: over-prediction up, under-prediction down",
+    )?;
+    let mut points: Vec<String> = Vec::new();
+    for b in &d.divergence {
+        if !points.contains(&b.point) {
+            points.push(b.point.clone());
+        }
+    }
+    let over = d
+        .divergence
+        .iter()
+        .filter_map(|b| b.over_tokens_mean)
+        .fold(0.0, f64::max);
+    let under = d
+        .divergence
+        .iter()
+        .filter_map(|b| b.under_tokens_mean)
+        .fold(0.0, f64::max);
+    // each side gets at least a third of the other's height so its labels fit
+    let side = over.max(under).max(1.0);
+    let hi = over.max(side / 3.0) * 1.35;
+    let lo = -under.max(side / 3.0) * 1.35;
+    let mut chart = ChartBuilder::on(&area)
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(90)
+        .build_cartesian_2d(0.0..points.len() as f64, lo..hi)
+        .map_err(de)?;
+    let abs = |v: &f64| format!("{:.0}", v.abs());
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        .y_label_formatter(&abs)
+        .y_desc("mean size, tokens (label: requests / compared)")
+        .label_style((FAMILY, 14))
+        .axis_desc_style((FAMILY, 16))
+        .max_light_lines(1)
+        .light_line_style(RGBColor(240, 240, 240))
+        .draw()
+        .map_err(de)?;
+    chart
+        .draw_series(std::iter::once(PathElement::new(
+            vec![(0.0, 0.0), (points.len() as f64, 0.0)],
+            INK.stroke_width(1),
+        )))
+        .map_err(de)?;
+    let slot = 0.8 / BELIEF_POLICIES.len() as f64;
+    for (k, policy) in BELIEF_POLICIES.iter().enumerate() {
+        let bars: Vec<_> = d
+            .divergence
+            .iter()
+            .filter(|b| b.policy == *policy)
+            .collect();
+        if bars.is_empty() {
+            continue;
+        }
+        let color = policy_color(policy);
+        let x_of = |p: &str| {
+            points.iter().position(|q| q == p).unwrap_or(0) as f64 + 0.1 + slot * k as f64
+        };
+        chart
+            .draw_series(bars.iter().flat_map(|b| {
+                let x = x_of(&b.point);
+                [
+                    Rectangle::new(
+                        [
+                            (x + 0.01, 0.0),
+                            (x + slot - 0.01, b.over_tokens_mean.unwrap_or(0.0)),
+                        ],
+                        color.filled(),
+                    ),
+                    Rectangle::new(
+                        [
+                            (x + 0.01, 0.0),
+                            (x + slot - 0.01, -b.under_tokens_mean.unwrap_or(0.0)),
+                        ],
+                        lighten(color, 0.6).filled(),
+                    ),
+                ]
+            }))
+            .map_err(de)?
+            .label(*policy)
+            .legend(move |(x, y)| Rectangle::new([(x - 7, y - 7), (x + 7, y + 7)], color.filled()));
+        chart
+            .draw_series(bars.iter().flat_map(|b| {
+                let xc = x_of(&b.point) + slot / 2.0;
+                [
+                    Text::new(
+                        format!("{}/{}", b.over_count, b.compared),
+                        (xc, b.over_tokens_mean.unwrap_or(0.0) + hi * 0.02),
+                        style(11.0, &INK, HPos::Center, VPos::Bottom),
+                    ),
+                    Text::new(
+                        format!("{}/{}", b.under_count, b.compared),
+                        (xc, -b.under_tokens_mean.unwrap_or(0.0) + lo * 0.02),
+                        style(11.0, &INK, HPos::Center, VPos::Top),
+                    ),
+                ]
+            }))
+            .map_err(de)?;
+    }
+    chart
+        .draw_series([
+            Text::new(
+                "over: predicted more than the engine reused",
+                (0.02, hi * 0.97),
+                style(13.0, &MUTED, HPos::Left, VPos::Top),
+            ),
+            Text::new(
+                "under: the engine reused more than predicted",
+                (0.02, lo * 0.97),
+                style(13.0, &MUTED, HPos::Left, VPos::Bottom),
+            ),
+        ])
+        .map_err(de)?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(MUTED)
+        .label_font((FAMILY, 14))
+        .draw()
+        .map_err(de)?;
+    group_labels(root, |x| chart.backend_coord(&(x, lo)), &points)
+}
+
+fn decay_panel<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    area: &DrawingArea<DB, Shift>,
+    d: &BeliefData,
+) -> Result<()> {
+    let area = panel_title(
+        area,
+        "(b) Decay: share of prefix-affinity's predicted tokens the engine honoured, by time since the session was last served",
+    )?;
+    let nb = d.decay.iter().map(|k| k.band + 1).max().unwrap_or(1);
+    let mut chart = ChartBuilder::on(&area)
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(90)
+        .build_cartesian_2d(0.0..nb as f64, 0.0..1.08)
+        .map_err(de)?;
+    let pct = |v: &f64| format!("{:.0} %", v * 100.0);
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        .y_label_formatter(&pct)
+        .y_desc("honoured share of predicted tokens")
+        .label_style((FAMILY, 14))
+        .axis_desc_style((FAMILY, 16))
+        .max_light_lines(1)
+        .light_line_style(RGBColor(240, 240, 240))
+        .draw()
+        .map_err(de)?;
+    let mut points: Vec<&str> = Vec::new();
+    for k in &d.decay {
+        if !points.contains(&k.point.as_str()) {
+            points.push(&k.point);
+        }
+    }
+    // colour by working set, marker by skew, so a grid's twelve lines stay tellable apart
+    let ws_axis = distinct(d.decay.iter().filter_map(|k| k.working_set_ratio));
+    let s_axis = distinct(d.decay.iter().filter_map(|k| k.zipf_s));
+    for (i, p) in points.iter().enumerate() {
+        let first = d
+            .decay
+            .iter()
+            .find(|k| k.point == *p)
+            .expect("listed from decay");
+        let (color, shape) = match (first.working_set_ratio, first.zipf_s) {
+            (Some(ws), Some(s)) => (
+                SERIES[ws_axis.iter().position(|v| *v == ws).unwrap_or(0) % SERIES.len()],
+                s_axis.iter().position(|v| *v == s).unwrap_or(0),
+            ),
+            _ => (SERIES[i % SERIES.len()], 0),
+        };
+        let xy: Vec<(f64, f64)> = d
+            .decay
+            .iter()
+            .filter(|k| k.point == *p)
+            .map(|k| (k.band as f64 + 0.5, k.honoured_share))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(xy.clone(), color.stroke_width(2)))
+            .map_err(de)?
+            .label(p.to_string())
+            .legend(move |(x, y)| {
+                EmptyElement::at((x, y))
+                    + PathElement::new(vec![(-10, 0), (10, 0)], color.stroke_width(2))
+                    + marker(shape, color)
+            });
+        chart
+            .draw_series(
+                xy.iter()
+                    .map(|&c| EmptyElement::at(c) + marker(shape, color)),
+            )
+            .map_err(de)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerLeft)
+        .background_style(WHITE.mix(0.9))
+        .border_style(MUTED)
+        .label_font((FAMILY, 14))
+        .draw()
+        .map_err(de)?;
+    let labels: Vec<String> = d
+        .band_edges
+        .iter()
+        .take(nb)
+        .map(|(lo, hi)| band_label(*lo, *hi))
+        .collect();
+    group_labels(root, |x| chart.backend_coord(&(x, 0.0)), &labels)
+}
+
+fn distinct(values: impl Iterator<Item = f64>) -> Vec<f64> {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    v.dedup();
+    v
+}
+
+/// A marker centred on its anchor: circle, triangle, square or diamond by `shape`.
+fn marker<DB: DrawingBackend>(
+    shape: usize,
+    color: RGBColor,
+) -> DynElement<'static, DB, (i32, i32)> {
+    let style = color.filled();
+    match shape % 4 {
+        0 => Circle::new((0, 0), 5, style).into_dyn(),
+        1 => TriangleMarker::new((0, 0), 7, style).into_dyn(),
+        2 => Rectangle::new([(-5, -5), (5, 5)], style).into_dyn(),
+        _ => Polygon::new(vec![(0, -7), (7, 0), (0, 7), (-7, 0)], style).into_dyn(),
+    }
+}
+
+/// Figure 6 ready to draw.
+pub struct TimelineFigure<'a> {
+    /// Its numbers.
+    pub data: &'a TimelineData,
+    /// Title context.
+    pub ctx: &'a Context,
+}
+
+impl Figure for TimelineFigure<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1400, 850)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
+        let r = d.reps();
+        let reps = if r.max <= 1 {
+            "1 rep per policy".to_string()
+        } else if r.min == r.max {
+            format!("median of {} reps per policy, per second", r.max)
+        } else {
+            format!("median of {}–{} reps per policy, per second", r.min, r.max)
+        };
+        let mut lines = context_lines(self.ctx, &reps);
+        lines.push("shaded: the faulted replica is down (kill → restart)".into());
+        let body = header(
+            root,
+            "Fault timeline: goodput per second through a replica kill and restart",
+            &lines,
+        )?;
+        let rows = d.series.iter().flat_map(|s| s.rows.iter());
+        let t0 = rows.clone().map(|r| r.t_s).fold(f64::INFINITY, f64::min);
+        let t1 = rows
+            .clone()
+            .map(|r| r.t_s)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let g = rows.map(|r| r.goodput_rps).fold(0.0, f64::max);
+        let (t0, t1) = if t1 > t0 { (t0, t1) } else { (t0, t0 + 1.0) };
+        let ymax = if g > 0.0 { g * 1.15 } else { 1.0 };
+        let mut chart = ChartBuilder::on(&body)
+            .margin(25)
+            .x_label_area_size(60)
+            .y_label_area_size(80)
+            .build_cartesian_2d(t0..t1, 0.0..ymax)
+            .map_err(de)?;
+        chart
+            .configure_mesh()
+            .x_desc("time since the load started, s")
+            .y_desc("goodput, req/s (requests meeting the SLO)")
+            .label_style((FAMILY, 15))
+            .axis_desc_style((FAMILY, 17))
+            .max_light_lines(1)
+            .light_line_style(RGBColor(240, 240, 240))
+            .draw()
+            .map_err(de)?;
+        // one shaded band per distinct outage; the policies it belongs to are named unless
+        // every series shares it (the usual case: one kill, one restart)
+        let mut outages: Vec<(Outage, Vec<&str>)> = Vec::new();
+        for s in &d.series {
+            for o in TimelineData::outages(s) {
+                match outages.iter_mut().find(|(k, _)| *k == o) {
+                    Some((_, who)) => who.push(&s.policy),
+                    None => outages.push((o, vec![&s.policy])),
+                }
+            }
+        }
+        for ((down, up), who) in &outages {
+            let whose = if who.len() == d.series.len() {
+                String::new()
+            } else {
+                format!(" ({})", who.join(", "))
+            };
+            let up_x = up.unwrap_or(t1);
+            chart
+                .draw_series(std::iter::once(Rectangle::new(
+                    [(*down, 0.0), (up_x, ymax)],
+                    RGBColor(120, 120, 120).mix(0.12).filled(),
+                )))
+                .map_err(de)?;
+            let mut marks = vec![(*down, format!("kill{whose}"), HPos::Right, -6)];
+            if let Some(u) = up {
+                marks.push((*u, format!("restart{whose}"), HPos::Left, 6));
+            }
+            for (x, label, anchor, dx) in marks {
+                chart
+                    .draw_series([DashedPathElement::new(
+                        vec![(x, 0.0), (x, ymax)],
+                        6,
+                        4,
+                        INK.stroke_width(1),
+                    )])
+                    .map_err(de)?;
+                chart
+                    .draw_series(std::iter::once(
+                        EmptyElement::at((x, ymax))
+                            + Text::new(label, (dx, 6), style(14.0, &INK, anchor, VPos::Top)),
+                    ))
+                    .map_err(de)?;
+            }
+        }
+        for s in &d.series {
+            let color = policy_color(&s.policy);
+            chart
+                .draw_series(LineSeries::new(
+                    s.rows.iter().map(|r| (r.t_s, r.goodput_rps)),
+                    color.stroke_width(2),
+                ))
+                .map_err(de)?
+                .label(s.policy.clone())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x - 10, y), (x + 10, y)], color.stroke_width(3))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(MUTED)
+            .label_font((FAMILY, 15))
+            .draw()
+            .map_err(de)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,31 @@
+//! The embedded font. Plotters' `ab_glyph` backend finds fonts only in its own registry, so the
+//! font must be registered before the first text is measured or drawn; registering it here keeps
+//! the figures independent of fontconfig and of whatever fonts the machine has.
+
+use std::sync::OnceLock;
+
+use anyhow::{Result, anyhow};
+use plotters::style::FontStyle;
+
+/// DejaVu Sans (Bitstream Vera licence, see `assets/DejaVuSans-LICENSE`).
+static DEJAVU_SANS: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+
+/// The family name every figure draws with. Registered as `sans-serif` so that the SVG files
+/// (which name the family instead of embedding glyphs) fall back to the viewer's sans-serif.
+pub const FAMILY: &str = "sans-serif";
+
+static REGISTERED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+
+/// Registers the embedded font once per process; later calls return the first outcome.
+pub fn ensure_registered() -> Result<()> {
+    REGISTERED
+        .get_or_init(|| {
+            for style in [FontStyle::Normal, FontStyle::Bold] {
+                plotters::style::register_font(FAMILY, style, DEJAVU_SANS)
+                    .map_err(|_| "the embedded DejaVuSans.ttf is not a valid font".to_string())?;
+            }
+            Ok(())
+        })
+        .clone()
+        .map_err(|e| anyhow!("figures: {e}"))
+}

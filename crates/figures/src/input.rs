@@ -1,0 +1,462 @@
+//! What the figures are drawn from: a grid sweep analysed by the `analysis` crate (figures 1–5)
+//! and a fault sweep's `timeline.csv` (figure 6), each with the context every title names
+//! (workload, fleet, SLO). Nothing here computes a metric; it loads, checks and describes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use analysis::{Report, ReportConfig, Slo, SweepData};
+use anyhow::{Context as _, Result, bail};
+
+/// The description every figure's subtitle carries.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Context {
+    /// Sweep directory name.
+    pub sweep: String,
+    /// Workload name; where points differ, the parts that vary are written `*`.
+    pub workload: String,
+    /// Fleet in words (source, replicas, speed, KV capacity, slowdowns).
+    pub fleet: String,
+    /// The SLO goodput is measured against.
+    pub slo: Slo,
+}
+
+impl Context {
+    /// The SLO in words.
+    pub fn slo_text(&self) -> String {
+        format!(
+            "SLO: TTFT < {} ms and ITL p50 < {} ms",
+            num(self.slo.ttft_ms),
+            num(self.slo.itl_ms)
+        )
+    }
+}
+
+/// A grid sweep (e.g. `pressure-grid`) loaded and analysed.
+#[derive(Debug, Clone)]
+pub struct GridInput {
+    /// The sweep directory.
+    pub dir: PathBuf,
+    /// The analysis report over it.
+    pub report: Report,
+    /// Title context.
+    pub context: Context,
+}
+
+/// One row of `timeline.csv` (docs/CONTRACTS.md, "Fault timeline").
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimelineRow {
+    /// Bucket start, s since the start of the fault run's load.
+    pub t_s: f64,
+    /// Good requests per second in the bucket.
+    pub goodput_rps: f64,
+    /// Whether the faulted replica was up.
+    pub replica_alive: bool,
+}
+
+/// One policy's series through the fault.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyTimeline {
+    /// Policy name.
+    pub policy: String,
+    /// Repetitions of this policy in the fault sweep (complete and accepted).
+    pub reps: usize,
+    /// Rows in time order.
+    pub rows: Vec<TimelineRow>,
+}
+
+/// A fault sweep: its timeline and title context.
+#[derive(Debug, Clone)]
+pub struct FaultInput {
+    /// The sweep directory.
+    pub dir: PathBuf,
+    /// One series per policy, in the analysis crate's policy order.
+    pub series: Vec<PolicyTimeline>,
+    /// Title context.
+    pub context: Context,
+}
+
+/// Shortest exact decimal of a number (`1`, `0.25`), as point names and titles write them.
+pub fn num(x: f64) -> String {
+    format!("{x}")
+}
+
+/// Loads a grid sweep through `analysis::load_sweep` and analyses it with the default
+/// configuration. Fails, naming what is wrong, when the sweep holds mismatched cells (the
+/// comparability guard refused a point), points with different SLOs, or repetitions measured
+/// on different fleets.
+pub fn load_grid(dir: &Path) -> Result<GridInput> {
+    let sweep = analysis::load_sweep(dir)
+        .with_context(|| format!("figures: cannot load the sweep at {}", dir.display()))?;
+    let report = analysis::analyze(&sweep, &ReportConfig::default());
+    if !report.refused.is_empty() {
+        let why: Vec<String> = report.refused.iter().map(|r| r.to_string()).collect();
+        bail!(
+            "figures: {}: mismatched data: {}",
+            dir.display(),
+            why.join("; ")
+        );
+    }
+    if report.points.is_empty() {
+        bail!(
+            "figures: {}: no point has a complete repetition to draw",
+            dir.display()
+        );
+    }
+    let slo = one_slo(dir, &report)?;
+    let fleet = fleet_text(dir, &sweep)?;
+    let names: Vec<&str> = report
+        .points
+        .iter()
+        .map(|p| p.workload_name.as_str())
+        .collect();
+    let context = Context {
+        sweep: report.sweep.clone(),
+        workload: workload_pattern(&names),
+        fleet,
+        slo,
+    };
+    Ok(GridInput {
+        dir: dir.to_path_buf(),
+        report,
+        context,
+    })
+}
+
+fn one_slo(dir: &Path, report: &Report) -> Result<Slo> {
+    let first = &report.points[0];
+    if let Some(other) = report.points.iter().find(|p| p.slo != first.slo) {
+        bail!(
+            "figures: {}: mismatched SLOs: point `{}` has TTFT < {} ms / ITL < {} ms, point `{}` has TTFT < {} ms / ITL < {} ms; a figure across points needs one SLO",
+            dir.display(),
+            first.point,
+            num(first.slo.ttft_ms),
+            num(first.slo.itl_ms),
+            other.point,
+            num(other.slo.ttft_ms),
+            num(other.slo.itl_ms)
+        );
+    }
+    Ok(first.slo)
+}
+
+/// The fleet every used repetition recorded; different fleets in one sweep are an error.
+fn fleet_text(dir: &Path, sweep: &SweepData) -> Result<String> {
+    let mut fleets: BTreeMap<String, (serde_json::Value, String)> = BTreeMap::new();
+    for r in sweep.reps.iter().filter(|r| r.meta.accepted != Some(false)) {
+        fleets.entry(r.meta.fleet.to_string()).or_insert_with(|| {
+            (
+                r.meta.fleet.clone(),
+                format!("{}/{}/rep-{}", r.point, r.policy, r.rep),
+            )
+        });
+    }
+    let mut it = fleets.values();
+    let Some((fleet, _)) = it.next() else {
+        bail!(
+            "figures: {}: every repetition is set aside; nothing to draw",
+            dir.display()
+        );
+    };
+    if let Some((other, cell)) = it.next() {
+        let first_cell = &fleets
+            .values()
+            .next()
+            .map(|v| v.1.clone())
+            .unwrap_or_default();
+        bail!(
+            "figures: {}: mismatched fleets: {} recorded {}, {} recorded {}",
+            dir.display(),
+            first_cell,
+            fleet,
+            cell,
+            other
+        );
+    }
+    describe_fleet(fleet).with_context(|| {
+        format!(
+            "figures: {}: meta.json `fleet` is missing what a title names",
+            dir.display()
+        )
+    })
+}
+
+/// The fleet in words, from the `fleet` object of meta.json.
+pub fn describe_fleet(fleet: &serde_json::Value) -> Result<String> {
+    let source = fleet
+        .get("source")
+        .and_then(|v| v.as_str())
+        .context("`fleet.source` is missing")?;
+    let mut parts = vec![format!("{source} fleet")];
+    if let Some(n) = fleet.get("replicas").and_then(|v| v.as_u64()) {
+        parts.push(format!("{n} replicas"));
+    }
+    if let Some(speed) = fleet.get("speed").and_then(|v| v.as_f64())
+        && speed != 1.0
+    {
+        parts.push(format!("speed ×{}", num(speed)));
+    }
+    if let Some(cap) = fleet.get("capacity_tokens").and_then(|v| v.as_u64()) {
+        parts.push(format!("KV capacity {cap} tokens"));
+    }
+    if let Some(slow) = fleet.get("slowdowns").and_then(|v| v.as_array()) {
+        let slowed: Vec<String> = slow
+            .iter()
+            .enumerate()
+            .filter_map(|(i, v)| v.as_f64().filter(|f| *f != 1.0).map(|f| (i, f)))
+            .map(|(i, f)| format!("replica {i} ×{}", num(f)))
+            .collect();
+        if !slowed.is_empty() {
+            parts.push(format!("slowed: {}", slowed.join(", ")));
+        }
+    }
+    Ok(parts.join(", "))
+}
+
+/// One name for several workloads: the `-`-separated parts they share, `*` where they differ
+/// (`chat-ws*-cap9000-s*-t6`). Names with different part counts are listed instead.
+pub fn workload_pattern(names: &[&str]) -> String {
+    let mut distinct: Vec<&str> = names.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    match distinct.as_slice() {
+        [] => String::new(),
+        [one] => one.to_string(),
+        many => {
+            let split: Vec<Vec<&str>> = many.iter().map(|n| n.split('-').collect()).collect();
+            if split.iter().any(|s| s.len() != split[0].len()) {
+                return many.join(" | ");
+            }
+            (0..split[0].len())
+                .map(|i| {
+                    let part = split[0][i];
+                    if split.iter().all(|s| s[i] == part) {
+                        part.to_string()
+                    } else {
+                        // keep the parameter's letters: `ws0.25`, `ws1` → `ws*`
+                        let letters: String = part
+                            .chars()
+                            .take_while(|c| c.is_ascii_alphabetic())
+                            .collect();
+                        let same_prefix = split.iter().all(|s| s[i].starts_with(&letters));
+                        if same_prefix {
+                            format!("{letters}*")
+                        } else {
+                            "*".to_string()
+                        }
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join("-")
+        }
+    }
+}
+
+/// The columns `timeline.csv` must start with (CONTRACTS.md); later columns are ignored.
+pub const TIMELINE_COLUMNS: [&str; 4] = ["policy", "t_s", "goodput_rps", "replica_alive"];
+
+/// Reads a fault timeline. Every defect names the file and line.
+pub fn read_timeline(path: &Path) -> Result<Vec<(String, TimelineRow)>> {
+    let mut rdr = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .from_path(path)
+        .with_context(|| format!("figures: cannot read the fault timeline {}", path.display()))?;
+    let header = rdr
+        .headers()
+        .with_context(|| format!("{}: cannot read the header", path.display()))?
+        .clone();
+    for (i, want) in TIMELINE_COLUMNS.iter().enumerate() {
+        if header.get(i) != Some(*want) {
+            bail!(
+                "{}:1: header must start with `{}`; column {} is `{}`",
+                path.display(),
+                TIMELINE_COLUMNS.join(","),
+                i + 1,
+                header.get(i).unwrap_or("(missing)")
+            );
+        }
+    }
+    let mut out = Vec::new();
+    for (i, rec) in rdr.records().enumerate() {
+        let line = i + 2;
+        let rec = rec.with_context(|| format!("{}:{line}: malformed row", path.display()))?;
+        let field = |k: usize| rec.get(k).unwrap_or("");
+        let policy = field(0).to_string();
+        if policy.is_empty() {
+            bail!("{}:{line}: `policy` is empty", path.display());
+        }
+        let number = |k: usize| -> Result<f64> {
+            let text = field(k);
+            text.parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite())
+                .with_context(|| {
+                    format!(
+                        "{}:{line}: `{}` is `{text}`, not a number",
+                        path.display(),
+                        TIMELINE_COLUMNS[k]
+                    )
+                })
+        };
+        let t_s = number(1)?;
+        let goodput_rps = number(2)?;
+        if goodput_rps < 0.0 {
+            bail!(
+                "{}:{line}: `goodput_rps` is negative ({goodput_rps})",
+                path.display()
+            );
+        }
+        let replica_alive = match field(3) {
+            "1" => true,
+            "0" => false,
+            other => bail!(
+                "{}:{line}: `replica_alive` must be 0 or 1, got `{other}`",
+                path.display()
+            ),
+        };
+        out.push((
+            policy,
+            TimelineRow {
+                t_s,
+                goodput_rps,
+                replica_alive,
+            },
+        ));
+    }
+    if out.is_empty() {
+        bail!("{}: no rows", path.display());
+    }
+    Ok(out)
+}
+
+/// The file figure 6 reads inside a fault sweep directory.
+pub const TIMELINE_FILE: &str = "timeline.csv";
+
+/// Loads a fault sweep: `timeline.csv` for the series, the repetitions' meta.json (through
+/// `analysis::load_sweep`) for workload, fleet, SLO and repetitions. A policy in the timeline
+/// without repetitions, or with repetitions but no series, is mismatched data.
+pub fn load_fault(dir: &Path) -> Result<FaultInput> {
+    let path = dir.join(TIMELINE_FILE);
+    if !path.is_file() {
+        bail!(
+            "figures: the fault timeline {} is missing (the fault experiment writes it; columns {})",
+            path.display(),
+            TIMELINE_COLUMNS.join(",")
+        );
+    }
+    let rows = read_timeline(&path)?;
+    let sweep = analysis::load_sweep(dir)
+        .with_context(|| format!("figures: cannot load the fault sweep at {}", dir.display()))?;
+    let used: Vec<_> = sweep
+        .reps
+        .iter()
+        .filter(|r| r.meta.accepted != Some(false))
+        .collect();
+    let mut by_policy: BTreeMap<(usize, String), Vec<TimelineRow>> = BTreeMap::new();
+    for (policy, row) in rows {
+        by_policy
+            .entry((policy_rank(&policy), policy))
+            .or_default()
+            .push(row);
+    }
+    let mut series = Vec::new();
+    for ((_, policy), mut rows) in by_policy {
+        rows.sort_by(|a, b| a.t_s.total_cmp(&b.t_s));
+        if let Some(w) = rows.windows(2).find(|w| w[0].t_s == w[1].t_s) {
+            bail!(
+                "{}: policy `{policy}` has two rows at t_s = {}",
+                path.display(),
+                num(w[0].t_s)
+            );
+        }
+        let reps = used.iter().filter(|r| r.policy == policy).count();
+        if reps == 0 {
+            bail!(
+                "figures: mismatched data: {} has a series for `{policy}` but {} holds no accepted `<point>/{policy}/rep-<k>/` with meta.json",
+                path.display(),
+                dir.display()
+            );
+        }
+        series.push(PolicyTimeline { policy, reps, rows });
+    }
+    let mut missing: Vec<&str> = used
+        .iter()
+        .map(|r| r.policy.as_str())
+        .filter(|p| !series.iter().any(|s| s.policy == *p))
+        .collect();
+    missing.dedup();
+    if !missing.is_empty() {
+        bail!(
+            "figures: missing data: {} has no series for {} (measured in {})",
+            path.display(),
+            missing
+                .iter()
+                .map(|p| format!("`{p}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            dir.display()
+        );
+    }
+    let first = used
+        .first()
+        .with_context(|| format!("figures: {}: no accepted repetition", dir.display()))?;
+    if let Some(other) = used.iter().find(|r| r.meta.slo != first.meta.slo) {
+        bail!(
+            "figures: {}: mismatched SLOs: {}/rep-{} vs {}/rep-{}",
+            dir.display(),
+            first.policy,
+            first.rep,
+            other.policy,
+            other.rep
+        );
+    }
+    let names: Vec<&str> = used.iter().map(|r| r.meta.workload_name.as_str()).collect();
+    let context = Context {
+        sweep: sweep.sweep.clone(),
+        workload: workload_pattern(&names),
+        fleet: fleet_text(dir, &sweep)?,
+        slo: first.meta.slo,
+    };
+    Ok(FaultInput {
+        dir: dir.to_path_buf(),
+        series,
+        context,
+    })
+}
+
+/// Table order of policies (the analysis crate's), unknown names after, by name.
+pub fn policy_rank(name: &str) -> usize {
+    analysis::report::POLICY_ORDER
+        .iter()
+        .position(|p| *p == name)
+        .unwrap_or(analysis::report::POLICY_ORDER.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workload_pattern_stars_the_varying_parameters() {
+        let names = [
+            "chat-ws1-cap9000-s0-t6",
+            "chat-ws3-cap9000-s1.4-t6",
+            "chat-ws1-cap9000-s1.4-t6",
+        ];
+        assert_eq!(workload_pattern(&names), "chat-ws*-cap9000-s*-t6");
+        assert_eq!(workload_pattern(&["a-b", "a-b"]), "a-b");
+        assert_eq!(workload_pattern(&["a-b", "a-b-c"]), "a-b | a-b-c");
+    }
+
+    #[test]
+    fn fleet_description_needs_a_source() {
+        let f = serde_json::json!({"source": "emulated", "replicas": 3, "speed": 20.0,
+            "capacity_tokens": 49152, "slowdowns": [1.0, 2.5, 1.0]});
+        assert_eq!(
+            describe_fleet(&f).unwrap(),
+            "emulated fleet, 3 replicas, speed ×20, KV capacity 49152 tokens, slowed: replica 1 ×2.5"
+        );
+        let err = describe_fleet(&serde_json::json!({"replicas": 3})).unwrap_err();
+        assert!(err.to_string().contains("fleet.source"), "{err}");
+    }
+}

@@ -1,0 +1,299 @@
+//! Every figure renders from the fixture measurements (`fixtures/figures/`), its CSV matches the
+//! golden file, and missing or mismatched data fails with a message naming what is missing.
+//!
+//! Regenerate the goldens deliberately with `UPDATE_GOLDEN=1 cargo test -p figures --test
+//! fixtures`, then review the diff.
+
+use std::path::{Path, PathBuf};
+
+use figures::{FigureId, Sources, render, render_all};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/figures")
+}
+
+/// A fresh scratch directory per test (tests run in parallel; names keep them apart).
+fn scratch(name: &str) -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("figures-{name}"));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dest = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_tree(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), dest).unwrap();
+        }
+    }
+}
+
+/// A private copy of the fixture measurements to break.
+fn measurements_copy(name: &str) -> PathBuf {
+    let root = scratch(name).join("measurements");
+    for sweep in ["pressure-grid", "fault-kill"] {
+        copy_tree(&fixtures().join(sweep), &root.join(sweep));
+    }
+    root
+}
+
+fn render_err(measurements: &Path, which: &[FigureId], name: &str) -> String {
+    let out = scratch(&format!("{name}-out"));
+    let err = render(&Sources::discover(measurements), &out, which).unwrap_err();
+    format!("{err:#}")
+}
+
+fn png_size(bytes: &[u8]) -> (u32, u32) {
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "not a PNG");
+    let be = |o: usize| u32::from_be_bytes(bytes[o..o + 4].try_into().unwrap());
+    (be(16), be(20))
+}
+
+#[test]
+fn all_six_render_from_fixtures_and_their_data_match_the_goldens() {
+    let out = scratch("all").join("out");
+    let files = render_all(&fixtures(), &out).unwrap();
+    assert_eq!(files.len(), 18, "{files:?}");
+    let update = std::env::var_os("UPDATE_GOLDEN").is_some();
+    let golden_dir = fixtures().join("golden");
+    let titles = [
+        "Pressure map",
+        "Winners map",
+        "Mechanism",
+        "Knowledge ladder",
+        "Belief",
+        "Fault timeline",
+    ];
+    for (fig, title) in FigureId::ALL.iter().zip(titles) {
+        let base = out.join(fig.stem());
+        let png = std::fs::read(base.with_extension("png")).unwrap();
+        let (w, h) = png_size(&png);
+        assert!(w >= 1000 && h >= 800, "{fig}: {w}×{h}");
+        // a blank canvas compresses to almost nothing; a drawn figure does not
+        assert!(png.len() > 20_000, "{fig}: PNG only {} bytes", png.len());
+        let svg = std::fs::read_to_string(base.with_extension("svg")).unwrap();
+        assert!(svg.contains(title), "{fig}: SVG lacks its title `{title}`");
+        for context in [
+            "pressure-grid",
+            "emulated fleet, 3 replicas",
+            "TTFT &lt; 990 ms",
+        ] {
+            if *fig != FigureId::FaultTimeline || context != "pressure-grid" {
+                assert!(svg.contains(context), "{fig}: SVG lacks `{context}`");
+            }
+        }
+        let csv = std::fs::read_to_string(base.with_extension("csv")).unwrap();
+        let golden = golden_dir.join(format!("{}.csv", fig.stem()));
+        if update {
+            std::fs::create_dir_all(&golden_dir).unwrap();
+            std::fs::write(&golden, &csv).unwrap();
+        }
+        let want = std::fs::read_to_string(&golden)
+            .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_GOLDEN=1 writes it)", golden.display()));
+        assert_eq!(csv, want, "{fig}: data differs from {}", golden.display());
+    }
+}
+
+#[test]
+fn pressure_map_names_the_point_without_session_affinity() {
+    let m = measurements_copy("no-sa");
+    std::fs::remove_dir_all(m.join("pressure-grid/ws1-s1.4/session-affinity")).unwrap();
+    let err = render_err(&m, &[FigureId::PressureMap, FigureId::WinnersMap], "no-sa");
+    assert!(
+        err.contains("2 of 2 figures not drawn"),
+        "both need the cell: {err}"
+    );
+    assert!(
+        err.contains("point `ws1-s1.4` has no session-affinity goodput"),
+        "{err}"
+    );
+    assert!(
+        err.contains("point `ws1-s1.4` has fewer than two policies"),
+        "{err}"
+    );
+}
+
+#[test]
+fn mechanism_needs_the_spill_off_arm() {
+    let m = measurements_copy("no-spill-off");
+    for p in ["ws1-s0", "ws3-s1.4"] {
+        std::fs::remove_dir_all(
+            m.join("pressure-grid")
+                .join(p)
+                .join("prefix-affinity-spill-off"),
+        )
+        .unwrap();
+    }
+    let err = render_err(&m, &[FigureId::Mechanism], "no-spill-off");
+    assert!(
+        err.contains("figure 3 (mechanism): missing data")
+            && err.contains("`prefix-affinity-spill-off`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn knowledge_ladder_names_the_missing_rung() {
+    let m = measurements_copy("no-exact");
+    std::fs::remove_dir_all(m.join("pressure-grid/ws3-s1.4/exact-residency")).unwrap();
+    let err = render_err(&m, &[FigureId::KnowledgeLadder], "no-exact");
+    assert!(
+        err.contains("point `ws3-s1.4` has no exact-residency goodput"),
+        "{err}"
+    );
+    assert!(!err.contains("ws1-s0"), "ws1-s0 is complete: {err}");
+}
+
+#[test]
+fn belief_needs_predicted_tokens() {
+    let m = measurements_copy("no-predicted");
+    // router rows without a predicted match: nothing to compare, no decay
+    for e in walk(&m.join("pressure-grid")) {
+        if e.file_name().is_some_and(|n| n == "router.csv") {
+            let text = std::fs::read_to_string(&e).unwrap();
+            let blanked: Vec<String> = text
+                .lines()
+                .enumerate()
+                .map(|(i, l)| {
+                    if i == 0 {
+                        return l.to_string();
+                    }
+                    let mut f: Vec<&str> = l.split(',').collect();
+                    f[6] = "";
+                    f.join(",")
+                })
+                .collect();
+            std::fs::write(&e, blanked.join("\n") + "\n").unwrap();
+        }
+    }
+    let err = render_err(&m, &[FigureId::Belief], "no-predicted");
+    assert!(err.contains("figure 5"), "{err}");
+    assert!(err.contains("predicted_match_tokens"), "{err}");
+    assert!(err.contains("decay band"), "{err}");
+}
+
+fn walk(d: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(d).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+#[test]
+fn mismatched_plans_are_refused_with_the_cells_named() {
+    let m = measurements_copy("mismatch");
+    let meta = m.join("pressure-grid/ws3-s0/prefix-affinity/rep-2/meta.json");
+    let text = std::fs::read_to_string(&meta)
+        .unwrap()
+        .replace("pf-ws3-s0", "pf-other");
+    std::fs::write(&meta, text).unwrap();
+    let err = render_err(&m, &[FigureId::PressureMap], "mismatch");
+    assert!(err.contains("mismatched data"), "{err}");
+    assert!(
+        err.contains("plan_fingerprint") && err.contains("prefix-affinity/rep-2"),
+        "{err}"
+    );
+}
+
+#[test]
+fn mismatched_fleets_are_refused() {
+    let m = measurements_copy("fleet");
+    let meta = m.join("pressure-grid/ws1-s0/prefix-hash/rep-1/meta.json");
+    let text = std::fs::read_to_string(&meta)
+        .unwrap()
+        .replace("\"replicas\": 3", "\"replicas\": 4");
+    std::fs::write(&meta, text).unwrap();
+    let err = render_err(&m, &[FigureId::WinnersMap], "fleet");
+    assert!(
+        err.contains("mismatched fleets") && err.contains("ws1-s0/prefix-hash/rep-1"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_sweeps_are_named() {
+    let empty = scratch("empty").join("measurements");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = scratch("empty-out");
+    let err = format!("{:#}", render_all(&empty, &out).unwrap_err());
+    assert!(err.contains("6 of 6 figures not drawn"), "{err}");
+    assert!(err.contains("pressure-grid"), "{err}");
+    assert!(
+        err.contains("fault-kill") && err.contains("timeline.csv"),
+        "{err}"
+    );
+}
+
+#[test]
+fn timeline_defects_name_file_line_and_policy() {
+    let m = measurements_copy("timeline");
+    let tl = m.join("fault-kill/timeline.csv");
+    let good = std::fs::read_to_string(&tl).unwrap();
+
+    std::fs::write(
+        &tl,
+        good.replacen("session-affinity,3,3.5,1", "session-affinity,3,fast,1", 1),
+    )
+    .unwrap();
+    let err = render_err(&m, &[FigureId::FaultTimeline], "timeline-1");
+    assert!(
+        err.contains("timeline.csv:5") && err.contains("`goodput_rps` is `fast`"),
+        "{err}"
+    );
+
+    std::fs::write(
+        &tl,
+        good.replace("prefix-affinity-spill-off,", "round-robin,"),
+    )
+    .unwrap();
+    let err = render_err(&m, &[FigureId::FaultTimeline], "timeline-2");
+    assert!(
+        err.contains("mismatched data") && err.contains("`round-robin`"),
+        "{err}"
+    );
+
+    let no_spill: String = good
+        .lines()
+        .filter(|l| !l.starts_with("prefix-affinity-spill-off,"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&tl, no_spill).unwrap();
+    let err = render_err(&m, &[FigureId::FaultTimeline], "timeline-3");
+    assert!(
+        err.contains("no series for `prefix-affinity-spill-off`"),
+        "{err}"
+    );
+
+    std::fs::write(&tl, good.replace(",0\n", ",1\n")).unwrap();
+    let err = render_err(&m, &[FigureId::FaultTimeline], "timeline-4");
+    assert!(err.contains("never has replica_alive = 0"), "{err}");
+
+    std::fs::write(&tl, good.replacen("policy,t_s", "policy,time_s", 1)).unwrap();
+    let err = render_err(&m, &[FigureId::FaultTimeline], "timeline-5");
+    assert!(
+        err.contains("timeline.csv:1") && err.contains("`time_s`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn figure_ids_parse_from_numbers_and_names() {
+    assert_eq!(FigureId::parse("3"), Some(FigureId::Mechanism));
+    assert_eq!(FigureId::parse("fig5-belief"), Some(FigureId::Belief));
+    assert_eq!(
+        FigureId::parse("fault-timeline"),
+        Some(FigureId::FaultTimeline)
+    );
+    assert_eq!(FigureId::parse("7"), None);
+}

@@ -1,0 +1,621 @@
+//! Replica sources and their lifecycle: start, health, stop, cycle, kill one, restart one.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+
+use crate::http;
+use crate::process::ChildGuard;
+
+/// Where the replicas come from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// `engine` processes spawned on loopback with ephemeral ports.
+    Emulated(EmulatedSpec),
+    /// Any server started from a shell command template (vLLM, SGLang).
+    Command(CommandSpec),
+    /// URLs managed elsewhere (a Kubernetes deployment, a shared box).
+    Static(StaticSpec),
+}
+
+impl Source {
+    /// `emulated`, `command` or `static` (recorded in meta.json).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Source::Emulated(_) => "emulated",
+            Source::Command(_) => "command",
+            Source::Static(_) => "static",
+        }
+    }
+
+    /// Number of replicas this source provides.
+    pub fn replicas(&self) -> usize {
+        match self {
+            Source::Emulated(s) => s.replicas,
+            Source::Command(s) => s.replicas,
+            Source::Static(s) => s.urls.len(),
+        }
+    }
+}
+
+/// Emulated replicas: one `engine` process each.
+#[derive(Debug, Clone)]
+pub struct EmulatedSpec {
+    /// Path of the `engine` binary.
+    pub engine_bin: PathBuf,
+    /// Number of replicas.
+    pub replicas: usize,
+    /// `--speed`: every modelled duration is divided by it.
+    pub speed: f64,
+    /// `--slowdown` per replica (missing entries are 1.0): a throttled card.
+    pub slowdowns: Vec<f64>,
+    /// `--num-gpu-blocks`; `None` keeps the engine's default.
+    pub num_gpu_blocks: Option<u64>,
+    /// `--model` (also the served model name).
+    pub model: String,
+    /// Base seed; replica i gets `seed + i`.
+    pub seed: u64,
+    /// Publish KV events (`--kv-events-port 0`), needed by the exact-residency policies.
+    pub kv_events: bool,
+    /// Extra flags passed verbatim to every engine.
+    pub extra_args: Vec<String>,
+}
+
+impl EmulatedSpec {
+    /// The slowdown of replica `index` (1.0 when not given).
+    pub fn slowdown(&self, index: usize) -> f64 {
+        self.slowdowns.get(index).copied().unwrap_or(1.0)
+    }
+}
+
+/// Replicas started from a command template.
+///
+/// Placeholders: `{model}`, `{port}`, `{kv_port}`, `{gpu}`, `{index}`, `{host}`. The command runs
+/// under `sh -c` with `CUDA_VISIBLE_DEVICES={gpu}`.
+#[derive(Debug, Clone)]
+pub struct CommandSpec {
+    /// e.g. `vllm serve {model} --port {port} --enable-prompt-tokens-details --kv-events-config …`.
+    pub template: String,
+    /// Substituted for `{model}`.
+    pub model: String,
+    /// Number of replicas.
+    pub replicas: usize,
+    /// Host the replicas listen on (URLs are `http://{host}:{port}`).
+    pub host: String,
+    /// Replica i listens on `base_port + i`.
+    pub base_port: u16,
+    /// Replica i publishes KV events on `kv_base_port + i` when set.
+    pub kv_base_port: Option<u16>,
+    /// GPU ids; replica i gets `gpus[i % len]` (empty: `i`).
+    pub gpus: Vec<String>,
+}
+
+impl CommandSpec {
+    /// The shell command line of replica `index`.
+    pub fn render(&self, index: usize) -> Result<String> {
+        let port = self.port(index)?;
+        let kv_port = match self.kv_base_port {
+            Some(base) => offset_port(base, index)?.to_string(),
+            None => String::new(),
+        };
+        if self.template.contains("{kv_port}") && self.kv_base_port.is_none() {
+            bail!("the command template uses {{kv_port}} but no KV event base port was given");
+        }
+        Ok(self
+            .template
+            .replace("{model}", &self.model)
+            .replace("{port}", &port.to_string())
+            .replace("{kv_port}", &kv_port)
+            .replace("{gpu}", &self.gpu(index))
+            .replace("{index}", &index.to_string())
+            .replace("{host}", &self.host))
+    }
+
+    /// The GPU id of replica `index`.
+    pub fn gpu(&self, index: usize) -> String {
+        if self.gpus.is_empty() {
+            index.to_string()
+        } else {
+            self.gpus[index % self.gpus.len()].clone()
+        }
+    }
+
+    fn port(&self, index: usize) -> Result<u16> {
+        offset_port(self.base_port, index)
+    }
+}
+
+fn offset_port(base: u16, index: usize) -> Result<u16> {
+    u16::try_from(usize::from(base) + index)
+        .map_err(|_| anyhow!("port {base} + {index} is past 65535"))
+}
+
+/// Replicas managed elsewhere.
+#[derive(Debug, Clone)]
+pub struct StaticSpec {
+    /// Base URLs, `http://host:port`.
+    pub urls: Vec<String>,
+    /// KV event endpoints, same order (may be shorter or empty).
+    pub kv_events: Vec<String>,
+}
+
+/// Timeouts and where logs go.
+#[derive(Debug, Clone)]
+pub struct FleetOptions {
+    /// `replica-<i>.log` files are written here.
+    pub log_dir: PathBuf,
+    /// How long a replica may take from spawn to a healthy `/health`.
+    pub ready_timeout: Duration,
+    /// How long a SIGTERMed replica may take to exit before SIGKILL.
+    pub stop_grace: Duration,
+}
+
+impl FleetOptions {
+    /// Logs in `log_dir`, 60 s to become healthy, 5 s to stop.
+    pub fn new(log_dir: impl Into<PathBuf>) -> FleetOptions {
+        FleetOptions {
+            log_dir: log_dir.into(),
+            ready_timeout: Duration::from_secs(60),
+            stop_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What is known about one running replica.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ReplicaInfo {
+    /// Position in the fleet (the router assigns ids in this order).
+    pub index: usize,
+    /// Base URL.
+    pub url: String,
+    /// KV event PUB endpoint, when published.
+    pub kv_events: Option<String>,
+    /// KV event replay endpoint, when known.
+    pub kv_replay: Option<String>,
+    /// Process id (= process group id) when this fleet started it.
+    pub pid: Option<u32>,
+    /// Log file when this fleet started it.
+    pub log_path: Option<PathBuf>,
+    /// Emulated slowdown (1.0 otherwise).
+    pub slowdown: f64,
+}
+
+struct Slot {
+    info: ReplicaInfo,
+    guard: Option<ChildGuard>,
+    starts: u32,
+}
+
+/// A set of replicas under one lifecycle. Every child is killed when the fleet is dropped.
+pub struct Fleet {
+    source: Source,
+    options: FleetOptions,
+    slots: Vec<Slot>,
+}
+
+/// Never interrupted; for callers without a Ctrl-C flag.
+pub fn never() -> bool {
+    false
+}
+
+impl Fleet {
+    /// A fleet that has not started yet.
+    pub fn new(source: Source, options: FleetOptions) -> Result<Fleet> {
+        if source.replicas() == 0 {
+            bail!("a fleet needs at least one replica");
+        }
+        if let Source::Emulated(spec) = &source {
+            if !(spec.speed.is_finite() && spec.speed > 0.0) {
+                bail!("emulated speed must be a positive number, got {}", spec.speed);
+            }
+            if let Some(bad) = spec.slowdowns.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+                bail!("slowdowns must be positive numbers, got {bad}");
+            }
+        }
+        Ok(Fleet {
+            source,
+            options,
+            slots: Vec::new(),
+        })
+    }
+
+    /// The source this fleet was built from.
+    pub fn source(&self) -> &Source {
+        &self.source
+    }
+
+    /// Starts every replica and waits until each is healthy.
+    ///
+    /// All replicas are spawned before any is awaited, so startups overlap.
+    pub fn start(&mut self, should_stop: &dyn Fn() -> bool) -> Result<()> {
+        if !self.slots.is_empty() {
+            bail!("the fleet is already running");
+        }
+        let n = self.source.replicas();
+        let mut slots = Vec::with_capacity(n);
+        for index in 0..n {
+            slots.push(self.spawn_slot(index, None, 0)?);
+        }
+        self.slots = slots;
+        for index in 0..n {
+            if let Err(e) = self.await_ready(index, should_stop) {
+                self.stop();
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops every replica this fleet started (SIGTERM, then SIGKILL after the grace period).
+    pub fn stop(&mut self) {
+        for slot in &mut self.slots {
+            if let Some(guard) = slot.guard.as_mut() {
+                guard.signal(libc::SIGTERM);
+            }
+        }
+        for slot in &mut self.slots {
+            if let Some(mut guard) = slot.guard.take() {
+                guard.terminate(self.options.stop_grace);
+            }
+        }
+        self.slots.clear();
+    }
+
+    /// Makes every replica forget its cache, so that a second pass never reads back what the
+    /// first prefilled: processes are restarted; static replicas get `POST /reset_prefix_cache`.
+    pub fn cycle(&mut self, should_stop: &dyn Fn() -> bool) -> Result<()> {
+        match &self.source {
+            Source::Static(_) => {
+                if self.slots.is_empty() {
+                    return self.start(should_stop);
+                }
+                for slot in &self.slots {
+                    reset_prefix_cache(&slot.info.url).with_context(|| {
+                        format!("cycling replica {} ({})", slot.info.index, slot.info.url)
+                    })?;
+                }
+                Ok(())
+            }
+            _ => {
+                self.stop();
+                self.start(should_stop)
+            }
+        }
+    }
+
+    /// SIGKILLs replica `index` (the fault `kill -9`); it stays down until [`Fleet::restart_one`].
+    pub fn kill_one(&mut self, index: usize) -> Result<()> {
+        let slot = self.slot_mut(index)?;
+        match slot.guard.as_mut() {
+            Some(guard) => {
+                guard.kill();
+                slot.guard = None;
+                Ok(())
+            }
+            None => bail!(
+                "replica {index} has no process here to kill (static replicas are managed elsewhere, or it is already down)"
+            ),
+        }
+    }
+
+    /// Starts replica `index` again on the same ports, so the router's URL stays valid.
+    pub fn restart_one(&mut self, index: usize, should_stop: &dyn Fn() -> bool) -> Result<()> {
+        let (previous, starts) = {
+            let slot = self.slot_mut(index)?;
+            if let Some(mut guard) = slot.guard.take() {
+                guard.terminate(Duration::from_secs(5));
+            }
+            (slot.info.clone(), slot.starts)
+        };
+        let fresh = self.spawn_slot(index, Some(&previous), starts)?;
+        self.slots[index] = fresh;
+        self.await_ready(index, should_stop)
+    }
+
+    /// The running replicas, in fleet order.
+    pub fn replicas(&self) -> Vec<ReplicaInfo> {
+        self.slots.iter().map(|s| s.info.clone()).collect()
+    }
+
+    /// Base URLs in fleet order.
+    pub fn urls(&self) -> Vec<String> {
+        self.slots.iter().map(|s| s.info.url.clone()).collect()
+    }
+
+    /// KV event endpoints in fleet order; `None` where a replica publishes none.
+    pub fn kv_event_endpoints(&self) -> Vec<Option<String>> {
+        self.slots.iter().map(|s| s.info.kv_events.clone()).collect()
+    }
+
+    /// Process group ids of every process this fleet runs (for the foreign-process check).
+    pub fn process_groups(&self) -> Vec<u32> {
+        self.slots.iter().filter_map(|s| s.info.pid).collect()
+    }
+
+    /// Fails naming the replica and its log when a process this fleet started has exited.
+    pub fn check_alive(&mut self) -> Result<()> {
+        for slot in &mut self.slots {
+            if let Some(guard) = slot.guard.as_mut()
+                && let Some(status) = guard.try_wait()?
+            {
+                bail!(
+                    "replica {} exited unexpectedly ({status}); see its log {}",
+                    slot.info.index,
+                    guard.log_path().display()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn slot_mut(&mut self, index: usize) -> Result<&mut Slot> {
+        let len = self.slots.len();
+        self.slots
+            .get_mut(index)
+            .ok_or_else(|| anyhow!("no replica {index} (the fleet has {len})"))
+    }
+
+    fn log_path(&self, index: usize) -> PathBuf {
+        self.options.log_dir.join(format!("replica-{index}.log"))
+    }
+
+    fn spawn_slot(&self, index: usize, previous: Option<&ReplicaInfo>, starts: u32) -> Result<Slot> {
+        let log_path = self.log_path(index);
+        match &self.source {
+            Source::Emulated(spec) => {
+                let mut cmd = Command::new(&spec.engine_bin);
+                let port = previous.and_then(|p| port_of(&p.url)).unwrap_or(0);
+                cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                    .args(["--model", &spec.model])
+                    .args(["--speed", &spec.speed.to_string()])
+                    .args(["--slowdown", &spec.slowdown(index).to_string()])
+                    .args(["--seed", &(spec.seed + index as u64).to_string()])
+                    .arg("--enable-prompt-tokens-details");
+                if let Some(blocks) = spec.num_gpu_blocks {
+                    cmd.args(["--num-gpu-blocks", &blocks.to_string()]);
+                }
+                if spec.kv_events {
+                    let kv_port = previous
+                        .and_then(|p| p.kv_events.as_deref())
+                        .and_then(port_of)
+                        .unwrap_or(0);
+                    cmd.args(["--kv-events-port", &kv_port.to_string()]);
+                    // A restarted replica keeps its replay port too, so a subscriber can repair.
+                    if let Some(replay) = previous
+                        .and_then(|p| p.kv_replay.as_deref())
+                        .and_then(port_of)
+                    {
+                        cmd.args(["--kv-replay-port", &replay.to_string()]);
+                    }
+                }
+                cmd.args(&spec.extra_args);
+                write_log_header(&log_path, index, starts, &cmd)?;
+                let guard = ChildGuard::spawn(&format!("replica {index}"), cmd, &log_path)?;
+                Ok(Slot {
+                    info: ReplicaInfo {
+                        index,
+                        url: String::new(),
+                        kv_events: None,
+                        kv_replay: None,
+                        pid: guard.pid(),
+                        log_path: Some(log_path),
+                        slowdown: spec.slowdown(index),
+                    },
+                    guard: Some(guard),
+                    starts: starts + 1,
+                })
+            }
+            Source::Command(spec) => {
+                let line = spec.render(index)?;
+                let mut cmd = Command::new("sh");
+                // `exec` so the guard's pid is the server itself, not a waiting shell.
+                cmd.arg("-c")
+                    .arg(format!("exec {line}"))
+                    .env("CUDA_VISIBLE_DEVICES", spec.gpu(index));
+                write_log_header(&log_path, index, starts, &cmd)?;
+                let guard = ChildGuard::spawn(&format!("replica {index}"), cmd, &log_path)?;
+                let kv_events = match spec.kv_base_port {
+                    Some(base) => Some(format!("tcp://{}:{}", spec.host, offset_port(base, index)?)),
+                    None => None,
+                };
+                Ok(Slot {
+                    info: ReplicaInfo {
+                        index,
+                        url: format!("http://{}:{}", spec.host, spec.port(index)?),
+                        kv_events,
+                        kv_replay: None,
+                        pid: guard.pid(),
+                        log_path: Some(log_path),
+                        slowdown: 1.0,
+                    },
+                    guard: Some(guard),
+                    starts: starts + 1,
+                })
+            }
+            Source::Static(spec) => Ok(Slot {
+                info: ReplicaInfo {
+                    index,
+                    url: spec.urls[index].trim_end_matches('/').to_string(),
+                    kv_events: spec.kv_events.get(index).cloned().filter(|s| !s.is_empty()),
+                    kv_replay: None,
+                    pid: None,
+                    log_path: None,
+                    slowdown: 1.0,
+                },
+                guard: None,
+                starts: starts + 1,
+            }),
+        }
+    }
+
+    /// Readiness line (emulated), then `/health` 200 within the ready timeout.
+    fn await_ready(&mut self, index: usize, should_stop: &dyn Fn() -> bool) -> Result<()> {
+        let deadline = Instant::now() + self.options.ready_timeout;
+        let emulated = matches!(self.source, Source::Emulated(_));
+        let slot = &mut self.slots[index];
+        if emulated {
+            let guard = slot
+                .guard
+                .as_mut()
+                .ok_or_else(|| anyhow!("replica {index} has no process"))?;
+            let ready = guard.wait_ready(self.options.ready_timeout, should_stop)?;
+            slot.info.url = ready.url();
+            slot.info.kv_events = ready.kv_events.clone();
+            slot.info.kv_replay = ready.kv_replay.clone();
+        }
+        let log_hint = slot
+            .info
+            .log_path
+            .as_ref()
+            .map(|p| format!("; see its log {}", p.display()))
+            .unwrap_or_default();
+        let health = http::join(&slot.info.url, "/health");
+        loop {
+            if should_stop() {
+                bail!("replica {index}: interrupted while waiting for it to become healthy");
+            }
+            if let Some(guard) = slot.guard.as_mut()
+                && let Some(status) = guard.try_wait()?
+            {
+                bail!("replica {index} ({}) exited ({status}) before it was healthy{log_hint}", slot.info.url);
+            }
+            let last_error = match http::get(&health, Duration::from_secs(2)) {
+                Ok(r) if r.status == 200 => return Ok(()),
+                Ok(r) => format!("GET /health answered {}", r.status),
+                Err(e) => format!("{e:#}"),
+            };
+            if Instant::now() >= deadline {
+                bail!(
+                    "replica {index} ({}) not healthy within {:.0} s (last: {last_error}){log_hint}",
+                    slot.info.url,
+                    self.options.ready_timeout.as_secs_f64()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        // Kill without grace: drop also runs while unwinding, when nobody waits for flushes.
+        for slot in &mut self.slots {
+            if let Some(mut guard) = slot.guard.take() {
+                guard.kill();
+            }
+        }
+    }
+}
+
+/// `POST /reset_prefix_cache` on one replica; any non-2xx answer is an error.
+pub fn reset_prefix_cache(url: &str) -> Result<()> {
+    let r = http::post(
+        &http::join(url, "/reset_prefix_cache"),
+        None,
+        Duration::from_secs(30),
+    )?;
+    if !(200..300).contains(&r.status) {
+        bail!("POST /reset_prefix_cache answered {}: {}", r.status, r.text());
+    }
+    Ok(())
+}
+
+fn port_of(url: &str) -> Option<u16> {
+    let authority = url.rsplit("//").next()?;
+    let authority = authority.split('/').next()?;
+    authority.rsplit(':').next()?.parse().ok()
+}
+
+fn write_log_header(path: &Path, index: usize, starts: u32, cmd: &Command) -> Result<()> {
+    use std::io::Write;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating log directory {}", dir.display()))?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening log file {}", path.display()))?;
+    let args: Vec<String> = cmd
+        .get_args()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    writeln!(
+        f,
+        "=== replica {index} start #{} : {} {}",
+        starts + 1,
+        cmd.get_program().to_string_lossy(),
+        args.join(" ")
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_template_renders_every_placeholder() {
+        let spec = CommandSpec {
+            template: "vllm serve {model} --host {host} --port {port} --kv-events-config '{\"endpoint\":\"tcp://*:{kv_port}\"}' # gpu {gpu} #{index}".into(),
+            model: "m".into(),
+            replicas: 2,
+            host: "127.0.0.1".into(),
+            base_port: 8000,
+            kv_base_port: Some(5557),
+            gpus: vec!["2".into(), "3".into()],
+        };
+        assert_eq!(
+            spec.render(1).unwrap(),
+            "vllm serve m --host 127.0.0.1 --port 8001 --kv-events-config '{\"endpoint\":\"tcp://*:5558\"}' # gpu 3 #1"
+        );
+        let no_kv = CommandSpec {
+            kv_base_port: None,
+            ..spec.clone()
+        };
+        assert!(no_kv.render(0).is_err());
+        let overflow = CommandSpec {
+            base_port: 65535,
+            ..spec
+        };
+        assert!(overflow.render(1).is_err());
+    }
+
+    #[test]
+    fn ports_are_read_from_urls() {
+        assert_eq!(port_of("http://127.0.0.1:4000"), Some(4000));
+        assert_eq!(port_of("tcp://127.0.0.1:5557"), Some(5557));
+        assert_eq!(port_of("http://host/x"), None);
+    }
+
+    #[test]
+    fn bad_specs_are_refused() {
+        let spec = EmulatedSpec {
+            engine_bin: "engine".into(),
+            replicas: 0,
+            speed: 1.0,
+            slowdowns: vec![],
+            num_gpu_blocks: None,
+            model: "m".into(),
+            seed: 0,
+            kv_events: false,
+            extra_args: vec![],
+        };
+        assert!(Fleet::new(Source::Emulated(spec.clone()), FleetOptions::new("/tmp")).is_err());
+        let slow = EmulatedSpec {
+            replicas: 2,
+            slowdowns: vec![1.0, -2.0],
+            ..spec.clone()
+        };
+        assert!(Fleet::new(Source::Emulated(slow), FleetOptions::new("/tmp")).is_err());
+        let fast = EmulatedSpec {
+            replicas: 1,
+            speed: 0.0,
+            ..spec
+        };
+        assert!(Fleet::new(Source::Emulated(fast), FleetOptions::new("/tmp")).is_err());
+    }
+}

@@ -1,0 +1,171 @@
+//! Stable, chained, salted block keys.
+//!
+//! Key `i` is `xxh3_64_with_seed(block_i, key_{i-1})`, and key 0 is seeded with a hash of the salt
+//! mixed with a domain constant (bytes and token ids live in different domains, so a byte prompt
+//! can never alias a token prompt). Because every key is seeded by its predecessor, one key names a
+//! whole prefix. Only full blocks are keyed: a trailing partial block is ignored, as vLLM ignores it.
+//!
+//! xxh3 with fixed seeds is specified bit-for-bit, and token ids are encoded little-endian, so keys
+//! are identical across processes, platforms and releases of this crate (the golden-value test
+//! pins them).
+
+use crate::BlockKey;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Domain constant for byte-block keys ("kvroute-bytes").
+const BYTE_DOMAIN: u64 = 0x6b76_726f_7574_6542;
+/// Domain constant for token-block keys ("kvroute-tokens").
+const TOKEN_DOMAIN: u64 = 0x6b76_726f_7574_6554;
+
+/// The seed of block 0 for byte keying under `salt`.
+pub fn byte_salt_seed(salt: &[u8]) -> u64 {
+    xxh3_64_with_seed(salt, BYTE_DOMAIN)
+}
+
+/// The seed of block 0 for token keying under `salt`.
+pub fn token_salt_seed(salt: &[u8]) -> u64 {
+    xxh3_64_with_seed(salt, TOKEN_DOMAIN)
+}
+
+/// Keys of the full `block_bytes`-sized blocks of `bytes`, chained from block 0 salted by `salt`.
+///
+/// `block_bytes == 0` yields no keys.
+pub fn byte_block_keys(salt: &[u8], bytes: &[u8], block_bytes: usize) -> Vec<BlockKey> {
+    let mut out = Vec::new();
+    byte_block_keys_into(salt, bytes, block_bytes, &mut out);
+    out
+}
+
+/// Like [`byte_block_keys`], but clears and fills `out` (no allocation once `out` has grown).
+pub fn byte_block_keys_into(
+    salt: &[u8],
+    bytes: &[u8],
+    block_bytes: usize,
+    out: &mut Vec<BlockKey>,
+) {
+    out.clear();
+    if block_bytes == 0 {
+        return;
+    }
+    out.reserve(bytes.len() / block_bytes);
+    let mut prev = byte_salt_seed(salt);
+    for block in bytes.chunks_exact(block_bytes) {
+        prev = xxh3_64_with_seed(block, prev);
+        out.push(prev);
+    }
+}
+
+/// Keys of the full `block_tokens`-sized blocks of `tokens`, chained from block 0 salted by `salt`.
+///
+/// Token ids are hashed as little-endian `u32`s. `block_tokens == 0` yields no keys.
+pub fn token_block_keys(salt: &[u8], tokens: &[u32], block_tokens: usize) -> Vec<BlockKey> {
+    let mut out = Vec::new();
+    token_block_keys_into(salt, tokens, block_tokens, &mut out);
+    out
+}
+
+/// Like [`token_block_keys`], but clears and fills `out`.
+pub fn token_block_keys_into(
+    salt: &[u8],
+    tokens: &[u32],
+    block_tokens: usize,
+    out: &mut Vec<BlockKey>,
+) {
+    out.clear();
+    chain_token_keys(token_salt_seed(salt), tokens, block_tokens, out);
+}
+
+/// Appends to `out` the keys of the full blocks of `tokens`, continuing a token chain whose last
+/// key is `parent` (use [`token_salt_seed`] for a chain that starts at block 0).
+///
+/// This is how an event-fed index re-derives its own keys for a `BlockStored` event that extends
+/// an earlier chain.
+pub fn chain_token_keys(parent: u64, tokens: &[u32], block_tokens: usize, out: &mut Vec<BlockKey>) {
+    if block_tokens == 0 {
+        return;
+    }
+    out.reserve(tokens.len() / block_tokens);
+    let mut buf = vec![0u8; block_tokens * 4];
+    let mut prev = parent;
+    for block in tokens.chunks_exact(block_tokens) {
+        for (dst, t) in buf.chunks_exact_mut(4).zip(block) {
+            dst.copy_from_slice(&t.to_le_bytes());
+        }
+        prev = xxh3_64_with_seed(&buf, prev);
+        out.push(prev);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_full_blocks_are_keyed() {
+        assert_eq!(byte_block_keys(b"m", &[7u8; 63], 64).len(), 0);
+        assert_eq!(byte_block_keys(b"m", &[7u8; 64], 64).len(), 1);
+        assert_eq!(byte_block_keys(b"m", &[7u8; 191], 64).len(), 2);
+        assert_eq!(token_block_keys(b"m", &[1u32; 31], 16).len(), 1);
+        assert!(byte_block_keys(b"m", &[7u8; 64], 0).is_empty());
+        assert!(token_block_keys(b"m", &[7u32; 64], 0).is_empty());
+    }
+
+    #[test]
+    fn a_key_names_its_whole_prefix() {
+        let a: Vec<u8> = (0..256u32).map(|i| (i % 251) as u8).collect();
+        let mut b = a.clone();
+        b[10] ^= 1; // differs in block 0 only
+        let ka = byte_block_keys(b"m", &a, 64);
+        let kb = byte_block_keys(b"m", &b, 64);
+        assert!(
+            ka.iter().zip(&kb).all(|(x, y)| x != y),
+            "every later key must change"
+        );
+        let mut c = a.clone();
+        c[200] ^= 1; // differs in block 3 only
+        let kc = byte_block_keys(b"m", &c, 64);
+        assert_eq!(ka[..3], kc[..3]);
+        assert_ne!(ka[3], kc[3]);
+    }
+
+    #[test]
+    fn salt_and_domain_separate_chains() {
+        let bytes = [1u8; 64];
+        assert_ne!(
+            byte_block_keys(b"a", &bytes, 64),
+            byte_block_keys(b"b", &bytes, 64)
+        );
+        // 16 tokens of 0x01010101 are the same 64 bytes as above, but a different domain.
+        let tokens = [0x0101_0101u32; 16];
+        assert_ne!(
+            byte_block_keys(b"a", &bytes, 64),
+            token_block_keys(b"a", &tokens, 16)
+        );
+    }
+
+    #[test]
+    fn continuing_a_chain_equals_hashing_it_whole() {
+        let tokens: Vec<u32> = (0..80).collect();
+        let whole = token_block_keys(b"model", &tokens, 16);
+        let mut tail = Vec::new();
+        chain_token_keys(whole[1], &tokens[32..], 16, &mut tail);
+        assert_eq!(&whole[2..], &tail[..]);
+    }
+
+    #[test]
+    fn keys_are_stable_golden_values() {
+        // Pinned values: a change here breaks every other router that shares keys with us.
+        let b = byte_block_keys(b"kvroute/emulated-8b", &[b'a'; 128], 64);
+        let t = token_block_keys(b"kvroute/emulated-8b", &(0..32).collect::<Vec<u32>>(), 16);
+        let golden = [b[0], b[1], t[0], t[1]];
+        let expect = GOLDEN;
+        assert_eq!(golden, expect, "golden keys changed: {golden:#x?}");
+    }
+
+    const GOLDEN: [u64; 4] = [
+        0xb922_6731_611d_e958,
+        0xdf13_3fc6_7be1_d0be,
+        0xb053_9e90_ded7_b2f5,
+        0xd363_8a22_7ae0_107d,
+    ];
+}

@@ -1,0 +1,308 @@
+//! `prefix-affinity` (believed residency) and `exact-residency` (residency from engine KV events),
+//! with their arms (`prefix-affinity-spill-off`, `exact-residency-spec`).
+//!
+//! Decision, shared by both:
+//! 1. the longest match over eligible replicas; none → least outstanding (`miss`);
+//! 2. among the replicas holding it, the least outstanding (`match`, or `tie` when several);
+//! 3. spill (load branch, when on): decline the match when `matched − least > spill_abs` and
+//!    `matched > spill_ratio × least` (outstanding requests), and send to the least loaded
+//!    (`spill-load`);
+//! 4. residency branch (when on): decline a match on a replica whose KV usage is above the
+//!    threshold, and send to the least loaded other replica (`spill-residency`).
+//!
+//! Prefix-affinity inserts the chosen replica in the same index descent as the lookup, so a
+//! burst sharing a new prefix sees it at once, and [`Policy::on_served`] inserts the replica
+//! that really served when a retry moved the request. Exact-residency's index is fed only by
+//! KV events; its speculative arm inserts the chosen replica's blocks as speculative entries
+//! (short TTL) until the engine's `BlockStored` confirms them.
+
+use crate::{
+    Branch, Chooser, Decision, Keying, Policy, PolicySpec, ReplicaId, ReplicaView, RouteError,
+    RouteRequest, SpillCheck, min_outstanding,
+};
+use kv_index::{IndexConfig, IndexStats, KvEvent, Matches, PrefixIndex};
+
+/// Where the index's knowledge comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexMode {
+    /// What the router sent (belief keys, sliding TTL).
+    Belief,
+    /// Engine KV events (exact keys, no TTL), optionally with a speculative layer.
+    Exact {
+        /// Insert the chosen replica's blocks as speculative entries.
+        speculative: bool,
+    },
+}
+
+/// Direct-mapped memory of recent decisions, so `on_served` skips re-inserting what `decide`
+/// already inserted for the same replica.
+const RECENT: usize = 1024;
+
+/// `prefix-affinity`, `prefix-affinity-spill-off`, `exact-residency`, `exact-residency-spec`.
+#[derive(Debug)]
+pub struct PrefixPolicy {
+    name: String,
+    mode: IndexMode,
+    spill: bool,
+    spill_abs: u32,
+    spill_ratio: f64,
+    residency_branch: bool,
+    residency_kv_usage: f32,
+    index: PrefixIndex,
+    matches: Matches,
+    chooser: Chooser,
+    recent: Vec<(u64, ReplicaId)>,
+    event_errors: u64,
+}
+
+impl PrefixPolicy {
+    /// Builds the policy; `spill` switches the load branch.
+    pub fn new(spec: &PolicySpec, mode: IndexMode, spill: bool) -> Result<Self, String> {
+        let cfg = IndexConfig {
+            node_cap: spec.index_node_cap,
+            ttl_us: match mode {
+                IndexMode::Belief => Some(spec.index_ttl_us),
+                IndexMode::Exact { .. } => None,
+            },
+            speculative_ttl_us: spec.speculative_ttl_us,
+            salt: spec.salt.as_bytes().to_vec(),
+            tokens_per_block: spec.tokens_per_block,
+        };
+        let name = match mode {
+            IndexMode::Belief if spill => "prefix-affinity",
+            IndexMode::Belief => "prefix-affinity-spill-off",
+            IndexMode::Exact { speculative: false } => "exact-residency",
+            IndexMode::Exact { speculative: true } => "exact-residency-spec",
+        };
+        Ok(PrefixPolicy {
+            name: name.to_string(),
+            mode,
+            spill,
+            spill_abs: spec.spill_abs,
+            spill_ratio: spec.spill_ratio,
+            residency_branch: spec.residency_branch,
+            residency_kv_usage: spec.residency_kv_usage,
+            index: PrefixIndex::new(cfg).map_err(|e| e.to_string())?,
+            matches: Matches::new(),
+            chooser: Chooser::new(spec.seed),
+            recent: vec![(0, ReplicaId::MAX); RECENT],
+            event_errors: 0,
+        })
+    }
+
+    /// Overrides the reported name (arms built under their own name).
+    pub fn set_name(&mut self, name: &str) {
+        self.name = name.to_string();
+    }
+
+    /// The residency index (read-only; for diagnostics and tests).
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    /// Index statistics.
+    pub fn index_stats(&self) -> IndexStats {
+        self.index.stats()
+    }
+
+    /// KV events the index refused (unknown parent, block-size mismatch, …) since creation.
+    pub fn event_errors(&self) -> u64 {
+        self.event_errors
+    }
+
+    fn fingerprint(keys: &[u64]) -> u64 {
+        keys.last().copied().unwrap_or(0) ^ (keys.len() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
+    fn remember(recent: &mut [(u64, ReplicaId)], keys: &[u64], replica: ReplicaId) {
+        let fp = Self::fingerprint(keys);
+        recent[(fp % RECENT as u64) as usize] = (fp, replica);
+    }
+}
+
+/// The decision rule on a lookup result (see the module documentation).
+#[allow(clippy::too_many_arguments)]
+fn choose(
+    m: &Matches,
+    fleet: &[ReplicaView],
+    chooser: &mut Chooser,
+    spill: bool,
+    spill_abs: u32,
+    spill_ratio: f64,
+    residency: Option<f32>,
+    tokens_per_block: u32,
+) -> Option<Decision> {
+    let min_out = min_outstanding(fleet);
+    let blocks_of = |r: &ReplicaView| m.blocks(r.id);
+    let best = m
+        .hits()
+        .iter()
+        .filter(|(id, _)| fleet.iter().any(|r| r.id == *id && r.eligible()))
+        .map(|&(_, b)| b)
+        .max()
+        .unwrap_or(0);
+    let decision = |i: usize, branch: Branch, spill: Option<SpillCheck>| {
+        let blocks = blocks_of(&fleet[i]);
+        Decision {
+            replica: fleet[i].id,
+            branch,
+            predicted_match_blocks: blocks,
+            predicted_match_tokens: blocks.saturating_mul(tokens_per_block),
+            outstanding_chosen: fleet[i].outstanding,
+            outstanding_min: min_out,
+            spill,
+        }
+    };
+    if best == 0 {
+        let i = chooser.least(fleet, |_, _| true)?;
+        return Some(decision(i, Branch::Miss, None));
+    }
+    let holders = fleet
+        .iter()
+        .filter(|r| r.eligible() && blocks_of(r) == best)
+        .count();
+    let matched = chooser.least(fleet, |_, r| blocks_of(r) == best)?;
+    let branch = if holders > 1 {
+        Branch::Tie
+    } else {
+        Branch::Match
+    };
+    if !spill && residency.is_none() {
+        return Some(decision(matched, branch, None));
+    }
+    let least = chooser.least(fleet, |_, _| true)?;
+    let (mo, lo) = (fleet[matched].outstanding, fleet[least].outstanding);
+    let mut check = SpillCheck {
+        matched_replica: fleet[matched].id,
+        matched_outstanding: mo,
+        least_replica: fleet[least].id,
+        least_outstanding: lo,
+        spill_abs,
+        spill_ratio,
+        matched_kv_usage: None,
+        spilled: false,
+    };
+    if spill && mo.saturating_sub(lo) > spill_abs && mo as f64 > spill_ratio * lo as f64 {
+        check.spilled = true;
+        return Some(decision(least, Branch::SpillLoad, Some(check)));
+    }
+    if let Some(threshold) = residency {
+        let usage = fleet[matched].kv_usage;
+        check.matched_kv_usage = usage;
+        if usage.is_some_and(|u| u > threshold) {
+            let other = fleet[matched].id;
+            if let Some(i) = chooser.least(fleet, |_, r| r.id != other) {
+                check.spilled = true;
+                check.least_replica = fleet[i].id;
+                check.least_outstanding = fleet[i].outstanding;
+                return Some(decision(i, Branch::SpillResidency, Some(check)));
+            }
+        }
+    }
+    Some(decision(matched, branch, Some(check)))
+}
+
+impl Policy for PrefixPolicy {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn keying(&self) -> Keying {
+        match self.mode {
+            IndexMode::Belief => Keying::BeliefBytes,
+            IndexMode::Exact { .. } => Keying::ExactTokens,
+        }
+    }
+
+    fn decide(
+        &mut self,
+        req: &RouteRequest<'_>,
+        fleet: &[ReplicaView],
+    ) -> Result<Decision, RouteError> {
+        let PrefixPolicy {
+            mode,
+            spill,
+            spill_abs,
+            spill_ratio,
+            residency_branch,
+            residency_kv_usage,
+            index,
+            matches,
+            chooser,
+            recent,
+            ..
+        } = self;
+        let residency = residency_branch.then_some(*residency_kv_usage);
+        let mut rule = |m: &Matches| {
+            choose(
+                m,
+                fleet,
+                chooser,
+                *spill,
+                *spill_abs,
+                *spill_ratio,
+                residency,
+                req.tokens_per_block,
+            )
+        };
+        let keys = req.block_keys;
+        let inserts = match *mode {
+            IndexMode::Belief => Some(false),
+            IndexMode::Exact { speculative: true } => Some(true),
+            IndexMode::Exact { speculative: false } => None,
+        };
+        let decision = match inserts {
+            Some(speculative) if !keys.is_empty() => {
+                let mut made = None;
+                // An index refusal (too many replicas) only loses the belief, not the request.
+                let _ = index.lookup_insert(keys, req.now_us, matches, |m| {
+                    made = rule(m);
+                    made.map(|d| (d.replica, speculative))
+                });
+                if let Some(d) = made {
+                    Self::remember(recent, keys, d.replica);
+                }
+                made
+            }
+            _ => {
+                index.lookup(keys, req.now_us, matches);
+                rule(matches)
+            }
+        };
+        decision.ok_or(RouteError::NoEligibleReplica)
+    }
+
+    fn on_served(&mut self, req: &RouteRequest<'_>, replica: ReplicaId) {
+        let keys = req.block_keys;
+        if keys.is_empty() {
+            return;
+        }
+        let speculative = match self.mode {
+            IndexMode::Belief => false,
+            IndexMode::Exact { speculative: true } => true,
+            IndexMode::Exact { speculative: false } => return,
+        };
+        let fp = Self::fingerprint(keys);
+        if self.recent[(fp % RECENT as u64) as usize] == (fp, replica) {
+            return;
+        }
+        let _ = if speculative {
+            self.index.insert_speculative(replica, keys, req.now_us)
+        } else {
+            self.index.insert(replica, keys, req.now_us)
+        };
+        Self::remember(&mut self.recent, keys, replica);
+    }
+
+    fn on_kv_event(&mut self, replica: ReplicaId, event: &KvEvent, now_us: u64) {
+        if let IndexMode::Exact { .. } = self.mode
+            && self.index.apply_event(replica, event, now_us).is_err()
+        {
+            self.event_errors += 1;
+        }
+    }
+
+    fn on_replica_removed(&mut self, replica: ReplicaId) {
+        self.index.remove_replica(replica);
+    }
+}

@@ -1,0 +1,209 @@
+//! Policies without a residency index: `round-robin`, `least-outstanding`, `session-affinity`,
+//! `session-bounded`, `prefix-hash`.
+
+use crate::ring::{Ring, bound, session_point};
+use crate::{
+    Branch, Chooser, Decision, Keying, Policy, PolicySpec, ReplicaView, RouteError, RouteRequest,
+    plain,
+};
+
+/// `round-robin`: the next eligible replica in fleet order after the previous choice.
+#[derive(Clone, Debug, Default)]
+pub struct RoundRobin {
+    cursor: usize,
+}
+
+impl RoundRobin {
+    /// Starts at the first replica.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl Policy for RoundRobin {
+    fn name(&self) -> &str {
+        "round-robin"
+    }
+    fn keying(&self) -> Keying {
+        Keying::None
+    }
+    fn decide(
+        &mut self,
+        _: &RouteRequest<'_>,
+        fleet: &[ReplicaView],
+    ) -> Result<Decision, RouteError> {
+        let n = fleet.len();
+        for k in 0..n {
+            let i = (self.cursor + k) % n;
+            if fleet[i].eligible() {
+                self.cursor = (i + 1) % n;
+                return Ok(plain(fleet, i, Branch::Rr));
+            }
+        }
+        Err(RouteError::NoEligibleReplica)
+    }
+}
+
+/// `least-outstanding`: fewest outstanding; ties broken by a seeded draw.
+#[derive(Clone, Debug)]
+pub struct LeastOutstanding {
+    chooser: Chooser,
+}
+
+impl LeastOutstanding {
+    /// Tie-breaks drawn from `seed`.
+    pub fn new(seed: u64) -> Self {
+        LeastOutstanding {
+            chooser: Chooser::new(seed),
+        }
+    }
+}
+
+impl Policy for LeastOutstanding {
+    fn name(&self) -> &str {
+        "least-outstanding"
+    }
+    fn keying(&self) -> Keying {
+        Keying::None
+    }
+    fn decide(
+        &mut self,
+        _: &RouteRequest<'_>,
+        fleet: &[ReplicaView],
+    ) -> Result<Decision, RouteError> {
+        let i = self
+            .chooser
+            .least(fleet, |_, _| true)
+            .ok_or(RouteError::NoEligibleReplica)?;
+        Ok(plain(fleet, i, Branch::Least))
+    }
+}
+
+/// `session-affinity` (no load bound) and `session-bounded` (bounded loads, factor `c`):
+/// a consistent-hash ring keyed by the session id. Requests without a session id go to the
+/// least outstanding replica (branch `least`).
+#[derive(Clone, Debug)]
+pub struct SessionAffinity {
+    ring: Ring,
+    bounded: bool,
+    load_factor: f64,
+    chooser: Chooser,
+}
+
+impl SessionAffinity {
+    /// From the spec's ring size, load factor and seed; `bounded` selects session-bounded.
+    pub fn new(spec: &PolicySpec, bounded: bool) -> Self {
+        SessionAffinity {
+            ring: Ring::new(spec.virtual_nodes),
+            bounded,
+            load_factor: spec.load_factor,
+            chooser: Chooser::new(spec.seed),
+        }
+    }
+}
+
+impl Policy for SessionAffinity {
+    fn name(&self) -> &str {
+        if self.bounded {
+            "session-bounded"
+        } else {
+            "session-affinity"
+        }
+    }
+    fn keying(&self) -> Keying {
+        Keying::None
+    }
+    fn decide(
+        &mut self,
+        req: &RouteRequest<'_>,
+        fleet: &[ReplicaView],
+    ) -> Result<Decision, RouteError> {
+        let Some(session) = req.session_id else {
+            let i = self
+                .chooser
+                .least(fleet, |_, _| true)
+                .ok_or(RouteError::NoEligibleReplica)?;
+            return Ok(plain(fleet, i, Branch::Least));
+        };
+        ring_decide(
+            &mut self.ring,
+            session_point(session),
+            fleet,
+            self.bounded.then_some(self.load_factor),
+        )
+    }
+}
+
+fn ring_decide(
+    ring: &mut Ring,
+    point: u64,
+    fleet: &[ReplicaView],
+    load_factor: Option<f64>,
+) -> Result<Decision, RouteError> {
+    let limit = match load_factor {
+        Some(c) => Some(bound(fleet, c).ok_or(RouteError::NoEligibleReplica)?),
+        None => None,
+    };
+    ring.sync(fleet);
+    let pick = ring
+        .pick(point, fleet, limit)
+        .ok_or(RouteError::NoEligibleReplica)?;
+    let branch = if pick.owner {
+        Branch::Ring
+    } else {
+        Branch::RingWalk
+    };
+    Ok(plain(fleet, pick.index, branch))
+}
+
+/// `prefix-hash`: stateless; the key of the prompt's leading `prefix_hash_blocks` blocks (a
+/// chained key names its whole prefix) placed on the bounded-load ring. Prompts shorter than
+/// one block go to the least outstanding replica (branch `least`).
+#[derive(Clone, Debug)]
+pub struct PrefixHash {
+    ring: Ring,
+    blocks: usize,
+    load_factor: f64,
+    chooser: Chooser,
+}
+
+impl PrefixHash {
+    /// From the spec's ring size, prefix length, load factor and seed.
+    pub fn new(spec: &PolicySpec) -> Self {
+        PrefixHash {
+            ring: Ring::new(spec.virtual_nodes),
+            blocks: spec.prefix_hash_blocks as usize,
+            load_factor: spec.load_factor,
+            chooser: Chooser::new(spec.seed),
+        }
+    }
+}
+
+impl Policy for PrefixHash {
+    fn name(&self) -> &str {
+        "prefix-hash"
+    }
+    fn keying(&self) -> Keying {
+        Keying::BeliefBytes
+    }
+    fn decide(
+        &mut self,
+        req: &RouteRequest<'_>,
+        fleet: &[ReplicaView],
+    ) -> Result<Decision, RouteError> {
+        let n = req.block_keys.len().min(self.blocks);
+        if n == 0 {
+            let i = self
+                .chooser
+                .least(fleet, |_, _| true)
+                .ok_or(RouteError::NoEligibleReplica)?;
+            return Ok(plain(fleet, i, Branch::Least));
+        }
+        // Block keys are already uniform 64-bit hashes; remix so the ring position is not the
+        // index's own bucket position.
+        let point = req.block_keys[n - 1]
+            .wrapping_mul(0xD6E8_FEB8_6659_FD93)
+            .rotate_left(29);
+        ring_decide(&mut self.ring, point, fleet, Some(self.load_factor))
+    }
+}

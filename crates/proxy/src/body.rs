@@ -1,0 +1,239 @@
+//! Response bodies: the frame-by-frame proxied stream and the router's own small bodies.
+//!
+//! [`ProxyBody`] hands each upstream frame to hyper as soon as it arrives (no buffering, no
+//! `collect()`), scans it for the usage chunk in passing, and finishes the request's row when the
+//! body ends or is dropped. A mid-stream upstream failure on an SSE response becomes an
+//! OpenAI-style error event followed by `data: [DONE]`, as vLLM itself ends a failed stream.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+
+use crate::rows::Row;
+use crate::state::{LoadGuard, Shared};
+use crate::usage::{BodyKind, UsageScanner};
+
+/// Error type of response bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Everything needed to finish a proxied request's row; taken exactly once.
+pub(crate) struct Finish {
+    pub shared: Arc<Shared>,
+    pub row: Row,
+    pub guard: LoadGuard,
+    /// Router work before the upstream write (arrival → written, minus tokenize), µs.
+    pub pre_us: u64,
+    /// When the upstream response head arrived, clock ns.
+    pub upstream_first_ns: u64,
+    /// When hyper first asked for body bytes (client head being written), clock ns.
+    pub client_first_ns: Option<u64>,
+}
+
+/// A proxied upstream response body.
+pub struct ProxyBody {
+    inner: Incoming,
+    scanner: UsageScanner,
+    finish: Option<Finish>,
+    injected: Option<Bytes>,
+    done: bool,
+}
+
+impl ProxyBody {
+    pub(crate) fn new(inner: Incoming, kind: BodyKind, finish: Finish) -> Self {
+        ProxyBody {
+            inner,
+            scanner: UsageScanner::new(kind),
+            finish: Some(finish),
+            injected: None,
+            done: false,
+        }
+    }
+
+    fn complete(&mut self, error: Option<String>) {
+        let Some(mut f) = self.finish.take() else {
+            return;
+        };
+        let now = f.shared.clock.now_ns();
+        let client_first = f.client_first_ns.unwrap_or(now);
+        let post_us = client_first.saturating_sub(f.upstream_first_ns) / 1000;
+        let overhead_us = f.pre_us + post_us;
+        f.shared.metrics.record_overhead(overhead_us);
+        f.row.overhead_us = Some(overhead_us);
+        if let Some(u) = self.scanner.finish() {
+            f.row.prompt_tokens = u.prompt_tokens;
+            let reports = &f.guard.replica().reports_cached_tokens;
+            f.row.cached_tokens = match u.cached_tokens {
+                Some(c) => {
+                    reports.store(true, Ordering::Relaxed);
+                    Some(c)
+                }
+                None if reports.load(Ordering::Relaxed) => Some(0),
+                None => None,
+            };
+        }
+        f.row.error = error.or_else(|| {
+            f.row.upstream_status.filter(|s| *s >= 400).map(|s| format!("http: upstream status {s}"))
+        });
+        // Release the load before queueing the row, so the replica is free as early as possible.
+        drop(f.guard);
+        f.shared.rows.send(f.row);
+    }
+}
+
+fn error_event(message: &str, terminate_partial: bool) -> Bytes {
+    let body = serde_json::json!({
+        "error": {"message": message, "type": "upstream_error", "param": null, "code": 502}
+    });
+    let mut out = String::with_capacity(160);
+    if terminate_partial {
+        out.push_str("\n\n");
+    }
+    out.push_str("data: ");
+    out.push_str(&body.to_string());
+    out.push_str("\n\ndata: [DONE]\n\n");
+    Bytes::from(out)
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if let Some(f) = this.finish.as_mut()
+            && f.client_first_ns.is_none()
+        {
+            f.client_first_ns = Some(f.shared.clock.now_ns());
+        }
+        if let Some(ev) = this.injected.take() {
+            return Poll::Ready(Some(Ok(Frame::data(ev))));
+        }
+        if this.done {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(d) = frame.data_ref() {
+                    this.scanner.feed(d);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(None) => {
+                this.done = true;
+                this.complete(None);
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.done = true;
+                let msg = format!("replica failed mid-stream: {e}");
+                if let Some(f) = &this.finish {
+                    f.shared
+                        .metrics
+                        .stream_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                    f.guard
+                        .replica()
+                        .upstream_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                if this.scanner.kind() == BodyKind::Sse {
+                    let ev = error_event(&msg, this.scanner.mid_event());
+                    this.complete(Some(format!("stream: {msg}")));
+                    Poll::Ready(Some(Ok(Frame::data(ev))))
+                } else {
+                    this.complete(Some(format!("stream: {msg}")));
+                    Poll::Ready(Some(Err(e.into())))
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.injected.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.done {
+            SizeHint::with_exact(0)
+        } else {
+            self.inner.size_hint()
+        }
+    }
+}
+
+impl Drop for ProxyBody {
+    fn drop(&mut self) {
+        if self.finish.is_some() {
+            // Everything the client needed went through: a hang-up now is not a failure.
+            if self.scanner.saw_done() || self.inner.is_end_stream() {
+                self.complete(None);
+                return;
+            }
+            if let Some(f) = &self.finish {
+                f.shared
+                    .metrics
+                    .client_disconnects
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            self.complete(Some(
+                "client: disconnected before the response ended".into(),
+            ));
+        }
+    }
+}
+
+/// Every response body the router produces.
+// The proxied variant is the common one; boxing it would add an allocation per request to save
+// moving a few hundred bytes on the rare small-body path.
+#[allow(clippy::large_enum_variant)]
+pub enum RouterBody {
+    /// A proxied upstream body.
+    Proxy(ProxyBody),
+    /// A body the router wrote itself (errors, admin, metrics, small upstream replies).
+    Full(Full<Bytes>),
+}
+
+impl RouterBody {
+    /// A complete body.
+    pub fn full(b: impl Into<Bytes>) -> Self {
+        RouterBody::Full(Full::new(b.into()))
+    }
+}
+
+impl Body for RouterBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            RouterBody::Proxy(p) => Pin::new(p).poll_frame(cx),
+            RouterBody::Full(f) => Pin::new(f).poll_frame(cx).map_err(|never| match never {}),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RouterBody::Proxy(p) => p.is_end_stream(),
+            RouterBody::Full(f) => f.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RouterBody::Proxy(p) => p.size_hint(),
+            RouterBody::Full(f) => f.size_hint(),
+        }
+    }
+}

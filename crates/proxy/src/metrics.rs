@@ -1,0 +1,199 @@
+//! Prometheus counters and the router-overhead histogram, all lock-free on the request path.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Decision branch names in a fixed order (the policies contract's `Branch::as_str` values).
+pub const BRANCHES: [&str; 9] = [
+    "match",
+    "tie",
+    "miss",
+    "spill-load",
+    "spill-residency",
+    "ring",
+    "ring-walk",
+    "rr",
+    "least",
+];
+
+/// Upper bounds (µs) of the overhead histogram's buckets; `+Inf` is implicit.
+pub const OVERHEAD_BUCKETS_US: [u64; 14] = [
+    5, 10, 20, 30, 50, 75, 100, 150, 250, 500, 1_000, 2_500, 5_000, 10_000,
+];
+
+/// Router-wide counters. Per-replica counters live on the replica.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// LLM requests received (completions and chat).
+    pub requests: AtomicU64,
+    /// Requests refused with 400.
+    pub bad_requests: AtomicU64,
+    /// Requests refused with 413.
+    pub too_large: AtomicU64,
+    /// Requests answered 503 because no replica was eligible.
+    pub no_replica: AtomicU64,
+    /// Upstream attempts beyond the first (retries before the first byte).
+    pub retries: AtomicU64,
+    /// Streams whose upstream failed after headers were sent to the client.
+    pub stream_errors: AtomicU64,
+    /// Responses the client dropped before their end.
+    pub client_disconnects: AtomicU64,
+    /// Tokenize round trips that failed (the request was routed without exact keys).
+    pub tokenize_errors: AtomicU64,
+    decisions: [AtomicU64; BRANCHES.len() + 1],
+    overhead_buckets: [AtomicU64; OVERHEAD_BUCKETS_US.len() + 1],
+    overhead_sum_us: AtomicU64,
+    decide_sum_ns: AtomicU64,
+}
+
+impl Metrics {
+    /// Counts one decision of the named branch (unknown names land in `other`).
+    pub fn record_decision(&self, branch: &str, decide_ns: u64) {
+        let i = BRANCHES
+            .iter()
+            .position(|b| *b == branch)
+            .unwrap_or(BRANCHES.len());
+        self.decisions[i].fetch_add(1, Ordering::Relaxed);
+        self.decide_sum_ns.fetch_add(decide_ns, Ordering::Relaxed);
+    }
+
+    /// Records one request's router overhead.
+    pub fn record_overhead(&self, overhead_us: u64) {
+        let i = OVERHEAD_BUCKETS_US
+            .iter()
+            .position(|&b| overhead_us <= b)
+            .unwrap_or(OVERHEAD_BUCKETS_US.len());
+        self.overhead_buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.overhead_sum_us
+            .fetch_add(overhead_us, Ordering::Relaxed);
+    }
+
+    /// Decisions counted for `branch`.
+    pub fn decisions(&self, branch: &str) -> u64 {
+        BRANCHES
+            .iter()
+            .position(|b| *b == branch)
+            .map_or(0, |i| self.decisions[i].load(Ordering::Relaxed))
+    }
+
+    /// Renders the router-wide part of the Prometheus exposition.
+    pub fn render_into(&self, out: &mut String, policy: &str) {
+        let c = |out: &mut String, name: &str, help: &str, v: &AtomicU64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                v.load(Ordering::Relaxed)
+            );
+        };
+        c(
+            out,
+            "kvroute_router_requests_total",
+            "LLM requests received.",
+            &self.requests,
+        );
+        c(
+            out,
+            "kvroute_router_bad_requests_total",
+            "Requests refused with 400.",
+            &self.bad_requests,
+        );
+        c(
+            out,
+            "kvroute_router_too_large_total",
+            "Requests refused with 413.",
+            &self.too_large,
+        );
+        c(
+            out,
+            "kvroute_router_no_replica_total",
+            "Requests refused with 503 (no eligible replica).",
+            &self.no_replica,
+        );
+        c(
+            out,
+            "kvroute_router_retries_total",
+            "Upstream retries before the first byte.",
+            &self.retries,
+        );
+        c(
+            out,
+            "kvroute_router_stream_errors_total",
+            "Upstream failures after the response started.",
+            &self.stream_errors,
+        );
+        c(
+            out,
+            "kvroute_router_client_disconnects_total",
+            "Responses dropped by the client before their end.",
+            &self.client_disconnects,
+        );
+        c(
+            out,
+            "kvroute_router_tokenize_errors_total",
+            "Failed tokenize round trips.",
+            &self.tokenize_errors,
+        );
+
+        out.push_str("# HELP kvroute_router_decisions_total Routing decisions by policy branch.\n# TYPE kvroute_router_decisions_total counter\n");
+        for (i, b) in BRANCHES.iter().chain(std::iter::once(&"other")).enumerate() {
+            let _ = writeln!(
+                out,
+                "kvroute_router_decisions_total{{policy=\"{policy}\",branch=\"{b}\"}} {}",
+                self.decisions[i].load(Ordering::Relaxed)
+            );
+        }
+        let total: u64 = self
+            .decisions
+            .iter()
+            .map(|d| d.load(Ordering::Relaxed))
+            .sum();
+        let _ = writeln!(
+            out,
+            "# HELP kvroute_router_decide_ns_sum Nanoseconds spent in Policy::decide.\n# TYPE kvroute_router_decide_ns_sum counter\nkvroute_router_decide_ns_sum {}\nkvroute_router_decide_count {total}",
+            self.decide_sum_ns.load(Ordering::Relaxed)
+        );
+
+        out.push_str("# HELP kvroute_router_overhead_us Router overhead per request (arrival to upstream write, plus upstream first byte to client first byte).\n# TYPE kvroute_router_overhead_us histogram\n");
+        let mut cum = 0;
+        for (i, b) in OVERHEAD_BUCKETS_US.iter().enumerate() {
+            cum += self.overhead_buckets[i].load(Ordering::Relaxed);
+            let _ = writeln!(out, "kvroute_router_overhead_us_bucket{{le=\"{b}\"}} {cum}");
+        }
+        cum += self.overhead_buckets[OVERHEAD_BUCKETS_US.len()].load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "kvroute_router_overhead_us_bucket{{le=\"+Inf\"}} {cum}"
+        );
+        let _ = writeln!(
+            out,
+            "kvroute_router_overhead_us_sum {}",
+            self.overhead_sum_us.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(out, "kvroute_router_overhead_us_count {cum}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative_and_decisions_labelled() {
+        let m = Metrics::default();
+        m.record_overhead(3);
+        m.record_overhead(40);
+        m.record_overhead(1_000_000);
+        m.record_decision("match", 100);
+        m.record_decision("bogus", 1);
+        let mut s = String::new();
+        m.render_into(&mut s, "prefix-affinity");
+        assert!(s.contains("kvroute_router_overhead_us_bucket{le=\"5\"} 1\n"));
+        assert!(s.contains("kvroute_router_overhead_us_bucket{le=\"50\"} 2\n"));
+        assert!(s.contains("kvroute_router_overhead_us_bucket{le=\"+Inf\"} 3\n"));
+        assert!(s.contains(
+            "kvroute_router_decisions_total{policy=\"prefix-affinity\",branch=\"match\"} 1\n"
+        ));
+        assert!(s.contains("branch=\"other\"} 1\n"));
+        assert_eq!(m.decisions("match"), 1);
+    }
+}

@@ -1,0 +1,1116 @@
+//! End-to-end router tests on loopback against scripted replicas.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+
+fn chosen_replicas(results: &[StreamResult]) -> Vec<u32> {
+    results.iter().map(StreamResult::replica).collect()
+}
+
+async fn run(url: &str, body: serde_json::Value, headers: &[(&str, &str)]) -> StreamResult {
+    post(url, "/v1/completions", body, headers)
+        .await
+        .finish()
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_alternates_and_streams_complete() {
+    let a = MockReplica::start(Script::default()).await;
+    let b = MockReplica::start(Script::default()).await;
+    let router = start_router(router_config(&[&a, &b], "round-robin")).await;
+    let url = format!("http://{}", router.local_addr());
+    let mut got = Vec::new();
+    for i in 0..4 {
+        let r = run(&url, completion(&format!("p{i}")), &[]).await;
+        assert_eq!(r.status, 200);
+        assert!(r.done, "stream ends with [DONE]");
+        assert_eq!(r.events.len(), 5, "4 content events + usage");
+        got.push(r);
+    }
+    let reps = chosen_replicas(&got);
+    assert_eq!(reps.iter().filter(|&&r| r == 0).count(), 2);
+    assert_ne!(reps[0], reps[1]);
+    assert_ne!(reps[1], reps[2]);
+    assert_eq!(a.state.count() + b.state.count(), 4);
+    router.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_outstanding_avoids_the_busy_replica() {
+    let held = Script {
+        hold: true,
+        ..Script::default()
+    };
+    let a = MockReplica::start(held.clone()).await;
+    let b = MockReplica::start(held).await;
+    let router = start_router(router_config(&[&a, &b], "least-outstanding")).await;
+    let url = format!("http://{}", router.local_addr());
+    // Two held streams: one on each replica, whichever order.
+    let s1 = post(&url, "/v1/completions", completion("x"), &[]).await;
+    let s2 = post(&url, "/v1/completions", completion("y"), &[]).await;
+    let r1: u32 = s1.headers["x-kvroute-replica"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let r2: u32 = s2.headers["x-kvroute-replica"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_ne!(
+        r1, r2,
+        "the second request avoids the replica holding the first"
+    );
+    // Finish the one on replica 0: the next request goes there (replica 1 still busy).
+    let (s_on_a, s_on_b) = if r1 == 0 { (s1, s2) } else { (s2, s1) };
+    a.state.release(1);
+    let done = s_on_a.finish().await;
+    assert!(done.done);
+    let s3 = post(&url, "/v1/completions", completion("z"), &[]).await;
+    assert_eq!(s3.headers["x-kvroute-replica"], "0");
+    a.state.release(1);
+    b.state.release(1);
+    assert!(s3.finish().await.done);
+    assert!(s_on_b.finish().await.done);
+    router.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_affinity_is_sticky_and_spreads_sessions() {
+    let reps = [
+        MockReplica::start(Script::default()).await,
+        MockReplica::start(Script::default()).await,
+        MockReplica::start(Script::default()).await,
+    ];
+    let router = start_router(router_config(
+        &[&reps[0], &reps[1], &reps[2]],
+        "session-affinity",
+    ))
+    .await;
+    let url = format!("http://{}", router.local_addr());
+    let mut owners = std::collections::HashSet::new();
+    for s in 0..12 {
+        let sid = format!("session-{s}");
+        let mut seen = Vec::new();
+        for turn in 0..3 {
+            let r = run(
+                &url,
+                completion(&format!("{sid} turn {turn}")),
+                &[("x-session-id", &sid)],
+            )
+            .await;
+            assert_eq!(r.status, 200);
+            seen.push(r.replica());
+        }
+        assert!(
+            seen.iter().all(|&r| r == seen[0]),
+            "session {sid} moved: {seen:?}"
+        );
+        owners.insert(seen[0]);
+        // The `user` field is the fallback session id.
+        let mut body = completion("via user");
+        body["user"] = serde_json::json!(sid);
+        assert_eq!(run(&url, body, &[]).await.replica(), seen[0]);
+    }
+    assert!(
+        owners.len() >= 2,
+        "12 sessions all on one replica: {owners:?}"
+    );
+    router.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_bounded_walks_the_ring_under_load() {
+    let held = Script {
+        hold: true,
+        ..Script::default()
+    };
+    let a = MockReplica::start(held.clone()).await;
+    let b = MockReplica::start(held).await;
+    let dir = temp_dir("bounded");
+    let mut cfg = router_config(&[&a, &b], "session-bounded");
+    cfg.rows = Some(dir.join("router.csv"));
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let mut streams = Vec::new();
+    for _ in 0..4 {
+        streams.push(
+            post(
+                &url,
+                "/v1/completions",
+                completion("same"),
+                &[("x-session-id", "hot")],
+            )
+            .await,
+        );
+    }
+    let reps: Vec<String> = streams
+        .iter()
+        .map(|s| s.headers["x-kvroute-replica"].to_str().unwrap().to_string())
+        .collect();
+    // Bound ⌈1.25·(total+1)/2⌉: the owner takes the first ones, then the bound pushes one away.
+    assert!(
+        reps.iter().any(|r| r != &reps[0]),
+        "bounded loads never left the owner: {reps:?}"
+    );
+    a.state.release(10);
+    b.state.release(10);
+    for s in streams {
+        assert!(s.finish().await.done);
+    }
+    router.shutdown(Duration::from_secs(5)).await;
+    let rows = read_rows(&dir.join("router.csv"));
+    let branches: Vec<&str> = rows.iter().map(|r| r["branch"].as_str()).collect();
+    assert!(branches.contains(&"ring"), "{branches:?}");
+    assert!(branches.contains(&"ring-walk"), "{branches:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_hash_keeps_a_prompt_on_one_replica() {
+    let reps = [
+        MockReplica::start(Script::default()).await,
+        MockReplica::start(Script::default()).await,
+        MockReplica::start(Script::default()).await,
+    ];
+    let router = start_router(router_config(
+        &[&reps[0], &reps[1], &reps[2]],
+        "prefix-hash",
+    ))
+    .await;
+    let url = format!("http://{}", router.local_addr());
+    let prefix =
+        "a shared system prompt that is long enough to fill several 64-byte blocks, ".repeat(4);
+    let first = run(&url, completion(&format!("{prefix} question one")), &[])
+        .await
+        .replica();
+    for q in 0..5 {
+        let r = run(&url, completion(&format!("{prefix} question {q}")), &[]).await;
+        assert_eq!(r.replica(), first);
+    }
+    router.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_affinity_follows_belief_and_spills_under_load() {
+    let a = MockReplica::start(Script::default()).await;
+    let b = MockReplica::start(Script::default()).await;
+    let dir = temp_dir("affinity");
+    let mut cfg = router_config(&[&a, &b], "prefix-affinity");
+    cfg.rows = Some(dir.join("router.csv"));
+    cfg.model = Some("mock-model".into());
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let system = "You are a careful assistant. Answer briefly and cite your sources. ".repeat(3);
+    // Turn 1: a miss lands somewhere; turns 2..4 extend the conversation and must follow it.
+    let mut convo = vec![("system", system.as_str()), ("user", "first question")];
+    let first = post(&url, "/v1/chat/completions", chat(&convo), &[])
+        .await
+        .finish()
+        .await;
+    let home = first.replica();
+    for turn in 0..3 {
+        convo.push(("assistant", "an answer"));
+        convo.push(("user", "a follow-up question"));
+        let r = post(&url, "/v1/chat/completions", chat(&convo), &[])
+            .await
+            .finish()
+            .await;
+        assert_eq!(r.replica(), home, "turn {turn} left its believed replica");
+    }
+
+    // Spill: hold 5 streams of the same conversation on its home replica; the next turn's
+    // match is declined for the idle replica (5 − 0 > spill_abs 4, and 5 > 1.5 × 0).
+    let home_state = if home == 0 { &a.state } else { &b.state };
+    home_state.script.lock().hold = true;
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        let s = post(&url, "/v1/chat/completions", chat(&convo), &[]).await;
+        assert_eq!(
+            s.headers["x-kvroute-replica"].to_str().unwrap(),
+            home.to_string()
+        );
+        held.push(s);
+    }
+    convo.push(("user", "one more"));
+    let spilled = post(&url, "/v1/chat/completions", chat(&convo), &[]).await;
+    assert_ne!(
+        spilled.headers["x-kvroute-replica"].to_str().unwrap(),
+        home.to_string()
+    );
+    home_state.release(100);
+    assert!(spilled.finish().await.done);
+    for s in held {
+        assert!(s.finish().await.done);
+    }
+    router.shutdown(Duration::from_secs(5)).await;
+
+    let mut rows = read_rows(&dir.join("router.csv"));
+    // Rows are written as requests finish; arrival order is the decision order.
+    rows.sort_by(|x, y| {
+        x["arrival_s"]
+            .parse::<f64>()
+            .unwrap()
+            .total_cmp(&y["arrival_s"].parse::<f64>().unwrap())
+    });
+    assert_eq!(rows.len(), 10);
+    assert_eq!(rows[0]["branch"], "miss");
+    assert_eq!(rows[0]["predicted_match_tokens"], "0");
+    for r in &rows[1..4] {
+        assert_eq!(r["branch"], "match");
+        assert!(r["predicted_match_tokens"].parse::<u32>().unwrap() > 0);
+    }
+    let last = rows.last().unwrap();
+    assert_eq!(last["branch"], "spill-load");
+    assert_eq!(last["outstanding_chosen"], "0");
+    assert_eq!(last["outstanding_min"], "0");
+    for r in &rows {
+        assert_eq!(r["policy"], "prefix-affinity");
+        assert_eq!(r["error"], "");
+        assert!(r["decide_ns"].parse::<u64>().is_ok());
+        assert!(r["overhead_us"].parse::<u64>().is_ok());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_residency_follows_kv_events_and_distrusts_gaps() {
+    use kv_index::KvEvent;
+    use proxy::events::encode::{Encoding, batch};
+    let a = MockReplica::start(Script::default()).await;
+    let b = MockReplica::start(Script::default()).await;
+    let pub_a = MockPublisher::bind().await;
+    let mut pub_b = MockPublisher::bind().await;
+    let dir = temp_dir("exact");
+    let mut cfg = router_config(&[&a, &b], "exact-residency");
+    cfg.replicas[0].kv_events = Some(pub_a.endpoint.clone());
+    cfg.replicas[1].kv_events = Some(pub_b.endpoint.clone());
+    cfg.rows = Some(dir.join("router.csv"));
+    cfg.model = Some("mock-model".into());
+    cfg.policy.salt = "mock-model".into();
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let metrics_url = format!("{url}/metrics");
+
+    // Probe until replica 1's subscription is live (PUB drops messages sent before it is).
+    let mut seq_b = 0;
+    loop {
+        pub_b.publish(seq_b, batch(0.0, &[], Encoding::Map)).await;
+        seq_b += 1;
+        let (_, m) = get(&metrics_url).await;
+        if metric(&m, "kvroute_router_kv_event_batches_total{replica=\"1\"}").unwrap_or(0.0) >= 1.0
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Replica 1 reports it stored the first 4 blocks (64 tokens) of the prompt.
+    let prompt =
+        "The quick brown fox jumps over the lazy dog; then it rests a while. And again, and again.";
+    let tokens: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    let stored = KvEvent::Stored {
+        block_hashes: vec![11, 12, 13, 14],
+        parent_block_hash: None,
+        token_ids: tokens[..64].to_vec(),
+        block_size: 16,
+    };
+    let before = get(&metrics_url).await.1;
+    let applied = metric(
+        &before,
+        "kvroute_router_kv_event_batches_total{replica=\"1\"}",
+    )
+    .unwrap();
+    pub_b
+        .publish(seq_b, batch(1.0, &[stored], Encoding::Array))
+        .await;
+    seq_b += 1;
+    eventually(|| {
+        let u = metrics_url.clone();
+        async move {
+            metric(
+                &get(&u).await.1,
+                "kvroute_router_kv_event_batches_total{replica=\"1\"}",
+            )
+            .unwrap()
+                > applied
+        }
+    })
+    .await;
+    for _ in 0..3 {
+        let r = run(&url, completion(prompt), &[]).await;
+        assert_eq!(r.replica(), 1, "exact residency follows the stored event");
+    }
+    assert_eq!(
+        a.state.tokenize_calls.load(Ordering::SeqCst)
+            + b.state.tokenize_calls.load(Ordering::SeqCst),
+        3
+    );
+
+    // A sequence gap with no replay socket: counted, and the replica is treated as cleared.
+    let gaps_before = metric(
+        &get(&metrics_url).await.1,
+        "kvroute_router_kv_event_gaps_total{replica=\"1\"}",
+    )
+    .unwrap();
+    pub_b
+        .publish(seq_b + 5, batch(2.0, &[], Encoding::Map))
+        .await;
+    eventually(|| {
+        let u = metrics_url.clone();
+        async move {
+            metric(
+                &get(&u).await.1,
+                "kvroute_router_kv_event_gaps_total{replica=\"1\"}",
+            )
+            .unwrap()
+                > gaps_before
+        }
+    })
+    .await;
+    let m = get(&metrics_url).await.1;
+    assert!(
+        metric(
+            &m,
+            "kvroute_router_kv_event_gaps_unrepaired_total{replica=\"1\"}"
+        )
+        .unwrap()
+            >= 1.0
+    );
+    // With the belief cleared, the same prompt is a miss again.
+    let r = run(&url, completion(prompt), &[]).await;
+    assert_eq!(r.status, 200);
+    router.shutdown(Duration::from_secs(5)).await;
+    let rows = read_rows(&dir.join("router.csv"));
+    assert_eq!(rows.len(), 4);
+    for r in &rows[..3] {
+        assert_eq!(r["branch"], "match");
+        assert_eq!(r["replica"], "1");
+        assert_eq!(r["predicted_match_tokens"], "64");
+        assert!(r["tokenize_ms"].parse::<f64>().unwrap() >= 0.0);
+    }
+    assert_eq!(rows[3]["branch"], "miss");
+    assert_eq!(rows[3]["predicted_match_tokens"], "0");
+}
+
+async fn admin(url: &str, method: &str, path: &str, body: &str) -> (u16, serde_json::Value) {
+    let (status, text) = send(method, &format!("{url}{path}"), body).await;
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_loses_nothing() {
+    let held = Script {
+        hold: true,
+        ..Script::default()
+    };
+    let a = MockReplica::start(held.clone()).await;
+    let b = MockReplica::start(held).await;
+    let dir = temp_dir("drain");
+    let mut cfg = router_config(&[&a, &b], "least-outstanding");
+    cfg.rows = Some(dir.join("router.csv"));
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let mut streams = Vec::new();
+    for i in 0..4 {
+        streams.push(
+            post(
+                &url,
+                "/v1/completions",
+                completion(&format!("before {i}")),
+                &[],
+            )
+            .await,
+        );
+    }
+    assert_eq!(a.state.count(), 2);
+    let (status, r0) = admin(&url, "POST", "/admin/replicas/0/drain", "").await;
+    assert_eq!(status, 200);
+    assert_eq!(r0["draining"], true);
+    assert_eq!(r0["outstanding"], 2);
+    for i in 0..4 {
+        let s = post(
+            &url,
+            "/v1/completions",
+            completion(&format!("during {i}")),
+            &[],
+        )
+        .await;
+        assert_eq!(
+            s.headers["x-kvroute-replica"], "1",
+            "a draining replica gets nothing new"
+        );
+        streams.push(s);
+    }
+    a.state.release(100);
+    b.state.release(100);
+    for s in streams {
+        let r = s.finish().await;
+        assert!(
+            r.done && r.errors().is_empty(),
+            "drained stream lost: {r:?}"
+        );
+        assert_eq!(r.events.len(), 5);
+    }
+    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
+    assert_eq!(list[0]["outstanding"], 0);
+    assert_eq!(list[0]["draining"], true);
+    let (status, _) = admin(&url, "POST", "/admin/replicas/0/undrain", "").await;
+    assert_eq!(status, 200);
+    let (status, _) = admin(&url, "POST", "/admin/replicas/9/drain", "").await;
+    assert_eq!(status, 404);
+    router.shutdown(Duration::from_secs(5)).await;
+    let rows = read_rows(&dir.join("router.csv"));
+    assert_eq!(rows.len(), 8);
+    assert!(
+        rows.iter()
+            .all(|r| r["error"].is_empty() && r["upstream_status"] == "200")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_replica_loses_only_in_flight() {
+    let held = Script {
+        hold: true,
+        ..Script::default()
+    };
+    let mut a = MockReplica::start(held.clone()).await;
+    let b = MockReplica::start(held).await;
+    let dir = temp_dir("kill");
+    let mut cfg = router_config(&[&a, &b], "round-robin");
+    cfg.rows = Some(dir.join("router.csv"));
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let mut on_a = Vec::new();
+    let mut on_b = Vec::new();
+    for i in 0..4 {
+        let mut s = post(
+            &url,
+            "/v1/completions",
+            completion(&format!("k{i}")),
+            &[("x-request-id", &format!("k{i}"))],
+        )
+        .await;
+        let first = s.next_event().await.expect("first event");
+        assert!(first.contains("t0"));
+        if s.headers["x-kvroute-replica"] == "0" {
+            on_a.push(s)
+        } else {
+            on_b.push(s)
+        }
+    }
+    assert_eq!((on_a.len(), on_b.len()), (2, 2));
+    a.kill().await;
+    for s in on_a {
+        let r = s.finish().await;
+        assert!(r.done, "a failed stream still ends with [DONE]");
+        let errs = r.errors();
+        assert_eq!(errs.len(), 1, "{r:?}");
+        assert_eq!(errs[0]["error"]["code"], 502);
+    }
+    // Requests not yet dispatched are never lost: they go to the survivor (after a refused
+    // connection at most).
+    b.state.script.lock().hold = false;
+    for i in 0..4 {
+        let r = run(
+            &url,
+            completion(&format!("after {i}")),
+            &[("x-request-id", &format!("after{i}"))],
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert!(r.done && r.errors().is_empty());
+        assert_eq!(r.replica(), 1);
+    }
+    b.state.release(100);
+    for s in on_b {
+        let r = s.finish().await;
+        assert!(r.done && r.errors().is_empty());
+    }
+    router.shutdown(Duration::from_secs(5)).await;
+    let rows = read_rows(&dir.join("router.csv"));
+    assert_eq!(rows.len(), 8);
+    for r in &rows {
+        let in_flight_on_a = r["request_id"].starts_with('k') && r["replica"] == "0";
+        if in_flight_on_a {
+            assert!(r["error"].starts_with("stream:"), "{r:?}");
+        } else {
+            assert_eq!(r["error"], "", "{r:?}");
+            assert_eq!(
+                r["replica"],
+                if r["request_id"].starts_with("after") {
+                    "1"
+                } else {
+                    r["replica"].as_str()
+                }
+            );
+        }
+    }
+    assert!(
+        rows.iter()
+            .filter(|r| r["request_id"].starts_with("after"))
+            .all(|r| r["attempts"] != "0")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_status_and_body() {
+    let a = MockReplica::start(Script::default()).await;
+    let dir = temp_dir("bad");
+    let mut cfg = router_config(&[&a], "round-robin");
+    cfg.rows = Some(dir.join("router.csv"));
+    cfg.max_body_bytes = 1024;
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+
+    let cases: Vec<(&str, bytes::Bytes, u16, Option<&str>, &str)> = vec![
+        (
+            "/v1/completions",
+            bytes::Bytes::from_static(b"{not json"),
+            400,
+            None,
+            "invalid JSON",
+        ),
+        (
+            "/v1/completions",
+            bytes::Bytes::from_static(b"{}"),
+            400,
+            Some("prompt"),
+            "'prompt' is required",
+        ),
+        (
+            "/v1/chat/completions",
+            bytes::Bytes::from_static(br#"{"messages":[]}"#),
+            400,
+            Some("messages"),
+            "'messages'",
+        ),
+        (
+            "/v1/chat/completions",
+            bytes::Bytes::from_static(br#"{"messages":"hi"}"#),
+            400,
+            None,
+            "invalid JSON",
+        ),
+        (
+            "/v1/completions",
+            bytes::Bytes::from(format!("{{\"prompt\":\"{}\"}}", "x".repeat(2000))),
+            413,
+            None,
+            "exceeds 1024 bytes",
+        ),
+    ];
+    for (path, body, status, param, msg) in cases {
+        let (got, v) = read_json(post_raw(&url, path, body, &[]).await).await;
+        assert_eq!(got, status, "{path} {v}");
+        assert_eq!(v["error"]["code"], status);
+        assert!(v["error"]["message"].as_str().unwrap().contains(msg), "{v}");
+        assert!(v["error"]["type"].as_str().unwrap().ends_with("Error"));
+        assert_eq!(v["error"]["param"].as_str(), param);
+    }
+    // A chunked body without content-length is cut at the limit too.
+    {
+        use http_body_util::BodyExt;
+        let (mut tx, body) =
+            http_body_util::channel::Channel::<bytes::Bytes, std::convert::Infallible>::new(4);
+        let c = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+        let req = http::Request::post(format!("{url}/v1/completions"))
+            .body(body)
+            .unwrap();
+        let send = tokio::spawn(async move {
+            for _ in 0..4 {
+                if tx
+                    .send_data(bytes::Bytes::from(vec![b' '; 512]))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        });
+        let resp = c.request(req).await.unwrap();
+        assert_eq!(resp.status(), 413);
+        let v: serde_json::Value =
+            serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(v["error"]["code"], 413);
+        let _ = send.await;
+    }
+    let (status, text) = get(&format!("{url}/nope")).await;
+    assert_eq!(status, 404);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&text).unwrap()["error"]["code"],
+        404
+    );
+    let (status, _) = get(&format!("{url}/v1/completions")).await;
+    assert_eq!(status, 405);
+    let (status, _) = send("PUT", &format!("{url}/admin/replicas"), "").await;
+    assert_eq!(status, 405);
+    let (status, _) = admin(&url, "POST", "/admin/replicas", "{\"url\":\"not a url\"}").await;
+    assert_eq!(status, 400);
+    // No eligible replica: 503.
+    admin(&url, "POST", "/admin/replicas/0/drain", "").await;
+    let (status, v) = read_json(post(&url, "/v1/completions", completion("x"), &[]).await).await;
+    assert_eq!(status, 503);
+    assert_eq!(v["error"]["code"], 503);
+    assert_eq!(a.state.count(), 0, "nothing bad reached the replica");
+    router.shutdown(Duration::from_secs(5)).await;
+    let rows = read_rows(&dir.join("router.csv"));
+    assert_eq!(rows.len(), 7, "every LLM request gets a row");
+    assert!(
+        rows.iter()
+            .all(|r| !r["error"].is_empty() && r["attempts"] == "0")
+    );
+    assert_eq!(
+        rows.iter()
+            .filter(|r| r["upstream_status"] == "413")
+            .count(),
+        2
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_join_with_engine_usage() {
+    let a = MockReplica::start(Script {
+        cached_tokens: Some(32),
+        ..Script::default()
+    })
+    .await;
+    let b = MockReplica::start(Script {
+        cached_tokens: None,
+        ..Script::default()
+    })
+    .await;
+    let dir = temp_dir("join");
+    let mut cfg = router_config(&[&a, &b], "round-robin");
+    cfg.rows = Some(dir.join("router.csv"));
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    for i in 0..4 {
+        let rid = format!("req-{i}");
+        let r = post(
+            &url,
+            "/v1/chat/completions",
+            chat(&[("user", "hello")]),
+            &[("x-request-id", &rid), ("x-session-id", "s1")],
+        )
+        .await;
+        assert_eq!(r.headers["x-request-id"], rid.as_str());
+        assert!(r.finish().await.done);
+    }
+    // Non-streamed responses carry usage in the JSON body.
+    let mut body = completion("plain");
+    body["stream"] = serde_json::json!(false);
+    let (status, v) = read_json(
+        post(
+            &url,
+            "/v1/completions",
+            body.clone(),
+            &[("x-request-id", "plain-0")],
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(v["usage"]["prompt_tokens"].as_u64().is_some());
+    // Without x-request-id the router generates one and returns it.
+    let s = post(&url, "/v1/completions", body, &[]).await;
+    let generated = s.headers["x-request-id"].to_str().unwrap().to_string();
+    assert!(generated.starts_with("kvr-"));
+    let _ = read_json(s).await;
+    router.shutdown(Duration::from_secs(5)).await;
+
+    let rows = read_rows(&dir.join("router.csv"));
+    assert_eq!(rows.len(), 6);
+    let header: Vec<String> = csv::Reader::from_path(dir.join("router.csv"))
+        .unwrap()
+        .headers()
+        .unwrap()
+        .iter()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(header, proxy::rows::HEADER.to_vec());
+    let mut reported = a.state.reported.lock().clone();
+    reported.extend(b.state.reported.lock().clone());
+    assert!(
+        reported.contains_key(&generated),
+        "the generated id was forwarded upstream"
+    );
+    for r in &rows {
+        let (prompt, cached) = reported[&r["request_id"]];
+        assert_eq!(r["prompt_tokens"], prompt.to_string());
+        assert_eq!(
+            r["cached_tokens"],
+            cached.map(|c| c.to_string()).unwrap_or_default()
+        );
+        assert_eq!(r["upstream_status"], "200");
+        assert_eq!(r["attempts"], "1");
+        assert_eq!(r["branch"], "rr");
+        assert_eq!(r["tokenize_ms"], "");
+        assert!(r["arrival_s"].parse::<f64>().unwrap() >= 0.0);
+    }
+    assert_eq!(rows.iter().filter(|r| r["session_id"] == "s1").count(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_are_forwarded_as_they_arrive() {
+    // Lockstep: the replica sends its first event and then waits until the client has read that
+    // event through the router. A router that buffered would deadlock here (and time out).
+    let a = MockReplica::start(Script {
+        hold: true,
+        events: 3,
+        ..Script::default()
+    })
+    .await;
+    let router = start_router(router_config(&[&a], "round-robin")).await;
+    let url = format!("http://{}", router.local_addr());
+    let mut s = post(&url, "/v1/completions", completion("lockstep"), &[]).await;
+    let first = tokio::time::timeout(WAIT, s.next_event())
+        .await
+        .expect("first event arrives before the rest is sent")
+        .unwrap();
+    assert!(first.contains("t0"));
+    assert_eq!(a.state.count(), 1);
+    a.state.release(1);
+    let r = s.finish().await;
+    assert!(r.done);
+    assert_eq!(r.events.len(), 3);
+    router.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunk_timing_through_the_router_matches_direct() {
+    let gap = Duration::from_millis(25);
+    let a = MockReplica::start(Script {
+        events: 8,
+        gap,
+        ..Script::default()
+    })
+    .await;
+    let router = start_router(router_config(&[&a], "prefix-affinity")).await;
+    let via = format!("http://{}", router.local_addr());
+    let gaps = |r: &StreamResult| -> Vec<f64> {
+        r.times
+            .windows(2)
+            .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+            .collect()
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut direct = Vec::new();
+    let mut routed = Vec::new();
+    for round in 0..2 {
+        let d = run(&a.url, completion(&format!("d{round}")), &[]).await;
+        let r = run(&via, completion(&format!("r{round}")), &[]).await;
+        // Content gaps only (the usage chunk follows the last token immediately).
+        direct.extend(gaps(&d)[..6].to_vec());
+        routed.extend(gaps(&r)[..6].to_vec());
+    }
+    let (md, mr) = (median(direct), median(routed.clone()));
+    assert!(
+        (mr - md).abs() < 10.0,
+        "median gap direct {md:.1} ms vs routed {mr:.1} ms"
+    );
+    // No coalescing: every routed gap keeps most of the upstream's pacing.
+    assert!(
+        routed.iter().all(|&g| g > gap.as_secs_f64() * 1e3 * 0.5),
+        "{routed:?}"
+    );
+    router.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_client_does_not_stall_other_streams() {
+    // 200 events of 64 KiB: far more than socket buffers hold, so a client that never reads
+    // pushes back on its own upstream connection only.
+    let a = MockReplica::start(Script {
+        events: 200,
+        pad_bytes: 64 << 10,
+        ..Script::default()
+    })
+    .await;
+    let b = MockReplica::start(Script::default()).await;
+    let router = start_router(router_config(&[&a, &b], "round-robin")).await;
+    let url = format!("http://{}", router.local_addr());
+    let stalled = post(&url, "/v1/completions", completion("slow"), &[]).await;
+    assert_eq!(stalled.headers["x-kvroute-replica"], "0");
+    a.state.wait_first_sent(1).await;
+    // Other streams, on either replica, complete while the slow one sits unread.
+    a.state.script.lock().pad_bytes = 0;
+    a.state.script.lock().events = 4;
+    for i in 0..4 {
+        let r = tokio::time::timeout(WAIT, run(&url, completion(&format!("fast {i}")), &[]))
+            .await
+            .expect("not stalled");
+        assert!(r.done);
+    }
+    drop(stalled);
+    router.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_finishes_in_flight_and_flushes_rows() {
+    let a = MockReplica::start(Script {
+        hold: true,
+        ..Script::default()
+    })
+    .await;
+    let dir = temp_dir("shutdown");
+    let mut cfg = router_config(&[&a], "round-robin");
+    cfg.rows = Some(dir.join("router.csv"));
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let mut s = post(
+        &url,
+        "/v1/completions",
+        completion("long"),
+        &[("x-request-id", "inflight")],
+    )
+    .await;
+    assert!(s.next_event().await.is_some());
+    let shutdown = tokio::spawn(router.shutdown(Duration::from_secs(10)));
+    // The listener closes; the stream in flight still completes.
+    eventually(|| {
+        let url = url.clone();
+        async move {
+            tokio::net::TcpStream::connect(url.trim_start_matches("http://"))
+                .await
+                .is_err()
+        }
+    })
+    .await;
+    a.state.release(1);
+    let r = s.finish().await;
+    assert!(r.done && r.errors().is_empty());
+    shutdown.await.unwrap();
+    let rows = read_rows(&dir.join("router.csv"));
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["request_id"], "inflight");
+    assert_eq!(rows[0]["error"], "");
+    assert_eq!(rows[0]["cached_tokens"], "16");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_add_remove_models_health_metrics() {
+    let a = MockReplica::start(Script::default()).await;
+    let b = MockReplica::start(Script::default()).await;
+    let router = start_router(router_config(&[&a], "round-robin")).await;
+    let url = format!("http://{}", router.local_addr());
+    let (status, added) = admin(
+        &url,
+        "POST",
+        "/admin/replicas",
+        &format!("{{\"url\":\"{}\"}}", b.url),
+    )
+    .await;
+    assert_eq!(status, 201);
+    assert_eq!(added["id"], 1);
+    let reps: Vec<u32> = {
+        let mut v = Vec::new();
+        for i in 0..4 {
+            v.push(run(&url, completion(&format!("{i}")), &[]).await.replica());
+        }
+        v
+    };
+    assert_eq!(reps.iter().filter(|&&r| r == 1).count(), 2);
+    let (status, _) = admin(&url, "DELETE", "/admin/replicas/0", "").await;
+    assert_eq!(status, 200);
+    let (status, _) = admin(&url, "DELETE", "/admin/replicas/0", "").await;
+    assert_eq!(status, 404);
+    for i in 0..3 {
+        assert_eq!(
+            run(&url, completion(&format!("after {i}")), &[])
+                .await
+                .replica(),
+            1
+        );
+    }
+    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
+    assert_eq!(list.as_array().unwrap().len(), 1);
+    assert_eq!(list[0]["id"], 1);
+    assert_eq!(list[0]["url"], b.url.as_str());
+    // Ids are never reused.
+    let (_, again) = admin(
+        &url,
+        "POST",
+        "/admin/replicas",
+        &format!("{{\"url\":\"{}\"}}", a.url),
+    )
+    .await;
+    assert_eq!(again["id"], 2);
+
+    let (status, models) = get(&format!("{url}/v1/models")).await;
+    assert_eq!(status, 200);
+    assert!(models.contains("mock-model"));
+    assert_eq!(get(&format!("{url}/health")).await.0, 200);
+    // Health checks take a failing replica out of rotation and bring it back.
+    b.state.unhealthy.store(true, Ordering::SeqCst);
+    a.state.unhealthy.store(true, Ordering::SeqCst);
+    eventually(|| {
+        let u = url.clone();
+        async move { get(&format!("{u}/health")).await.0 == 503 }
+    })
+    .await;
+    b.state.unhealthy.store(false, Ordering::SeqCst);
+    eventually(|| {
+        let u = url.clone();
+        async move { get(&format!("{u}/health")).await.0 == 200 }
+    })
+    .await;
+    assert_eq!(
+        run(&url, completion("healthy again"), &[]).await.replica(),
+        1
+    );
+
+    let (status, m) = get(&format!("{url}/metrics")).await;
+    assert_eq!(status, 200);
+    assert_eq!(metric(&m, "kvroute_router_requests_total"), Some(8.0));
+    assert_eq!(
+        metric(
+            &m,
+            "kvroute_router_decisions_total{policy=\"round-robin\",branch=\"rr\"}"
+        ),
+        Some(8.0)
+    );
+    assert_eq!(metric(&m, "kvroute_router_overhead_us_count"), Some(8.0));
+    assert_eq!(
+        metric(&m, "kvroute_router_outstanding{replica=\"1\"}"),
+        Some(0.0)
+    );
+    assert!(m.contains("kvroute_router_kv_event_gaps_total{replica=\"1\"} 0"));
+    assert_eq!(metric(&m, "kvroute_router_rows_dropped_total"), Some(0.0));
+    router.shutdown(Duration::from_secs(5)).await;
+}
+
+/// Probes until the router's subscriber to `replica` applies a batch; returns the next free seq.
+async fn wait_subscribed(publisher: &mut MockPublisher, metrics_url: &str, replica: u32) -> u64 {
+    use proxy::events::encode::{Encoding, batch};
+    let series = format!("kvroute_router_kv_event_batches_total{{replica=\"{replica}\"}}");
+    let mut seq = 0;
+    loop {
+        publisher.publish(seq, batch(0.0, &[], Encoding::Map)).await;
+        seq += 1;
+        if metric(&get(metrics_url).await.1, &series).unwrap_or(0.0) >= 1.0 {
+            return seq;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequence_gaps_are_repaired_by_replay() {
+    use kv_index::KvEvent;
+    use proxy::events::encode::{Encoding, batch};
+    let a = MockReplica::start(Script::default()).await;
+    let b = MockReplica::start(Script::default()).await;
+    let mut pub_b = MockPublisher::bind_with_replay().await;
+    let mut cfg = router_config(&[&a, &b], "exact-residency");
+    cfg.replicas[1].kv_events = Some(pub_b.endpoint.clone());
+    cfg.replicas[1].kv_replay = pub_b.replay.clone();
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let metrics_url = format!("{url}/metrics");
+    let mut seq = wait_subscribed(&mut pub_b, &metrics_url, 1).await;
+    let m = get(&metrics_url).await.1;
+    let gaps0 = metric(&m, "kvroute_router_kv_event_gaps_total{replica=\"1\"}").unwrap();
+    assert_eq!(
+        metric(
+            &m,
+            "kvroute_router_kv_event_gaps_unrepaired_total{replica=\"1\"}"
+        ),
+        Some(0.0),
+        "late join repaired by replay"
+    );
+
+    // The Stored batch is lost on the wire; the next batch reveals the gap and replay fills it.
+    let prompt =
+        "Replay must recover what the wire lost, block by block, before routing on it again!!";
+    let tokens: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    let stored = KvEvent::Stored {
+        block_hashes: vec![1, 2, 3, 4, 5],
+        parent_block_hash: None,
+        token_ids: tokens[..80].to_vec(),
+        block_size: 16,
+    };
+    pub_b.lose(seq, batch(1.0, &[stored], Encoding::Map));
+    pub_b
+        .publish(seq + 1, batch(1.1, &[], Encoding::Array))
+        .await;
+    seq += 2;
+    eventually(|| {
+        let u = metrics_url.clone();
+        async move {
+            metric(
+                &get(&u).await.1,
+                "kvroute_router_kv_event_gaps_total{replica=\"1\"}",
+            )
+            .unwrap()
+                > gaps0
+        }
+    })
+    .await;
+    let m = get(&metrics_url).await.1;
+    assert_eq!(
+        metric(
+            &m,
+            "kvroute_router_kv_event_gaps_unrepaired_total{replica=\"1\"}"
+        ),
+        Some(0.0)
+    );
+    let r = run(&url, completion(prompt), &[]).await;
+    assert_eq!(r.replica(), 1, "the replayed Stored event was applied");
+
+    // An engine restart (sequence back to 0) clears what the router knew.
+    pub_b.publish(0, batch(2.0, &[], Encoding::Map)).await;
+    let _ = seq;
+    eventually(|| {
+        let u = metrics_url.clone();
+        async move {
+            metric(
+                &get(&u).await.1,
+                "kvroute_router_kv_event_gaps_total{replica=\"1\"}",
+            )
+            .unwrap()
+                > gaps0 + 1.0
+        }
+    })
+    .await;
+    let miss = "kvroute_router_decisions_total{policy=\"exact-residency\",branch=\"miss\"}";
+    let misses = metric(&get(&metrics_url).await.1, miss).unwrap();
+    assert_eq!(run(&url, completion(prompt), &[]).await.status, 200);
+    assert_eq!(
+        metric(&get(&metrics_url).await.1, miss).unwrap(),
+        misses + 1.0,
+        "restart cleared the residency"
+    );
+    let dir_rows = router.shared().rows.stats().written.load(Ordering::Relaxed);
+    assert_eq!(dir_rows, 0, "no rows file configured, nothing written");
+    router.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_errors_pass_through_and_are_recorded() {
+    let a = MockReplica::start(Script { fail_status: Some(400), ..Script::default() }).await;
+    let dir = temp_dir("upstream-error");
+    let mut cfg = router_config(&[&a], "round-robin");
+    cfg.rows = Some(dir.join("router.csv"));
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let (status, v) = read_json(post(&url, "/v1/completions", completion("too long"), &[("x-request-id", "e1")]).await).await;
+    assert_eq!(status, 400, "the replica's status reaches the client unchanged");
+    assert!(v["error"]["message"].as_str().unwrap().contains("maximum context length"));
+    router.shutdown(Duration::from_secs(5)).await;
+    let rows = read_rows(&dir.join("router.csv"));
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["upstream_status"], "400");
+    assert_eq!(rows[0]["error"], "http: upstream status 400");
+    assert_eq!(rows[0]["attempts"], "1");
+}

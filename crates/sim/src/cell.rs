@@ -1,0 +1,516 @@
+//! One virtual repetition on disk, and grids of them in parallel.
+//!
+//! A cell directory gets `client.csv`, `router.csv`, `evidence.jsonl` and, last, `meta.json`
+//! (docs/CONTRACTS.md, "Measurements layout"), each written to a temp name and renamed, so a
+//! reader that sees `meta.json` with `"complete": true` sees the whole cell.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use workload::{ArrivalSpec, Plan, Schedule};
+
+use crate::SimError;
+use crate::config::SimConfig;
+use crate::prompts::PromptBook;
+use crate::rows::{CLIENT_COLUMNS, ROUTER_COLUMNS, client_record, router_record, to_csv};
+use crate::sim::{SimOutput, simulate_with};
+
+/// The SLO a request must meet (ms): TTFT below `ttft_ms` and per-request ITL p50 below
+/// `itl_ms`, no error.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Slo {
+    /// TTFT bound.
+    pub ttft_ms: f64,
+    /// Per-request ITL p50 bound.
+    pub itl_ms: f64,
+}
+
+impl Default for Slo {
+    /// 3× the reference floors (REFERENCE.md §1): TTFT < 990 ms, ITL p50 < 24 ms.
+    fn default() -> Self {
+        Self {
+            ttft_ms: 990.0,
+            itl_ms: 24.0,
+        }
+    }
+}
+
+/// The measured window on the driver's clock (client.csv `_s` columns).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Window {
+    /// Discarded warm-up, s.
+    pub warmup_s: f64,
+    /// Start of the measured window, s.
+    pub measured_start_s: f64,
+    /// End of the measured window, s.
+    pub measured_end_s: f64,
+}
+
+/// The measured window from the send times — the sweep's rule for live cells: it starts at the
+/// end of the warm-up; open loop ends at `planned_end_s`; closed loop with `users` users ends at
+/// the send time of the request that leaves fewer than `users` unsent (past it the offered
+/// concurrency is no longer the point's), capped by `planned_end_s`.
+pub fn measured_window(
+    sent_s: &[f64],
+    warmup_s: f64,
+    planned_end_s: f64,
+    closed_users: Option<usize>,
+) -> Result<Window, SimError> {
+    let end = match closed_users {
+        None => planned_end_s,
+        Some(users) => {
+            let mut sorted: Vec<f64> = sent_s.iter().copied().filter(|t| t.is_finite()).collect();
+            sorted.sort_by(f64::total_cmp);
+            if sorted.len() <= users {
+                return Err(SimError::Window(format!(
+                    "only {} requests were sent by {users} users",
+                    sorted.len()
+                )));
+            }
+            sorted[sorted.len() - users].min(planned_end_s)
+        }
+    };
+    if end <= warmup_s {
+        return Err(SimError::Window(format!(
+            "the run ended ({end:.2} s) before its warm-up did ({warmup_s:.2} s)"
+        )));
+    }
+    Ok(Window {
+        warmup_s,
+        measured_start_s: warmup_s,
+        measured_end_s: end,
+    })
+}
+
+/// What the sweep knows about a cell that the simulation does not: its place in the sweep and
+/// the provenance fields of `meta.json`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CellMeta {
+    /// Sweep name.
+    pub sweep: String,
+    /// Point name.
+    pub point: String,
+    /// Repetition number (1-based).
+    pub rep: u32,
+    /// The SLO (the calibrated one, or [`Slo::default`]).
+    pub slo: Slo,
+    /// Where the measured window ends at the latest (driver clock), s; `None`: the plan's
+    /// duration (open loop) or `--duration-s` when set, else unbounded.
+    pub planned_end_s: Option<f64>,
+    /// Git revision.
+    pub git_rev: Option<String>,
+    /// Tool versions (free-form JSON).
+    pub versions: serde_json::Value,
+    /// Extra run settings recorded under `run` (free-form JSON; the simulator adds its own).
+    pub run: serde_json::Value,
+}
+
+/// What one virtual cell measured, for progress lines, benchmarks and the scale table.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CellSummary {
+    /// Policy name.
+    pub policy: String,
+    /// Replicas.
+    pub replicas: u32,
+    /// Rows written.
+    pub requests: usize,
+    /// Requests without an error.
+    pub ok: usize,
+    /// The measured window.
+    pub window: Window,
+    /// Requests in the window meeting the SLO ÷ window length, req/s.
+    pub goodput_rps: f64,
+    /// Requests in the window ÷ window length, req/s.
+    pub throughput_rps: f64,
+    /// Median TTFT in the window, ms.
+    pub ttft_p50_ms: Option<f64>,
+    /// Median per-request ITL p50 in the window, ms.
+    pub itl_p50_ms: Option<f64>,
+    /// Engine-reported cached ÷ prompt tokens in the window.
+    pub hit_rate: f64,
+    /// The busiest replica's share of all requests.
+    pub busiest_share: f64,
+    /// Spill decisions ÷ decisions.
+    pub spill_rate: f64,
+    /// Preemptions over the run.
+    pub preemptions: u64,
+    /// Index nodes at the end (prefix and exact policies).
+    pub index_nodes: Option<usize>,
+    /// Index heap bytes at the end.
+    pub index_bytes: Option<usize>,
+    /// Median wall time of one `decide` call, ns (measured, not modelled).
+    pub decide_wall_ns_p50: Option<u64>,
+    /// 99th percentile of the same.
+    pub decide_wall_ns_p99: Option<u64>,
+    /// Virtual time the run covered, s.
+    pub virtual_s: f64,
+    /// Wall time the simulation took (not writing), s.
+    pub wall_s: f64,
+    /// Events processed.
+    pub events: u64,
+}
+
+fn percentile(sorted: &[u64], p: f64) -> Option<u64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = (p * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+fn median(v: &mut [f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+fn closed_users(plan: &Plan) -> Option<usize> {
+    match &plan.schedule {
+        Schedule::Closed { users } => Some(users.len()),
+        Schedule::Open { .. } => None,
+    }
+}
+
+fn planned_end_s(cfg: &SimConfig, plan: &Plan, meta: &CellMeta) -> f64 {
+    let plan_end = match plan.arrival {
+        ArrivalSpec::Open { duration_s, .. } => duration_s,
+        ArrivalSpec::Closed { .. } => f64::INFINITY,
+    };
+    meta.planned_end_s
+        .unwrap_or(f64::INFINITY)
+        .min(cfg.driver.duration_s.unwrap_or(f64::INFINITY))
+        .min(plan_end)
+}
+
+/// Summarizes a run: window, goodput and mechanism numbers (the analysis crate recomputes
+/// everything from the rows; this is for progress and benchmarks).
+pub fn summarize(
+    cfg: &SimConfig,
+    plan: &Plan,
+    out: &SimOutput,
+    meta: &CellMeta,
+    wall_s: f64,
+) -> Result<CellSummary, SimError> {
+    let sent: Vec<f64> = out.outcomes.iter().map(|o| o.sent_us as f64 / 1e6).collect();
+    let window = measured_window(
+        &sent,
+        cfg.driver.warmup_s,
+        planned_end_s(cfg, plan, meta),
+        closed_users(plan),
+    )?;
+    let mut in_window = 0usize;
+    let mut good = 0usize;
+    let mut ttft = Vec::new();
+    let mut itl = Vec::new();
+    let (mut cached, mut prompt) = (0u64, 0u64);
+    let mut spills = 0usize;
+    let mut decisions = 0usize;
+    for o in &out.outcomes {
+        if let Some(d) = &o.decision {
+            decisions += 1;
+            if d.branch.starts_with("spill") {
+                spills += 1;
+            }
+        }
+        let s = o.sent_us as f64 / 1e6;
+        if o.warmup || s < window.measured_start_s || s >= window.measured_end_s {
+            continue;
+        }
+        in_window += 1;
+        if !o.is_ok() {
+            continue;
+        }
+        let (t, i) = (o.ttft_ms(), o.itl_p50_ms());
+        if let Some(t) = t {
+            ttft.push(t);
+        }
+        if let Some(i) = i {
+            itl.push(i);
+        }
+        if t.is_some_and(|t| t < meta.slo.ttft_ms) && i.is_some_and(|i| i < meta.slo.itl_ms) {
+            good += 1;
+        }
+        cached += u64::from(o.cached_tokens);
+        prompt += u64::from(o.prompt_tokens.unwrap_or(0));
+    }
+    let len_s = window.measured_end_s - window.measured_start_s;
+    let total: u64 = out.per_replica_requests.iter().sum();
+    let busiest = out.per_replica_requests.iter().copied().max().unwrap_or(0);
+    let mut decide = out.decide_wall_ns.clone();
+    decide.sort_unstable();
+    Ok(CellSummary {
+        policy: out.policy.clone(),
+        replicas: cfg.replicas,
+        requests: out.outcomes.len(),
+        ok: out.outcomes.iter().filter(|o| o.is_ok()).count(),
+        window,
+        goodput_rps: good as f64 / len_s,
+        throughput_rps: in_window as f64 / len_s,
+        ttft_p50_ms: median(&mut ttft),
+        itl_p50_ms: median(&mut itl),
+        hit_rate: if prompt == 0 {
+            0.0
+        } else {
+            cached as f64 / prompt as f64
+        },
+        busiest_share: if total == 0 {
+            0.0
+        } else {
+            busiest as f64 / total as f64
+        },
+        spill_rate: if decisions == 0 {
+            0.0
+        } else {
+            spills as f64 / decisions as f64
+        },
+        preemptions: out.engine.preemptions,
+        index_nodes: out.index.as_ref().map(|s| s.nodes),
+        index_bytes: out.index.as_ref().map(|s| s.bytes),
+        decide_wall_ns_p50: percentile(&decide, 0.5),
+        decide_wall_ns_p99: percentile(&decide, 0.99),
+        virtual_s: out.end_us as f64 / 1e6,
+        wall_s,
+        events: out.events,
+    })
+}
+
+/// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SimError> {
+    let io = |e: std::io::Error| SimError::Io(format!("{}: {e}", path.display()));
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| SimError::Io(format!("{}: not a file path", path.display())))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(".tmp");
+    let tmp = dir.join(tmp_name);
+    let mut f = std::fs::File::create(&tmp).map_err(io)?;
+    f.write_all(bytes).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+/// The rows of a run as `client.csv` and `router.csv` bytes.
+pub fn render_rows(out: &SimOutput) -> Result<(Vec<u8>, Vec<u8>), SimError> {
+    let csv_err = |e: csv::Error| SimError::Io(format!("csv: {e}"));
+    let session = |o: &crate::rows::Outcome| out.session_ids[o.conversation as usize].as_str();
+    let client = to_csv(
+        &CLIENT_COLUMNS,
+        out.outcomes.iter().map(|o| {
+            let mut f = Vec::with_capacity(CLIENT_COLUMNS.len());
+            client_record(o, session(o), &mut f);
+            f
+        }),
+    )
+    .map_err(csv_err)?;
+    let router = to_csv(
+        &ROUTER_COLUMNS,
+        out.outcomes.iter().map(|o| {
+            let mut f = Vec::with_capacity(ROUTER_COLUMNS.len());
+            router_record(o, session(o), &out.policy, &mut f);
+            f
+        }),
+    )
+    .map_err(csv_err)?;
+    Ok((client, router))
+}
+
+fn meta_json(
+    cfg: &SimConfig,
+    plan: &Plan,
+    meta: &CellMeta,
+    summary: &CellSummary,
+) -> Result<serde_json::Value, SimError> {
+    let fp = |r: Result<String, workload::WorkloadError>| r.map_err(|e| SimError::Plan(e.to_string()));
+    let slowdowns: Vec<f64> = (0..cfg.replicas as usize).map(|i| cfg.slowdown(i)).collect();
+    let r = &cfg.router;
+    Ok(serde_json::json!({
+        "sweep": meta.sweep,
+        "point": meta.point,
+        "policy": summary.policy,
+        "rep": meta.rep,
+        "workload_name": plan.spec.name(),
+        "workload_fingerprint": fp(plan.workload_fingerprint_hex())?,
+        "plan_fingerprint": fp(plan.fingerprint_hex())?,
+        "fleet": {
+            "source": "virtual",
+            "replicas": cfg.replicas,
+            "speed": cfg.engine.model.speed,
+            "slowdowns": slowdowns,
+            "capacity_tokens": cfg.capacity_tokens(),
+            "num_gpu_blocks": cfg.engine.num_gpu_blocks,
+            "block_size": cfg.engine.block_size,
+        },
+        "slo": meta.slo,
+        "window": summary.window,
+        "git_rev": meta.git_rev,
+        "versions": meta.versions,
+        "virtual": true,
+        "complete": true,
+        "accepted": true,
+        "set_aside_reason": null,
+        "attempts": 1,
+        "evidence": {"source": "virtual", "lateness_p99_ms": 0.0},
+        "run": {
+            "plan_name": plan.name(),
+            "model": cfg.model,
+            "policy_seed": cfg.policy.seed,
+            "engine_seed": cfg.engine.seed,
+            "warmup_s": cfg.driver.warmup_s,
+            "duration_s": cfg.driver.duration_s,
+            "timeout_s": cfg.driver.timeout_s,
+            "decide_cost_us": r.decide_cost_us,
+            "forward_overhead_us": r.forward_overhead_us,
+            "tokenize_us": cfg.tokenize_us(),
+            "event_transport_us": r.event_transport_us,
+            "block_bytes": r.block_bytes,
+            "sweep": meta.run,
+        },
+        "sim": summary,
+    }))
+}
+
+/// Simulates one repetition and writes it into `out_dir` (created if needed): `client.csv`,
+/// `router.csv`, `evidence.jsonl`, then `meta.json` with `"virtual": true`.
+pub fn run_cell(
+    cfg: &SimConfig,
+    plan: &Plan,
+    out_dir: &Path,
+    meta: &CellMeta,
+) -> Result<CellSummary, SimError> {
+    let book = PromptBook::new(plan, &cfg.model, cfg.router.block_bytes, true)?;
+    run_cell_with(cfg, plan, &book, out_dir, meta)
+}
+
+/// [`run_cell`] with a prompt book shared by the cells of one plan.
+pub fn run_cell_with(
+    cfg: &SimConfig,
+    plan: &Plan,
+    book: &PromptBook,
+    out_dir: &Path,
+    meta: &CellMeta,
+) -> Result<CellSummary, SimError> {
+    let started = Instant::now();
+    let out = simulate_with(cfg, plan, book)?;
+    let wall_s = started.elapsed().as_secs_f64();
+    let summary = summarize(cfg, plan, &out, meta, wall_s)?;
+    std::fs::create_dir_all(out_dir)
+        .map_err(|e| SimError::Io(format!("{}: {e}", out_dir.display())))?;
+    // A stale meta from an earlier attempt must not vouch for the new rows while they are
+    // being replaced.
+    let meta_path = out_dir.join("meta.json");
+    if meta_path.exists() {
+        std::fs::remove_file(&meta_path)
+            .map_err(|e| SimError::Io(format!("{}: {e}", meta_path.display())))?;
+    }
+    let (client, router) = render_rows(&out)?;
+    write_atomic(&out_dir.join("client.csv"), &client)?;
+    write_atomic(&out_dir.join("router.csv"), &router)?;
+    let evidence = serde_json::json!({
+        "source": "virtual",
+        "virtual_s": summary.virtual_s,
+        "preemptions": summary.preemptions,
+        "lateness_p99_ms": 0.0,
+    });
+    write_atomic(
+        &out_dir.join("evidence.jsonl"),
+        format!("{evidence}\n").as_bytes(),
+    )?;
+    let meta_value = meta_json(cfg, plan, meta, &summary)?;
+    let text = serde_json::to_vec_pretty(&meta_value).map_err(|e| SimError::Io(e.to_string()))?;
+    write_atomic(&meta_path, &text)?;
+    Ok(summary)
+}
+
+/// One cell of a grid.
+#[derive(Debug, Clone)]
+pub struct GridJob {
+    /// The config (policy, fleet, router model, driver).
+    pub cfg: SimConfig,
+    /// The point's plan, shared by its cells.
+    pub plan: Arc<Plan>,
+    /// The plan's prompt book, shared by its cells; built by [`run_grid`] when `None`.
+    pub book: Option<Arc<PromptBook>>,
+    /// The repetition directory.
+    pub out_dir: PathBuf,
+    /// Sweep fields of `meta.json`.
+    pub meta: CellMeta,
+}
+
+/// Runs `jobs` on `threads` OS threads (at least 1) and returns their results in job order.
+/// Jobs that share a plan (the same `Arc`) and model share one prompt book.
+pub fn run_grid(mut jobs: Vec<GridJob>, threads: usize) -> Vec<Result<CellSummary, SimError>> {
+    let mut books: Vec<(*const Plan, String, usize, Arc<PromptBook>)> = Vec::new();
+    let mut early: Vec<Option<SimError>> = vec![None; jobs.len()];
+    for (j, job) in jobs.iter_mut().enumerate() {
+        if job.book.is_some() {
+            continue;
+        }
+        let key = (Arc::as_ptr(&job.plan), job.cfg.model.clone(), job.cfg.router.block_bytes);
+        if let Some(b) = books
+            .iter()
+            .find(|b| (b.0, &b.1, b.2) == (key.0, &key.1, key.2))
+        {
+            job.book = Some(b.3.clone());
+            continue;
+        }
+        match PromptBook::new(&job.plan, &key.1, key.2, true) {
+            Ok(b) => {
+                let b = Arc::new(b);
+                books.push((key.0, key.1, key.2, b.clone()));
+                job.book = Some(b);
+            }
+            Err(e) => early[j] = Some(e),
+        }
+    }
+    let next = AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<Result<CellSummary, SimError>>>> =
+        (0..jobs.len()).map(|_| std::sync::Mutex::new(None)).collect();
+    let jobs = &jobs;
+    let early = &early;
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1).min(jobs.len().max(1)) {
+            s.spawn(|| {
+                loop {
+                    let j = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(job) = jobs.get(j) else { break };
+                    let r = match (&early[j], &job.book) {
+                        (Some(e), _) => Err(e.clone()),
+                        (None, Some(book)) => {
+                            run_cell_with(&job.cfg, &job.plan, book, &job.out_dir, &job.meta)
+                        }
+                        (None, None) => Err(SimError::Config("no prompt book".into())),
+                    };
+                    if let Ok(mut slot) = results[j].lock() {
+                        *slot = Some(r);
+                    }
+                }
+            });
+        }
+    });
+    results
+        .into_iter()
+        .map(|m| {
+            m.into_inner()
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| Err(SimError::Io("a grid worker panicked".into())))
+        })
+        .collect()
+}

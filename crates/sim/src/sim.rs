@@ -1,0 +1,784 @@
+//! The discrete-event loop: driver, router and engines on one virtual clock.
+//!
+//! Events live in a binary heap ordered by `(time_us, seq)`, where `seq` is the insertion
+//! counter, so simultaneous events run in the order they were created and a seed gives the same
+//! run every time. What each actor does mirrors the live process it stands for:
+//!
+//! - driver: closed-loop users think (the plan's think time), then send; open-loop arrivals fire
+//!   at their scheduled time. A conversation's turns go one at a time (the live drivers hold a
+//!   per-conversation lock), so a turn whose predecessor is still running waits, FIFO.
+//! - router: belief and keyless policies decide on arrival; exact residency first pays the
+//!   tokenize round trip. `decide`, then the chosen replica's outstanding is incremented; it is
+//!   decremented when the response ends. The request reaches the engine after the modelled
+//!   forward overhead and decision cost.
+//! - engines: the engine crate's own core, stepped exactly as its server's loop steps it (a step
+//!   starts at the previous step's end or at the next frontend completion; its tokens and KV
+//!   events are emitted at its end). KV event batches reach the policy one transport delay after
+//!   the step that produced them ends.
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::Instant;
+
+use engine::{Engine, EngineConfig, SamplingParams, StepOutput};
+use kv_index::IndexStats;
+use policies::prefix::{IndexMode, PrefixPolicy};
+use policies::{Keying, Policy, PolicySpec, ReplicaView, RouteRequest};
+use workload::{Plan, Schedule};
+
+use crate::SimError;
+use crate::config::SimConfig;
+use crate::prompts::PromptBook;
+use crate::rows::{Origin, Outcome, RouterDecision};
+
+/// A policy, keeping the concrete prefix policy so its index statistics can be read.
+enum Routing {
+    Prefix(Box<PrefixPolicy>),
+    Other(Box<dyn Policy>),
+}
+
+impl Routing {
+    fn build(spec: &PolicySpec) -> Result<Self, SimError> {
+        spec.validate().map_err(SimError::Config)?;
+        let prefix = |mode, spill, name: &str| -> Result<Self, SimError> {
+            let mut p = PrefixPolicy::new(spec, mode, spill).map_err(SimError::Config)?;
+            p.set_name(name);
+            Ok(Routing::Prefix(Box::new(p)))
+        };
+        // The same arms as `policies::build`, kept concrete (a test checks the names agree).
+        match spec.name.as_str() {
+            "prefix-affinity" => prefix(IndexMode::Belief, spec.spill, "prefix-affinity"),
+            "prefix-affinity-spill-off" => {
+                prefix(IndexMode::Belief, false, "prefix-affinity-spill-off")
+            }
+            "exact-residency" => prefix(
+                IndexMode::Exact {
+                    speculative: spec.speculative,
+                },
+                spec.spill,
+                "exact-residency",
+            ),
+            "exact-residency-spec" => prefix(
+                IndexMode::Exact { speculative: true },
+                spec.spill,
+                "exact-residency-spec",
+            ),
+            _ => Ok(Routing::Other(policies::build(spec).map_err(SimError::Config)?)),
+        }
+    }
+
+    fn get(&mut self) -> &mut dyn Policy {
+        match self {
+            Routing::Prefix(p) => p.as_mut(),
+            Routing::Other(p) => p.as_mut(),
+        }
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            Routing::Prefix(p) => p.name(),
+            Routing::Other(p) => p.name(),
+        }
+    }
+
+    fn keying(&self) -> Keying {
+        match self {
+            Routing::Prefix(p) => p.keying(),
+            Routing::Other(p) => p.keying(),
+        }
+    }
+
+    fn index_stats(&self) -> Option<IndexStats> {
+        match self {
+            Routing::Prefix(p) => Some(p.index_stats()),
+            Routing::Other(_) => None,
+        }
+    }
+
+    fn event_errors(&self) -> u64 {
+        match self {
+            Routing::Prefix(p) => p.event_errors(),
+            Routing::Other(_) => 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Ev {
+    /// A closed-loop user's think time ended, or an open-loop arrival is due.
+    Fire(u32),
+    /// Exact residency: the tokenize round trip of request `r` is back.
+    Decide(u32),
+    /// Replica `r` may start a step (stale unless it equals the replica's `wake_at`).
+    Wake(u32),
+    /// Replica `r`'s step in flight ends.
+    StepEnd(u32),
+    /// A KV event batch (slot) of a replica reaches the router.
+    Deliver(u32, u32),
+    /// Request `r`'s client timeout.
+    Timeout(u32),
+}
+
+struct Item {
+    t: u64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Item {
+    fn eq(&self, o: &Self) -> bool {
+        (self.t, self.seq) == (o.t, o.seq)
+    }
+}
+impl Eq for Item {}
+impl PartialOrd for Item {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Item {
+    // Reversed: BinaryHeap is a max-heap and the earliest event must come out first.
+    fn cmp(&self, o: &Self) -> Ordering {
+        (o.t, o.seq).cmp(&(self.t, self.seq))
+    }
+}
+
+/// A request in flight (or waiting for its conversation's previous turn).
+struct Live {
+    out: Outcome,
+    replica: Option<u32>,
+    gaps: Vec<u32>,
+    done: bool,
+}
+
+struct Replica {
+    engine: Engine,
+    out: StepOutput,
+    in_flight: bool,
+    /// End of the last step: the earliest start of the next.
+    logical_us: u64,
+    wake_at: Option<u64>,
+}
+
+/// Engine-side totals of a run (summed over replicas).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineTotals {
+    /// Prompt tokens looked up in the prefix caches.
+    pub prefix_queries_tokens: u64,
+    /// Prompt tokens found there.
+    pub prefix_hits_tokens: u64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Steps that scheduled work.
+    pub steps: u64,
+    /// Generated tokens.
+    pub generation_tokens: u64,
+    /// KV event batches delivered to the router.
+    pub event_batches: u64,
+}
+
+/// Everything a run produced: one outcome per request in completion order (the order the live
+/// driver writes its rows), and the run's totals.
+#[derive(Debug, Clone)]
+pub struct SimOutput {
+    /// The policy's name (the `policy` column).
+    pub policy: String,
+    /// Outcomes in completion order.
+    pub outcomes: Vec<Outcome>,
+    /// Session id per conversation (`Plan::session_id`).
+    pub session_ids: Vec<String>,
+    /// Virtual time when the last request ended, µs.
+    pub end_us: u64,
+    /// Engine totals.
+    pub engine: EngineTotals,
+    /// Requests served per replica.
+    pub per_replica_requests: Vec<u64>,
+    /// The index's statistics at the end (prefix and exact policies).
+    pub index: Option<IndexStats>,
+    /// KV events the index refused.
+    pub index_event_errors: u64,
+    /// Wall-clock time inside `Policy::decide`, ns, one per decision (measured on the side;
+    /// never written to rows).
+    pub decide_wall_ns: Vec<u64>,
+    /// Events processed.
+    pub events: u64,
+}
+
+struct Sim<'a> {
+    cfg: &'a SimConfig,
+    plan: &'a Plan,
+    book: &'a PromptBook,
+    policy: Routing,
+    keying: Keying,
+    heap: BinaryHeap<Item>,
+    seq: u64,
+    replicas: Vec<Replica>,
+    fleet: Vec<ReplicaView>,
+    reqs: Vec<Live>,
+    conv_busy: Vec<bool>,
+    conv_queue: Vec<VecDeque<u32>>,
+    /// Closed loop: next script index per user.
+    user_pos: Vec<u32>,
+    batches: Vec<Option<(u32, Vec<engine::KvEvent>)>>,
+    free_batches: Vec<u32>,
+    gap_pool: Vec<Vec<u32>>,
+    session_ids: Vec<String>,
+    keys_buf: Vec<u64>,
+    finished: Vec<Outcome>,
+    per_replica_requests: Vec<u64>,
+    decide_wall_ns: Vec<u64>,
+    stop_us: Option<u64>,
+    warmup_us: u64,
+    timeout_us: u64,
+    tokenize_us: u64,
+    max_tokens: u32,
+    event_batches: u64,
+    events: u64,
+    now: u64,
+    /// When the last request ended (stale timeouts run later and must not count).
+    last_end_us: u64,
+}
+
+/// Simulates `plan` under `cfg`, building the prompt book itself.
+pub fn simulate(cfg: &SimConfig, plan: &Plan) -> Result<SimOutput, SimError> {
+    let belief = Routing::build(&cfg.policy)?.keying() == Keying::BeliefBytes;
+    let book = PromptBook::new(plan, &cfg.model, cfg.router.block_bytes, belief)?;
+    simulate_with(cfg, plan, &book)
+}
+
+/// Simulates `plan` under `cfg` with a prompt book built for this plan (shared across the
+/// policies of one grid point). The book must hold belief keys when the policy needs them.
+pub fn simulate_with(cfg: &SimConfig, plan: &Plan, book: &PromptBook) -> Result<SimOutput, SimError> {
+    cfg.validate()?;
+    plan.check().map_err(|e| SimError::Plan(e.to_string()))?;
+    if book.len() != plan.conversations.len() {
+        return Err(SimError::Config(format!(
+            "prompt book holds {} conversations, the plan {}",
+            book.len(),
+            plan.conversations.len()
+        )));
+    }
+    if book.model() != cfg.model {
+        return Err(SimError::Config(format!(
+            "prompt book was salted with {:?}, the config says {:?}",
+            book.model(),
+            cfg.model
+        )));
+    }
+    let mut spec = cfg.policy.clone();
+    spec.salt = cfg.model.clone();
+    spec.tokens_per_block = cfg.engine.block_size;
+    let policy = Routing::build(&spec)?;
+    let keying = policy.keying();
+    if keying == Keying::BeliefBytes && !book.has_belief_keys() {
+        return Err(SimError::Config(
+            "the prompt book has no belief keys but the policy needs them".into(),
+        ));
+    }
+    let mut replicas = Vec::with_capacity(cfg.replicas as usize);
+    for i in 0..cfg.replicas as usize {
+        let mut ec: EngineConfig = cfg.engine.clone();
+        ec.seed = cfg.engine.seed.wrapping_add(i as u64);
+        ec.enable_kv_events = keying == Keying::ExactTokens;
+        ec.model.slowdown *= cfg.slowdown(i);
+        let engine = Engine::new(ec).map_err(|e| SimError::Config(format!("engine {i}: {e}")))?;
+        replicas.push(Replica {
+            engine,
+            out: StepOutput::default(),
+            in_flight: false,
+            logical_us: 0,
+            wake_at: None,
+        });
+    }
+    let secs_us = |s: f64| (s * 1e6).round() as u64;
+    let n_conv = plan.conversations.len();
+    let mut sim = Sim {
+        cfg,
+        plan,
+        book,
+        policy,
+        keying,
+        heap: BinaryHeap::new(),
+        seq: 0,
+        replicas,
+        fleet: (0..cfg.replicas).map(ReplicaView::idle).collect(),
+        reqs: Vec::with_capacity(plan.request_count()),
+        conv_busy: vec![false; n_conv],
+        conv_queue: vec![VecDeque::new(); n_conv],
+        user_pos: Vec::new(),
+        batches: Vec::new(),
+        free_batches: Vec::new(),
+        gap_pool: Vec::new(),
+        session_ids: (0..n_conv as u32).map(|c| plan.session_id(c)).collect(),
+        keys_buf: Vec::new(),
+        finished: Vec::with_capacity(plan.request_count()),
+        per_replica_requests: vec![0; cfg.replicas as usize],
+        decide_wall_ns: Vec::with_capacity(plan.request_count()),
+        stop_us: cfg.driver.duration_s.map(secs_us),
+        warmup_us: secs_us(cfg.driver.warmup_s),
+        timeout_us: secs_us(cfg.driver.timeout_s),
+        tokenize_us: cfg.tokenize_us(),
+        max_tokens: plan.spec.output_tokens,
+        event_batches: 0,
+        events: 0,
+        now: 0,
+        last_end_us: 0,
+    };
+    sim.start();
+    sim.run();
+    let mut totals = EngineTotals {
+        event_batches: sim.event_batches,
+        ..EngineTotals::default()
+    };
+    for r in &sim.replicas {
+        let c = r.engine.counters();
+        totals.prefix_queries_tokens += c.prefix_cache_queries_tokens;
+        totals.prefix_hits_tokens += c.prefix_cache_hits_tokens;
+        totals.preemptions += c.preemptions;
+        totals.steps += c.steps;
+        totals.generation_tokens += c.generation_tokens;
+    }
+    Ok(SimOutput {
+        policy: sim.policy.name().to_string(),
+        session_ids: std::mem::take(&mut sim.session_ids),
+        end_us: sim.last_end_us,
+        engine: totals,
+        per_replica_requests: sim.per_replica_requests,
+        index: sim.policy.index_stats(),
+        index_event_errors: sim.policy.event_errors(),
+        decide_wall_ns: sim.decide_wall_ns,
+        events: sim.events,
+        outcomes: sim.finished,
+    })
+}
+
+impl Sim<'_> {
+    fn push(&mut self, t: u64, ev: Ev) {
+        self.seq += 1;
+        self.heap.push(Item {
+            t,
+            seq: self.seq,
+            ev,
+        });
+    }
+
+    fn stopped(&self, scheduled_us: u64) -> bool {
+        self.stop_us.is_some_and(|s| scheduled_us >= s)
+    }
+
+    fn start(&mut self) {
+        match &self.plan.schedule {
+            Schedule::Closed { users } => {
+                self.user_pos = vec![0; users.len()];
+                for u in 0..users.len() {
+                    self.schedule_user(u as u32, 0);
+                }
+            }
+            Schedule::Open { arrivals } => {
+                if let Some(a) = arrivals.first()
+                    && !self.stopped(a.at_us)
+                {
+                    self.push(a.at_us, Ev::Fire(0));
+                }
+            }
+        }
+    }
+
+    /// A closed-loop user became ready at `ready_us`: its next request fires after its think.
+    fn schedule_user(&mut self, user: u32, ready_us: u64) {
+        let Schedule::Closed { users } = &self.plan.schedule else {
+            return;
+        };
+        let k = self.user_pos[user as usize] as usize;
+        let Some(step) = users[user as usize].get(k) else {
+            return;
+        };
+        let at = ready_us + step.think_us;
+        if !self.stopped(at) {
+            self.push(at, Ev::Fire(user));
+        }
+    }
+
+    fn run(&mut self) {
+        while let Some(Item { t, ev, .. }) = self.heap.pop() {
+            self.now = self.now.max(t);
+            self.events += 1;
+            match ev {
+                Ev::Fire(who) => self.fire(who, t),
+                Ev::Decide(r) => self.decide(r, t),
+                Ev::Wake(i) => {
+                    let rep = &mut self.replicas[i as usize];
+                    // A superseded wake, or one made obsolete by a step that started at once
+                    // when the previous one ended.
+                    if rep.wake_at == Some(t) && !rep.in_flight {
+                        rep.wake_at = None;
+                        self.start_step(i, t);
+                    }
+                }
+                Ev::StepEnd(i) => self.end_step(i, t),
+                Ev::Deliver(i, b) => self.deliver(i, b, t),
+                Ev::Timeout(r) => self.timeout(r, t),
+            }
+        }
+    }
+
+    fn fire(&mut self, who: u32, t: u64) {
+        let (origin, conversation, turn) = match &self.plan.schedule {
+            Schedule::Closed { users } => {
+                let k = self.user_pos[who as usize];
+                self.user_pos[who as usize] += 1;
+                let step = users[who as usize][k as usize];
+                (
+                    Origin::Closed {
+                        user: who,
+                        index: k,
+                    },
+                    step.conversation,
+                    step.turn,
+                )
+            }
+            Schedule::Open { arrivals } => {
+                let a = arrivals[who as usize];
+                if let Some(next) = arrivals.get(who as usize + 1)
+                    && !self.stopped(next.at_us)
+                {
+                    let at = next.at_us;
+                    self.push(at, Ev::Fire(who + 1));
+                }
+                (Origin::Open { index: who }, a.conversation, a.turn)
+            }
+        };
+        let r = self.reqs.len() as u32;
+        let gaps = self.gap_pool.pop().unwrap_or_default();
+        self.reqs.push(Live {
+            out: Outcome {
+                origin,
+                conversation,
+                turn,
+                scheduled_us: t,
+                sent_us: t,
+                first_us: None,
+                last_us: None,
+                end_us: t,
+                itl_p50_x2_us: None,
+                prompt_tokens: None,
+                output_tokens: 0,
+                cached_tokens: 0,
+                status: 0,
+                error: String::new(),
+                warmup: false,
+                decision: None,
+            },
+            replica: None,
+            gaps,
+            done: false,
+        });
+        let c = conversation as usize;
+        if self.conv_busy[c] {
+            self.conv_queue[c].push_back(r);
+        } else {
+            self.conv_busy[c] = true;
+            self.send(r, t);
+        }
+    }
+
+    fn send(&mut self, r: u32, t: u64) {
+        let live = &mut self.reqs[r as usize];
+        live.out.sent_us = t;
+        live.out.warmup = t < self.warmup_us;
+        let timeout_at = t + self.timeout_us;
+        self.push(timeout_at, Ev::Timeout(r));
+        if self.keying == Keying::ExactTokens {
+            let at = t + self.tokenize_us;
+            self.push(at, Ev::Decide(r));
+        } else {
+            self.decide(r, t);
+        }
+    }
+
+    fn decide(&mut self, r: u32, t: u64) {
+        if self.reqs[r as usize].done {
+            return; // timed out during the tokenize round trip
+        }
+        let (conversation, turn) = {
+            let o = &self.reqs[r as usize].out;
+            (o.conversation, o.turn)
+        };
+        let mut prompt = Vec::new();
+        if let Err(e) = self.book.prompt_into(conversation, turn, &mut prompt) {
+            self.fail(r, t, 400, format!("http: {e}"));
+            return;
+        }
+        let tokens_per_block;
+        let keys: &[u64] = match self.keying {
+            Keying::None => {
+                tokens_per_block = self.cfg.engine.block_size;
+                &[]
+            }
+            Keying::BeliefBytes => {
+                tokens_per_block = (self.cfg.router.block_bytes / 4).max(1) as u32;
+                // In range: `prompt_into` accepted the same conversation and turn.
+                self.book.belief_keys(conversation, turn).unwrap_or(&[])
+            }
+            Keying::ExactTokens => {
+                tokens_per_block = self.cfg.engine.block_size;
+                kv_index::hash::token_block_keys_into(
+                    self.cfg.model.as_bytes(),
+                    &prompt,
+                    self.cfg.engine.block_size as usize,
+                    &mut self.keys_buf,
+                );
+                &self.keys_buf
+            }
+        };
+        let req = RouteRequest {
+            session_id: Some(&self.session_ids[conversation as usize]),
+            block_keys: keys,
+            tokens_per_block,
+            now_us: t,
+        };
+        let t0 = Instant::now();
+        let decided = self.policy.get().decide(&req, &self.fleet);
+        self.decide_wall_ns.push(t0.elapsed().as_nanos() as u64);
+        let d = match decided {
+            Ok(d) => d,
+            Err(e) => {
+                self.fail(r, t, 503, format!("upstream: no replica available: {e}"));
+                return;
+            }
+        };
+        self.policy.get().on_served(&req, d.replica);
+        let i = d.replica as usize;
+        self.fleet[i].outstanding += 1;
+        let exact = self.keying == Keying::ExactTokens;
+        let rc = &self.cfg.router;
+        let decision = RouterDecision {
+            replica: d.replica,
+            branch: d.branch.as_str(),
+            predicted_match_tokens: d.predicted_match_tokens,
+            outstanding_chosen: d.outstanding_chosen,
+            outstanding_min: d.outstanding_min,
+            decide_ns: rc.decide_cost_us * 1000,
+            overhead_us: rc.forward_overhead_us + rc.decide_cost_us,
+            tokenize_us: exact.then_some(self.tokenize_us),
+        };
+        let dispatch = t + rc.forward_overhead_us + rc.decide_cost_us;
+        let live = &mut self.reqs[r as usize];
+        live.out.decision = Some(decision);
+        live.replica = Some(d.replica);
+        let params = SamplingParams {
+            max_tokens: self.max_tokens,
+            ignore_eos: true,
+        };
+        let prompt_len = prompt.len();
+        let added = self.replicas[i]
+            .engine
+            .add_request(u64::from(r), prompt, params, dispatch);
+        match added {
+            Ok(()) => {
+                self.reqs[r as usize].out.prompt_tokens = Some(prompt_len as u32);
+                self.ensure_wake(d.replica);
+            }
+            Err(e) => {
+                let msg = format!("http: 400 {e}");
+                self.fail(r, dispatch, 400, msg);
+            }
+        }
+    }
+
+    /// Schedules replica `i`'s next step if it is idle and has work.
+    fn ensure_wake(&mut self, i: u32) {
+        let rep = &self.replicas[i as usize];
+        if rep.in_flight {
+            return; // the step's end reschedules
+        }
+        if let Some(w) = rep.engine.next_wakeup_us(rep.logical_us)
+            && rep.wake_at.is_none_or(|cur| w < cur)
+        {
+            self.replicas[i as usize].wake_at = Some(w);
+            self.push(w, Ev::Wake(i));
+        }
+    }
+
+    fn start_step(&mut self, i: u32, t: u64) {
+        let rep = &mut self.replicas[i as usize];
+        let start = t.max(rep.logical_us);
+        rep.engine.step_into(start, &mut rep.out);
+        if rep.out.num_scheduled_reqs > 0 {
+            rep.in_flight = true;
+            rep.wake_at = None;
+            let end = rep.out.end_us();
+            self.push(end, Ev::StepEnd(i));
+        } else {
+            rep.logical_us = start;
+            self.take_events(i, start);
+            // Nothing could run now: wait for the next frontend completion (never `start`
+            // itself, which would spin).
+            let rep = &self.replicas[i as usize];
+            if let Some(w) = rep.engine.next_wakeup_us(start)
+                && w > start
+            {
+                self.replicas[i as usize].wake_at = Some(w);
+                self.push(w, Ev::Wake(i));
+            }
+        }
+    }
+
+    /// Queues the replica's pending KV events for delivery one transport delay after `t`.
+    fn take_events(&mut self, i: u32, t: u64) {
+        let rep = &mut self.replicas[i as usize];
+        if rep.out.kv_events.is_empty() {
+            return;
+        }
+        let events = std::mem::take(&mut rep.out.kv_events);
+        let slot = match self.free_batches.pop() {
+            Some(s) => {
+                self.batches[s as usize] = Some((i, events));
+                s
+            }
+            None => {
+                self.batches.push(Some((i, events)));
+                (self.batches.len() - 1) as u32
+            }
+        };
+        let at = t + self.cfg.router.event_transport_us;
+        self.push(at, Ev::Deliver(i, slot));
+    }
+
+    fn deliver(&mut self, i: u32, slot: u32, t: u64) {
+        let Some((_, mut events)) = self.batches[slot as usize].take() else {
+            return;
+        };
+        self.free_batches.push(slot);
+        self.event_batches += 1;
+        for e in events.drain(..) {
+            let ev = match e {
+                engine::KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                } => kv_index::KvEvent::Stored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                },
+                engine::KvEvent::BlockRemoved { block_hashes } => {
+                    kv_index::KvEvent::Removed { block_hashes }
+                }
+                engine::KvEvent::AllBlocksCleared => kv_index::KvEvent::AllCleared,
+            };
+            self.policy.get().on_kv_event(i, &ev, t);
+        }
+        // Hand the emptied vector back to the replica so its next batch reuses the buffer.
+        let rep = &mut self.replicas[i as usize];
+        if rep.out.kv_events.capacity() == 0 {
+            rep.out.kv_events = events;
+        }
+    }
+
+    fn end_step(&mut self, i: u32, t: u64) {
+        {
+            let rep = &mut self.replicas[i as usize];
+            rep.in_flight = false;
+            rep.logical_us = t;
+        }
+        self.take_events(i, t);
+        let tokens = std::mem::take(&mut self.replicas[i as usize].out.tokens);
+        for tok in &tokens {
+            let live = &mut self.reqs[tok.id as usize];
+            if live.done {
+                continue;
+            }
+            if tok.output_index == 0 {
+                live.out.first_us = Some(t);
+                live.out.cached_tokens = tok.cached_tokens;
+                live.out.status = 200;
+            } else if let Some(last) = live.out.last_us {
+                live.gaps.push((t - last) as u32);
+            }
+            live.out.last_us = Some(t);
+            live.out.output_tokens += 1;
+            if tok.finish.is_some() {
+                self.complete(tok.id as u32, t);
+            }
+        }
+        self.replicas[i as usize].out.tokens = tokens;
+        // The engine loop starts the next step at once when it has work.
+        let rep = &self.replicas[i as usize];
+        match rep.engine.next_wakeup_us(t) {
+            Some(w) if w == t => self.start_step(i, t),
+            Some(w) => {
+                self.replicas[i as usize].wake_at = Some(w);
+                self.push(w, Ev::Wake(i));
+            }
+            None => self.replicas[i as usize].wake_at = None,
+        }
+    }
+
+    fn complete(&mut self, r: u32, t: u64) {
+        let live = &mut self.reqs[r as usize];
+        live.done = true;
+        live.out.end_us = t;
+        let gaps = &mut live.gaps;
+        if !gaps.is_empty() {
+            let n = gaps.len();
+            let (_, &mut hi, _) = gaps.select_nth_unstable(n / 2);
+            let x2 = if n % 2 == 1 {
+                2 * u64::from(hi)
+            } else {
+                let lo = *gaps[..n / 2].iter().max().expect("n ≥ 2");
+                u64::from(lo) + u64::from(hi)
+            };
+            live.out.itl_p50_x2_us = Some(x2);
+        }
+        self.finish(r, t);
+    }
+
+    fn timeout(&mut self, r: u32, t: u64) {
+        if self.reqs[r as usize].done {
+            return;
+        }
+        if let Some(i) = self.reqs[r as usize].replica {
+            self.replicas[i as usize].engine.abort(u64::from(r));
+        }
+        let status = self.reqs[r as usize].out.status;
+        let msg = format!("timeout: no complete response within {} s", self.cfg.driver.timeout_s);
+        self.fail(r, t, status, msg);
+    }
+
+    fn fail(&mut self, r: u32, t: u64, status: u16, error: String) {
+        let live = &mut self.reqs[r as usize];
+        live.done = true;
+        live.out.end_us = t;
+        live.out.status = status;
+        live.out.error = error;
+        self.finish(r, t);
+    }
+
+    /// Releases everything a finished request held and lets its successors go.
+    fn finish(&mut self, r: u32, t: u64) {
+        self.last_end_us = self.last_end_us.max(t);
+        let live = &mut self.reqs[r as usize];
+        let mut gaps = std::mem::take(&mut live.gaps);
+        gaps.clear();
+        self.gap_pool.push(gaps);
+        let conversation = live.out.conversation as usize;
+        let origin = live.out.origin;
+        if let Some(i) = live.replica {
+            let f = &mut self.fleet[i as usize];
+            f.outstanding = f.outstanding.saturating_sub(1);
+            self.per_replica_requests[i as usize] += 1;
+        }
+        self.finished.push(live.out.clone());
+        if let Some(next) = self.conv_queue[conversation].pop_front() {
+            self.send(next, t);
+        } else {
+            self.conv_busy[conversation] = false;
+        }
+        if let Origin::Closed { user, .. } = origin {
+            self.schedule_user(user, t);
+        }
+    }
+}

@@ -1,0 +1,495 @@
+//! Conversations plus an arrival schedule: the unit replayed identically for every policy.
+
+use rand::SeedableRng;
+use rand_pcg::Pcg64;
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use crate::WorkloadError;
+use crate::spec::{ArrivalSpec, MAX_CONVERSATIONS, Sizing, WorkloadSpec};
+use crate::text::english_like;
+use crate::zipf::Zipf;
+
+/// Version of the serialized plan layout; bumped whenever [`Plan`]'s fields change.
+pub const PLAN_FORMAT: u32 = 1;
+
+/// Decoding refuses inputs that claim more than this many bytes, so a corrupt file fails
+/// with an error instead of a huge allocation.
+const DECODE_LIMIT_BYTES: usize = 1 << 30;
+
+/// One conversation's scripted text. Turn `k` (1-based) sends `system`, then for each earlier
+/// turn `j` the pair `users[j-1]`, `replies[j-1]`, then `users[k-1]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Conversation {
+    /// Context prefix, sent as the system message.
+    pub system: String,
+    /// One user message per turn.
+    pub users: Vec<String>,
+    /// Scripted assistant replies; one per turn except the last (whose reply is never re-sent).
+    pub replies: Vec<String>,
+}
+
+/// Chat role of a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The context prefix.
+    System,
+    /// A user turn.
+    User,
+    /// A scripted assistant reply.
+    Assistant,
+}
+
+impl Role {
+    /// The OpenAI wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+}
+
+/// One chat message borrowed from a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Message<'a> {
+    /// Who speaks.
+    pub role: Role,
+    /// What is said.
+    pub content: &'a str,
+}
+
+/// One request of a closed-loop user script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Step {
+    /// Conversation index.
+    pub conversation: u32,
+    /// Turn, 1-based.
+    pub turn: u32,
+    /// Think time before sending this request, in microseconds.
+    pub think_us: u64,
+}
+
+/// One request of an open-loop schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Arrival {
+    /// Scheduled send time, microseconds after the run starts.
+    pub at_us: u64,
+    /// Conversation index.
+    pub conversation: u32,
+    /// Turn, 1-based.
+    pub turn: u32,
+}
+
+/// When requests are sent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Schedule {
+    /// One script per user, sent in order, one request at a time.
+    Closed {
+        /// `users[u]` is user `u`'s script.
+        users: Vec<Vec<Step>>,
+    },
+    /// Arrivals in time order.
+    Open {
+        /// Every arrival, sorted by `at_us`.
+        arrivals: Vec<Arrival>,
+    },
+}
+
+/// A complete, replayable workload: parameters, texts and schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// [`PLAN_FORMAT`] at the time of writing.
+    pub format: u32,
+    /// The content parameters.
+    pub spec: WorkloadSpec,
+    /// The arrival parameters.
+    pub arrival: ArrivalSpec,
+    /// Every conversation's text.
+    pub conversations: Vec<Conversation>,
+    /// The schedule drawn from `arrival` and the Zipf law.
+    pub schedule: Schedule,
+}
+
+/// Stream tags for [`derive_seed`], so texts and draws never share a random stream.
+mod tag {
+    pub const SYSTEM: u64 = 1;
+    pub const USER: u64 = 2;
+    pub const REPLY: u64 = 3;
+    pub const CLOSED_USER: u64 = 4;
+    pub const OPEN: u64 = 5;
+}
+
+/// A seed for one stream, independent of how many other streams exist, so that (for example)
+/// conversation 3's text does not change when the sizing adds conversations.
+fn derive_seed(seed: u64, stream: u64, a: u64, b: u64) -> u64 {
+    let mut bytes = [0u8; 24];
+    bytes[..8].copy_from_slice(&stream.to_le_bytes());
+    bytes[8..16].copy_from_slice(&a.to_le_bytes());
+    bytes[16..].copy_from_slice(&b.to_le_bytes());
+    xxh3_64_with_seed(&bytes, seed)
+}
+
+/// Context-prefix lengths (estimated tokens at turn 1), one per conversation.
+///
+/// With working-set sizing the count is the nearest integer to `target ÷ per-conversation
+/// tokens`, and the rounding remainder is spread over the prefixes so that the total is exact
+/// to the token. Errors when that would shrink a prefix below half its nominal length (the
+/// capacity is too small for whole conversations of this shape).
+pub fn prefix_lengths(spec: &WorkloadSpec) -> Result<Vec<u64>, WorkloadError> {
+    spec.validate()?;
+    let nominal = u64::from(spec.prefix_tokens);
+    match spec.sizing {
+        Sizing::Conversations(n) => Ok(vec![nominal; n as usize]),
+        Sizing::WorkingSet {
+            capacity_tokens,
+            ratio,
+        } => {
+            let target = (ratio * capacity_tokens as f64).round();
+            let per = spec.last_turn_tokens(nominal) as f64;
+            let n = (target / per).round().max(1.0);
+            if n > MAX_CONVERSATIONS as f64 {
+                return Err(WorkloadError::InvalidSpec(format!(
+                    "working set of {target} tokens needs {n} conversations (max {MAX_CONVERSATIONS})"
+                )));
+            }
+            let n = n as u64;
+            let target = target as i128;
+            let deficit =
+                target - i128::from(n) * i128::from(spec.last_turn_tokens(nominal) as i64);
+            let base = deficit.div_euclid(i128::from(n));
+            let extra = deficit.rem_euclid(i128::from(n));
+            let floor = (nominal / 2).max(1) as i128;
+            let mut out = Vec::with_capacity(n as usize);
+            for i in 0..n {
+                let p = nominal as i128 + base + i128::from(i128::from(i) < extra);
+                if p < floor {
+                    return Err(WorkloadError::InvalidSpec(format!(
+                        "working set {ratio} × {capacity_tokens} tokens is too small for \
+                         conversations of {per} tokens: prefixes would shrink to {p} tokens; \
+                         raise the ratio or capacity, or give a conversation count"
+                    )));
+                }
+                out.push(p as u64);
+            }
+            Ok(out)
+        }
+    }
+}
+
+impl Plan {
+    /// Draws the conversations and the schedule. Deterministic: the same arguments give a
+    /// byte-identical plan.
+    pub fn build(spec: &WorkloadSpec, arrival: &ArrivalSpec) -> Result<Plan, WorkloadError> {
+        spec.validate()?;
+        arrival.validate()?;
+        let prefixes = prefix_lengths(spec)?;
+        let bpt = spec.bytes_per_token as usize;
+        let conversations: Vec<Conversation> = prefixes
+            .iter()
+            .enumerate()
+            .map(|(c, &prefix)| {
+                let c64 = c as u64;
+                let system = english_like(
+                    derive_seed(spec.seed, tag::SYSTEM, c64, 0),
+                    &format!("Conversation {c} context. "),
+                    prefix as usize * bpt,
+                );
+                let users = (0..spec.turns)
+                    .map(|k| {
+                        english_like(
+                            derive_seed(spec.seed, tag::USER, c64, u64::from(k)),
+                            "",
+                            spec.user_tokens as usize * bpt,
+                        )
+                    })
+                    .collect();
+                let replies = (0..spec.turns - 1)
+                    .map(|k| {
+                        english_like(
+                            derive_seed(spec.seed, tag::REPLY, c64, u64::from(k)),
+                            "",
+                            spec.output_tokens as usize * bpt,
+                        )
+                    })
+                    .collect();
+                Conversation {
+                    system,
+                    users,
+                    replies,
+                }
+            })
+            .collect();
+        let zipf = Zipf::new(conversations.len(), spec.zipf_s)?;
+        let schedule = match *arrival {
+            ArrivalSpec::Closed {
+                users,
+                think_mean_s,
+                requests_per_user,
+            } => Schedule::Closed {
+                users: (0..users)
+                    .map(|u| {
+                        closed_script(
+                            derive_seed(spec.seed, tag::CLOSED_USER, u64::from(u), 0),
+                            &zipf,
+                            spec.turns,
+                            think_mean_s,
+                            requests_per_user,
+                        )
+                    })
+                    .collect(),
+            },
+            ArrivalSpec::Open {
+                rate_rps,
+                duration_s,
+            } => Schedule::Open {
+                arrivals: open_arrivals(
+                    derive_seed(spec.seed, tag::OPEN, 0, 0),
+                    &zipf,
+                    spec.turns,
+                    rate_rps,
+                    duration_s,
+                ),
+            },
+        };
+        Ok(Plan {
+            format: PLAN_FORMAT,
+            spec: *spec,
+            arrival: *arrival,
+            conversations,
+            schedule,
+        })
+    }
+
+    /// The full name: content name and arrival name, e.g.
+    /// `chat-ws1-cap200000-s0-t6-p1100-u150-o128-seed7-open-l5-d120`.
+    pub fn name(&self) -> String {
+        format!("{}-{}", self.spec.name(), self.arrival.name())
+    }
+
+    /// Serializes with bincode 2 (`config::standard()`).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, WorkloadError> {
+        bincode::serde::encode_to_vec(self, bincode::config::standard())
+            .map_err(|e| WorkloadError::Encode(e.to_string()))
+    }
+
+    /// Decodes and checks a plan written by [`Plan::to_bytes`].
+    pub fn from_bytes(bytes: &[u8]) -> Result<Plan, WorkloadError> {
+        let config = bincode::config::standard().with_limit::<DECODE_LIMIT_BYTES>();
+        let (plan, used): (Plan, usize) = bincode::serde::decode_from_slice(bytes, config)
+            .map_err(|e| WorkloadError::Decode(e.to_string()))?;
+        if plan.format != PLAN_FORMAT {
+            return Err(WorkloadError::Decode(format!(
+                "plan format {} is not the supported format {PLAN_FORMAT}",
+                plan.format
+            )));
+        }
+        if used != bytes.len() {
+            return Err(WorkloadError::Decode(format!(
+                "{} trailing bytes after the plan",
+                bytes.len() - used
+            )));
+        }
+        plan.check()?;
+        Ok(plan)
+    }
+
+    /// Fingerprint of the whole plan: xxh3-64 of its bytes.
+    pub fn fingerprint(&self) -> Result<u64, WorkloadError> {
+        Ok(xxh3_64(&self.to_bytes()?))
+    }
+
+    /// [`Plan::fingerprint`] as 16 lowercase hex digits.
+    pub fn fingerprint_hex(&self) -> Result<String, WorkloadError> {
+        Ok(format!("{:016x}", self.fingerprint()?))
+    }
+
+    /// Fingerprint of the content only (spec and texts, not the schedule), as 16 hex digits:
+    /// equal across arrival plans that send the same conversations.
+    pub fn workload_fingerprint_hex(&self) -> Result<String, WorkloadError> {
+        let bytes = bincode::serde::encode_to_vec(
+            (&self.spec, &self.conversations),
+            bincode::config::standard(),
+        )
+        .map_err(|e| WorkloadError::Encode(e.to_string()))?;
+        Ok(format!("{:016x}", xxh3_64(&bytes)))
+    }
+
+    /// Checks internal consistency (indices in range, turns within each conversation,
+    /// arrivals sorted), so that a hand-edited or corrupt plan fails here, not mid-run.
+    pub fn check(&self) -> Result<(), WorkloadError> {
+        let bad = |m: String| Err(WorkloadError::Decode(m));
+        self.spec.validate()?;
+        self.arrival.validate()?;
+        let turns = self.spec.turns as usize;
+        for (i, c) in self.conversations.iter().enumerate() {
+            if c.users.len() != turns || c.replies.len() + 1 != turns {
+                return bad(format!("conversation {i} does not have {turns} turns"));
+            }
+        }
+        let in_range = |conv: u32, turn: u32| {
+            (conv as usize) < self.conversations.len() && turn >= 1 && turn as usize <= turns
+        };
+        match &self.schedule {
+            Schedule::Closed { users } => {
+                for (u, script) in users.iter().enumerate() {
+                    if let Some(s) = script.iter().find(|s| !in_range(s.conversation, s.turn)) {
+                        return bad(format!("user {u}: step {s:?} out of range"));
+                    }
+                }
+            }
+            Schedule::Open { arrivals } => {
+                if let Some(a) = arrivals.iter().find(|a| !in_range(a.conversation, a.turn)) {
+                    return bad(format!("arrival {a:?} out of range"));
+                }
+                if arrivals.windows(2).any(|w| w[1].at_us < w[0].at_us) {
+                    return bad("arrivals are not in time order".into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The messages of turn `turn` (1-based) of conversation `conversation`.
+    pub fn messages(
+        &self,
+        conversation: u32,
+        turn: u32,
+    ) -> Result<Vec<Message<'_>>, WorkloadError> {
+        let c = self
+            .conversations
+            .get(conversation as usize)
+            .ok_or_else(|| WorkloadError::OutOfRange(format!("conversation {conversation}")))?;
+        if turn == 0 || turn as usize > c.users.len() {
+            return Err(WorkloadError::OutOfRange(format!(
+                "turn {turn} of conversation {conversation}"
+            )));
+        }
+        let k = turn as usize;
+        let mut out = Vec::with_capacity(2 * k);
+        out.push(Message {
+            role: Role::System,
+            content: &c.system,
+        });
+        for j in 0..k - 1 {
+            out.push(Message {
+                role: Role::User,
+                content: &c.users[j],
+            });
+            out.push(Message {
+                role: Role::Assistant,
+                content: &c.replies[j],
+            });
+        }
+        out.push(Message {
+            role: Role::User,
+            content: &c.users[k - 1],
+        });
+        Ok(out)
+    }
+
+    /// The `x-session-id` of a conversation; stable for a given seed.
+    pub fn session_id(&self, conversation: u32) -> String {
+        format!("s{}-c{conversation}", self.spec.seed)
+    }
+
+    /// Number of requests in the schedule.
+    pub fn request_count(&self) -> usize {
+        match &self.schedule {
+            Schedule::Closed { users } => users.iter().map(Vec::len).sum(),
+            Schedule::Open { arrivals } => arrivals.len(),
+        }
+    }
+
+    /// Estimated tokens of a text: its bytes ÷ `bytes_per_token`.
+    pub fn estimate_tokens(&self, text: &str) -> f64 {
+        text.len() as f64 / f64::from(self.spec.bytes_per_token)
+    }
+
+    /// Distinct prefix tokens of all conversations at their last turn (estimated from bytes):
+    /// the working set the sizing targets.
+    pub fn working_set_tokens(&self) -> f64 {
+        let last = self.spec.turns;
+        (0..self.conversations.len() as u32)
+            .filter_map(|c| self.messages(c, last).ok())
+            .flatten()
+            .map(|m| self.estimate_tokens(m.content))
+            .sum()
+    }
+}
+
+/// Request id of user `user`'s `index`-th request (0-based) in a closed-loop plan.
+pub fn closed_request_id(user: usize, index: usize) -> String {
+    format!("u{user}-{index}")
+}
+
+/// Request id of the `index`-th arrival (0-based) of an open-loop plan.
+pub fn open_request_id(index: usize) -> String {
+    format!("a{index}")
+}
+
+/// An exponential draw with the given mean; inverse transform so the stream is stable.
+fn exponential<R: rand::Rng>(rng: &mut R, mean: f64) -> f64 {
+    if mean == 0.0 {
+        return 0.0;
+    }
+    let u: f64 = rng.random();
+    -mean * (1.0 - u).ln()
+}
+
+fn closed_script(
+    seed: u64,
+    zipf: &Zipf,
+    turns: u32,
+    think_mean_s: f64,
+    requests: u32,
+) -> Vec<Step> {
+    let mut rng = Pcg64::seed_from_u64(seed);
+    let mut out = Vec::with_capacity(requests as usize);
+    'outer: loop {
+        let conversation = zipf.sample(&mut rng) as u32;
+        for turn in 1..=turns {
+            if out.len() == requests as usize {
+                break 'outer;
+            }
+            let think_us = (exponential(&mut rng, think_mean_s) * 1e6).round() as u64;
+            out.push(Step {
+                conversation,
+                turn,
+                think_us,
+            });
+        }
+    }
+    out
+}
+
+/// Poisson arrivals; each goes to a Zipf-drawn conversation's next turn, and a conversation
+/// that has sent its last turn starts again from turn 1 (the same bytes: a returning user).
+fn open_arrivals(
+    seed: u64,
+    zipf: &Zipf,
+    turns: u32,
+    rate_rps: f64,
+    duration_s: f64,
+) -> Vec<Arrival> {
+    let mut rng = Pcg64::seed_from_u64(seed);
+    let mut cursor = vec![0u32; zipf.len()];
+    let mut out = Vec::with_capacity((rate_rps * duration_s * 1.1) as usize + 16);
+    let mut t_s = 0.0f64;
+    loop {
+        t_s += exponential(&mut rng, 1.0 / rate_rps);
+        if t_s >= duration_s {
+            break;
+        }
+        let c = zipf.sample(&mut rng);
+        let turn = cursor[c] + 1;
+        cursor[c] = turn % turns;
+        out.push(Arrival {
+            at_us: (t_s * 1e6).round() as u64,
+            conversation: c as u32,
+            turn,
+        });
+    }
+    out
+}

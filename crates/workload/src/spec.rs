@@ -1,0 +1,272 @@
+//! Workload and arrival parameters, and the names derived from them.
+
+use serde::{Deserialize, Serialize};
+
+use crate::WorkloadError;
+
+/// Default turns per conversation: enough for the prefix to grow well past the first turn's.
+pub const DEFAULT_TURNS: u32 = 6;
+/// Default context-prefix length at turn 1, in estimated tokens (≈ the reference's unseen prompt).
+pub const DEFAULT_PREFIX_TOKENS: u32 = 1_100;
+/// Default user-turn length, in estimated tokens.
+pub const DEFAULT_USER_TOKENS: u32 = 150;
+/// Default `max_tokens` (and scripted reply length), in tokens.
+pub const DEFAULT_OUTPUT_TOKENS: u32 = 128;
+/// Default bytes per estimated token (what the engine emulator's tokenizer averages).
+pub const DEFAULT_BYTES_PER_TOKEN: u32 = 4;
+/// Most conversations a plan may hold; beyond this a plan is a mistake, not an experiment.
+pub const MAX_CONVERSATIONS: u64 = 1_000_000;
+/// Most requests a plan may hold.
+pub const MAX_REQUESTS: u64 = 20_000_000;
+
+/// How many conversations the workload holds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum Sizing {
+    /// Size so that the distinct prefix tokens of all conversations at their last turn equal
+    /// `ratio × capacity_tokens`.
+    WorkingSet {
+        /// The fleet's measured KV capacity, in tokens.
+        capacity_tokens: u64,
+        /// Working set ÷ capacity (0.25, 1, 3, 8, …).
+        ratio: f64,
+    },
+    /// A fixed number of conversations with nominal lengths (no sizing).
+    Conversations(u32),
+}
+
+/// What the conversations contain: everything that decides the bytes sent.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct WorkloadSpec {
+    /// Seed for every text and every draw.
+    pub seed: u64,
+    /// How many conversations.
+    pub sizing: Sizing,
+    /// Zipf exponent over conversations (0 = uniform).
+    pub zipf_s: f64,
+    /// Turns per conversation.
+    pub turns: u32,
+    /// Context prefix (system message) at turn 1, in estimated tokens.
+    pub prefix_tokens: u32,
+    /// Each user turn, in estimated tokens.
+    pub user_tokens: u32,
+    /// `max_tokens` of every request; the scripted assistant replies have this length too.
+    pub output_tokens: u32,
+    /// Bytes per estimated token; text lengths are `tokens × bytes_per_token` bytes.
+    pub bytes_per_token: u32,
+}
+
+impl Default for WorkloadSpec {
+    fn default() -> Self {
+        Self {
+            seed: 7,
+            sizing: Sizing::Conversations(64),
+            zipf_s: 0.0,
+            turns: DEFAULT_TURNS,
+            prefix_tokens: DEFAULT_PREFIX_TOKENS,
+            user_tokens: DEFAULT_USER_TOKENS,
+            output_tokens: DEFAULT_OUTPUT_TOKENS,
+            bytes_per_token: DEFAULT_BYTES_PER_TOKEN,
+        }
+    }
+}
+
+/// Formats a parameter for a name: shortest decimal form (`1`, `0.25`, `1.4`).
+fn num(x: f64) -> String {
+    format!("{x}")
+}
+
+impl WorkloadSpec {
+    /// Checks every field; the error says which one is wrong.
+    pub fn validate(&self) -> Result<(), WorkloadError> {
+        let bad = |m: String| Err(WorkloadError::InvalidSpec(m));
+        match self.sizing {
+            Sizing::WorkingSet {
+                capacity_tokens,
+                ratio,
+            } => {
+                if capacity_tokens == 0 {
+                    return bad("capacity_tokens must be > 0".into());
+                }
+                if !ratio.is_finite() || ratio <= 0.0 {
+                    return bad(format!("working-set ratio must be > 0, got {ratio}"));
+                }
+            }
+            Sizing::Conversations(0) => return bad("conversations must be > 0".into()),
+            Sizing::Conversations(n) if u64::from(n) > MAX_CONVERSATIONS => {
+                return bad(format!("conversations {n} exceeds {MAX_CONVERSATIONS}"));
+            }
+            Sizing::Conversations(_) => {}
+        }
+        if !self.zipf_s.is_finite() || self.zipf_s < 0.0 {
+            return bad(format!("zipf exponent must be >= 0, got {}", self.zipf_s));
+        }
+        if self.turns == 0 || self.turns > 1_000 {
+            return bad(format!("turns must be in 1..=1000, got {}", self.turns));
+        }
+        if self.prefix_tokens == 0 || self.user_tokens == 0 || self.output_tokens == 0 {
+            return bad("prefix, user and output tokens must be > 0".into());
+        }
+        if self.bytes_per_token == 0 || self.bytes_per_token > 64 {
+            return bad(format!(
+                "bytes_per_token must be in 1..=64, got {}",
+                self.bytes_per_token
+            ));
+        }
+        Ok(())
+    }
+
+    /// Estimated tokens of one conversation's last-turn prompt with a context prefix of
+    /// `prefix_tokens`: the prefix, every user turn and every reply but the last.
+    pub fn last_turn_tokens(&self, prefix_tokens: u64) -> u64 {
+        let turns = u64::from(self.turns);
+        prefix_tokens
+            + turns * u64::from(self.user_tokens)
+            + (turns - 1) * u64::from(self.output_tokens)
+    }
+
+    /// Human-readable name of the content, e.g. `chat-ws1-cap200000-s0-t6-p1100-u150-o128-seed7`.
+    /// Any parameter change changes the name.
+    pub fn name(&self) -> String {
+        let size = match self.sizing {
+            Sizing::WorkingSet {
+                capacity_tokens,
+                ratio,
+            } => format!("ws{}-cap{capacity_tokens}", num(ratio)),
+            Sizing::Conversations(n) => format!("n{n}"),
+        };
+        let bpt = if self.bytes_per_token == DEFAULT_BYTES_PER_TOKEN {
+            String::new()
+        } else {
+            format!("-bpt{}", self.bytes_per_token)
+        };
+        format!(
+            "chat-{size}-s{}-t{}-p{}-u{}-o{}{bpt}-seed{}",
+            num(self.zipf_s),
+            self.turns,
+            self.prefix_tokens,
+            self.user_tokens,
+            self.output_tokens,
+            self.seed
+        )
+    }
+}
+
+/// How requests arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum ArrivalSpec {
+    /// `users` users; each thinks (exponential, mean `think_mean_s`), sends a turn, waits for the
+    /// whole reply, and repeats, working through Zipf-drawn conversations turn by turn.
+    Closed {
+        /// Concurrent users.
+        users: u32,
+        /// Mean think time before each request, in seconds (0 = none).
+        think_mean_s: f64,
+        /// Requests each user sends before stopping.
+        requests_per_user: u32,
+    },
+    /// Poisson arrivals at `rate_rps` for `duration_s`; each arrival is the next turn of a
+    /// Zipf-drawn conversation.
+    Open {
+        /// Mean arrival rate, requests per second.
+        rate_rps: f64,
+        /// Length of the schedule, in seconds.
+        duration_s: f64,
+    },
+}
+
+impl ArrivalSpec {
+    /// Checks every field; the error says which one is wrong.
+    pub fn validate(&self) -> Result<(), WorkloadError> {
+        let bad = |m: String| Err(WorkloadError::InvalidSpec(m));
+        match *self {
+            ArrivalSpec::Closed {
+                users,
+                think_mean_s,
+                requests_per_user,
+            } => {
+                if users == 0 || requests_per_user == 0 {
+                    return bad("users and requests_per_user must be > 0".into());
+                }
+                if !think_mean_s.is_finite() || think_mean_s < 0.0 {
+                    return bad(format!("think_mean_s must be >= 0, got {think_mean_s}"));
+                }
+                if u64::from(users) * u64::from(requests_per_user) > MAX_REQUESTS {
+                    return bad(format!("users × requests_per_user exceeds {MAX_REQUESTS}"));
+                }
+            }
+            ArrivalSpec::Open {
+                rate_rps,
+                duration_s,
+            } => {
+                if !rate_rps.is_finite() || rate_rps <= 0.0 {
+                    return bad(format!("rate must be > 0 req/s, got {rate_rps}"));
+                }
+                if !duration_s.is_finite() || duration_s <= 0.0 {
+                    return bad(format!("duration must be > 0 s, got {duration_s}"));
+                }
+                if rate_rps * duration_s > MAX_REQUESTS as f64 {
+                    return bad(format!("rate × duration exceeds {MAX_REQUESTS} requests"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Name of the arrival process, e.g. `closed-u32-th1-r24` or `open-l5-d120`.
+    pub fn name(&self) -> String {
+        match *self {
+            ArrivalSpec::Closed {
+                users,
+                think_mean_s,
+                requests_per_user,
+            } => format!(
+                "closed-u{users}-th{}-r{requests_per_user}",
+                num(think_mean_s)
+            ),
+            ArrivalSpec::Open {
+                rate_rps,
+                duration_s,
+            } => format!("open-l{}-d{}", num(rate_rps), num(duration_s)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_name_matches_documented_form() {
+        assert_eq!(
+            WorkloadSpec::default().name(),
+            "chat-n64-s0-t6-p1100-u150-o128-seed7"
+        );
+        let ws = WorkloadSpec {
+            sizing: Sizing::WorkingSet {
+                capacity_tokens: 200_000,
+                ratio: 0.25,
+            },
+            zipf_s: 1.4,
+            ..WorkloadSpec::default()
+        };
+        assert_eq!(
+            ws.name(),
+            "chat-ws0.25-cap200000-s1.4-t6-p1100-u150-o128-seed7"
+        );
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let s = WorkloadSpec {
+            turns: 0,
+            ..WorkloadSpec::default()
+        };
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("turns"), "{e}");
+        let a = ArrivalSpec::Open {
+            rate_rps: -1.0,
+            duration_s: 1.0,
+        };
+        assert!(a.validate().unwrap_err().to_string().contains("rate"));
+    }
+}

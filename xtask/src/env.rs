@@ -1,0 +1,122 @@
+//! The workspace around xtask: where it is, building the binaries, git revision, versions.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+/// The packages whose binaries the experiment drives.
+pub const BIN_PACKAGES: &[&str] = &["engine-bin", "router-bin", "driver-bin", "report-bin"];
+
+/// The workspace root (xtask lives one level below it).
+pub fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// The cargo target directory (honours `CARGO_TARGET_DIR`).
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => {
+            let dir = PathBuf::from(dir);
+            if dir.is_absolute() {
+                dir
+            } else {
+                workspace_root().join(dir)
+            }
+        }
+        None => workspace_root().join("target"),
+    }
+}
+
+/// Paths of the release binaries.
+#[derive(Debug, Clone)]
+pub struct Bins {
+    /// `engine`.
+    pub engine: PathBuf,
+    /// `router`.
+    pub router: PathBuf,
+    /// `driver`.
+    pub driver: PathBuf,
+}
+
+impl Bins {
+    /// The release binaries under the target dir (not checked).
+    pub fn release() -> Bins {
+        let dir = target_dir().join("release");
+        Bins {
+            engine: dir.join("engine"),
+            router: dir.join("router"),
+            driver: dir.join("driver"),
+        }
+    }
+
+    /// Fails naming the first binary that does not exist.
+    pub fn check(&self) -> Result<()> {
+        for bin in [&self.engine, &self.router, &self.driver] {
+            if !bin.is_file() {
+                bail!(
+                    "{} is missing; build it with `cargo build --release -p engine-bin -p router-bin -p driver-bin` (or drop --no-build)",
+                    bin.display()
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `cargo build --release -p engine-bin -p router-bin -p driver-bin -p report-bin`.
+pub fn build_release_bins() -> Result<Bins> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(workspace_root()).args(["build", "--release"]);
+    for p in BIN_PACKAGES {
+        cmd.args(["-p", p]);
+    }
+    eprintln!("xtask: building {} (release)", BIN_PACKAGES.join(", "));
+    let status = cmd.status().context("running cargo build")?;
+    if !status.success() {
+        bail!("cargo build --release of the experiment binaries failed ({status})");
+    }
+    let bins = Bins::release();
+    bins.check()?;
+    Ok(bins)
+}
+
+/// `git rev-parse HEAD`, with `-dirty` when the tree has changes; `None` outside git.
+pub fn git_rev() -> Option<String> {
+    let root = workspace_root();
+    let out = Command::new("git")
+        .current_dir(&root)
+        .args(["rev-parse", "HEAD"])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let rev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let dirty = Command::new("git")
+        .current_dir(&root)
+        .args(["status", "--porcelain", "--untracked-files=no"])
+        .output()
+        .ok()
+        .is_some_and(|o| !o.stdout.is_empty());
+    Some(if dirty { format!("{rev}-dirty") } else { rev })
+}
+
+/// Versions worth recording beside results: rustc, the workspace version, the host.
+pub fn versions() -> serde_json::Value {
+    let rustc = Command::new(std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into()))
+        .arg("-V")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    serde_json::json!({
+        "kvroute": env!("CARGO_PKG_VERSION"),
+        "rustc": rustc,
+        "os": std::env::consts::OS,
+        "arch": std::env::consts::ARCH,
+        "cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
+    })
+}

@@ -1,0 +1,119 @@
+//! End to end: a tiny sweep (2 policies × 1 point × 2 repetitions, a few seconds each) on 3
+//! emulated replicas through the router, then the report; and a resumed run that skips it all.
+//!
+//! It builds the release binaries with cargo first (a no-op when they are fresh), then runs the
+//! xtask binary exactly as a user would, with `--no-build`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn build_bins() {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(workspace_root())
+        .args(["build", "--release", "-p", "engine-bin", "-p", "router-bin", "-p", "driver-bin"])
+        .status()
+        .expect("cargo runs");
+    assert!(status.success(), "building the experiment binaries failed");
+}
+
+fn xtask(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .current_dir(workspace_root())
+        .args(args)
+        .output()
+        .expect("xtask runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn tiny_sweep_then_report_then_resume() {
+    build_bins();
+    let root = std::env::temp_dir().join(format!("xtask-e2e-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let scratch = Scratch(root.clone());
+    let out = scratch.0.to_string_lossy().into_owned();
+    let calibration = scratch.0.join("calibration.json");
+    let calibration = calibration.to_string_lossy().into_owned();
+    let args = [
+        "sweep", "pressure-grid", "--quick", "--no-build",
+        "--out", out.as_str(), "--calibration", calibration.as_str(),
+        "--sweep-dir-name", "tiny",
+        "--points", "ws1-s0", "--policies", "round-robin,prefix-affinity", "--reps", "2",
+        "--replicas", "3", "--users", "8", "--warmup-s", "1", "--measure-s", "3",
+        // The test machine is shared and noisy: evidence is recorded, not used to reject here.
+        "--max-lateness-p99-ms", "10000", "--evidence-retries", "0",
+    ];
+    let (ok, stdout, stderr) = xtask(&args);
+    assert!(ok, "sweep failed:\n{stderr}");
+
+    let sweep = root.join("tiny");
+    let cal = json(&sweep.join("calibration.json"));
+    assert_eq!(cal["used_replicas"].as_array().unwrap().len(), 3);
+    assert!(cal["slo"]["ttft_ms"].as_f64().unwrap() > 0.0);
+    assert_eq!(cal["capacity_tokens"].as_u64(), Some(3 * 1024 * 16));
+
+    let mut plan_fingerprints = Vec::new();
+    for policy in ["round-robin", "prefix-affinity"] {
+        for rep in 1..=2 {
+            let dir = sweep.join("ws1-s0").join(policy).join(format!("rep-{rep}"));
+            let meta = json(&dir.join("meta.json"));
+            assert_eq!(meta["complete"], true, "{}", dir.display());
+            assert_eq!(meta["policy"], policy);
+            assert_eq!(meta["fleet"]["replicas"], 3);
+            let window = &meta["window"];
+            assert!(window["measured_end_s"].as_f64() > window["measured_start_s"].as_f64());
+            plan_fingerprints.push(meta["plan_fingerprint"].as_str().unwrap().to_string());
+            let client = std::fs::read_to_string(dir.join("client.csv")).unwrap();
+            assert!(client.lines().count() > 5, "client rows in {}", dir.display());
+            let router = std::fs::read_to_string(dir.join("router.csv")).unwrap();
+            assert!(router.lines().count() > 5, "router rows in {}", dir.display());
+            assert!(router.contains(policy), "the router ran {policy}");
+            let evidence = std::fs::read_to_string(dir.join("evidence.jsonl")).unwrap();
+            let last: serde_json::Value =
+                serde_json::from_str(evidence.lines().last().unwrap()).unwrap();
+            assert_eq!(last["kind"], "summary");
+            assert_eq!(last["lateness"].as_array().unwrap().len(), 3, "lateness per replica");
+        }
+    }
+    plan_fingerprints.dedup();
+    assert_eq!(plan_fingerprints.len(), 1, "every cell replayed the identical plan");
+
+    let report = std::fs::read_to_string(sweep.join("report.md")).unwrap();
+    assert!(report.contains("ws1-s0") && report.contains("prefix-affinity") && report.contains("round-robin"));
+    assert!(stdout.contains("ws1-s0"), "the report is printed");
+    let report_json = json(&sweep.join("report.json"));
+    assert!(report_json.is_object());
+
+    // Resume: every cell is complete, so nothing runs and nothing changes.
+    let meta_before = std::fs::read(sweep.join("ws1-s0/round-robin/rep-1/meta.json")).unwrap();
+    let (ok, _, stderr) = xtask(&args);
+    assert!(ok, "resumed sweep failed:\n{stderr}");
+    assert!(!stderr.contains("rep-1:"), "a resumed sweep re-ran a finished cell:\n{stderr}");
+    let meta_after = std::fs::read(sweep.join("ws1-s0/round-robin/rep-1/meta.json")).unwrap();
+    assert_eq!(meta_before, meta_after);
+}
