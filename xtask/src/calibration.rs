@@ -67,7 +67,8 @@ impl CalibrateArgs {
         self.warmup_s.unwrap_or(if self.quick { 3.0 } else { 10.0 })
     }
     fn measure(&self) -> f64 {
-        self.measure_s.unwrap_or(if self.quick { 10.0 } else { 40.0 })
+        self.measure_s
+            .unwrap_or(if self.quick { 10.0 } else { 40.0 })
     }
 }
 
@@ -90,6 +91,9 @@ pub struct ReplicaCalibration {
     pub cache: Option<metrics::CacheConfig>,
     /// Largest of TTFT and ITL floor ÷ the median of the other replicas.
     pub outlier_ratio: Option<f64>,
+    /// Share of GPU samples with a throttle reason during the floors (command fleets with NVML).
+    #[serde(default)]
+    pub gpu_throttle_share: Option<f64>,
     /// Set when the replica is excluded (or would be, with --include-outliers).
     pub outlier_reason: Option<String>,
 }
@@ -195,6 +199,46 @@ pub fn find_outliers(replicas: &mut [ReplicaCalibration], factor: f64) {
     }
 }
 
+/// Share of throttled samples above the peers' median that makes a card an outlier (the
+/// reference fleet's throttling card: 67% of samples, the others 0–34%).
+pub const THROTTLE_SHARE_MARGIN: f64 = 0.3;
+
+/// Marks replicas whose card throttled far more often than its peers' cards did.
+/// `gpu_of(i)` is the NVML device of replica i, when known.
+pub fn find_throttle_outliers(
+    replicas: &mut [ReplicaCalibration],
+    gpus: &[GpuSummary],
+    gpu_of: impl Fn(usize) -> Option<u32>,
+) {
+    for r in replicas.iter_mut() {
+        r.gpu_throttle_share = gpu_of(r.index)
+            .and_then(|d| gpus.iter().find(|g| g.device == d))
+            .map(|g| g.throttle_share);
+    }
+    if replicas.len() < 3 {
+        return;
+    }
+    for i in 0..replicas.len() {
+        let Some(share) = replicas[i].gpu_throttle_share else {
+            continue;
+        };
+        let peers: Vec<f64> = replicas
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .filter_map(|(_, r)| r.gpu_throttle_share)
+            .collect();
+        let Some(m) = median(&peers) else { continue };
+        if share - m > THROTTLE_SHARE_MARGIN && replicas[i].outlier_reason.is_none() {
+            replicas[i].outlier_reason = Some(format!(
+                "throttling outlier: GPU throttled on {:.0}% of samples vs peers' median {:.0}%",
+                share * 100.0,
+                m * 100.0
+            ));
+        }
+    }
+}
+
 /// Runs the whole calibration and writes it to `args.out`.
 pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
     let out_dir = args
@@ -263,7 +307,12 @@ pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
             },
             &dir.join("driver.log"),
         )?;
-        run::wait_driver(&mut driver, &mut fleet, Duration::from_secs(600), |_| Ok(()))?;
+        run::wait_driver(
+            &mut driver,
+            &mut fleet,
+            Duration::from_secs(600),
+            |_| Ok(()),
+        )?;
         let rows = analysis::read_client_csv(&dir.join("client.csv"))
             .map_err(|e| anyhow!("reading calibration rows: {e}"))?;
         let unseen: Vec<&analysis::ClientRow> = rows
@@ -288,7 +337,10 @@ pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
             "  replica {}: TTFT p50 {ttft_p50_ms:.1} ms, ITL p50 {itl_p50_ms:.2} ms over {} unseen requests; KV {}",
             info.index,
             ttft.len(),
-            cache.map_or_else(|| "unknown".to_string(), |c| format!("{} tokens", c.capacity_tokens()))
+            cache.map_or_else(
+                || "unknown".to_string(),
+                |c| format!("{} tokens", c.capacity_tokens())
+            )
         );
         replicas.push(ReplicaCalibration {
             index: info.index,
@@ -299,6 +351,7 @@ pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
             requests_used: ttft.len(),
             cache,
             outlier_ratio: None,
+            gpu_throttle_share: None,
             outlier_reason: None,
         });
     }
@@ -307,6 +360,14 @@ pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
 
     // 2. Outliers.
     find_outliers(&mut replicas, args.outlier_factor);
+    if matches!(args.fleet.fleet, crate::fleetargs::FleetKind::Command) {
+        let gpu_ids = args.fleet.gpus.clone();
+        find_throttle_outliers(&mut replicas, &gpu_evidence.gpus, |i| {
+            gpu_ids
+                .get(i)
+                .map_or(Some(i as u32), |g| g.trim().parse().ok())
+        });
+    }
     let mut used: Vec<usize> = replicas
         .iter()
         .filter(|r| args.include_outliers || r.outlier_reason.is_none())
@@ -320,11 +381,17 @@ pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
             "  replica {}: {} — {}",
             r.index,
             r.outlier_reason.as_deref().unwrap_or(""),
-            if used.contains(&r.index) { "kept (--include-outliers)" } else { "excluded" }
+            if used.contains(&r.index) {
+                "kept (--include-outliers)"
+            } else {
+                "excluded"
+            }
         );
     }
-    let used_reps: Vec<&ReplicaCalibration> =
-        replicas.iter().filter(|r| used.contains(&r.index)).collect();
+    let used_reps: Vec<&ReplicaCalibration> = replicas
+        .iter()
+        .filter(|r| used.contains(&r.index))
+        .collect();
     let floors = Slo {
         ttft_ms: median(&used_reps.iter().map(|r| r.ttft_p50_ms).collect::<Vec<_>>())
             .ok_or_else(|| anyhow!("no replica floors"))?,
@@ -348,8 +415,16 @@ pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
     );
 
     // 3. Reference load through the router with prefix-affinity: eviction TTL and node cap.
-    let (index, reference_run) =
-        reference_run(args, bins, &work, &used, slo, floors, capacity_tokens, speed)?;
+    let (index, reference_run) = reference_run(
+        args,
+        bins,
+        &work,
+        &used,
+        slo,
+        floors,
+        capacity_tokens,
+        speed,
+    )?;
     let calibration = Calibration {
         fleet: args.fleet.key(args.quick),
         replicas,
@@ -394,7 +469,9 @@ fn reference_run(
 ) -> Result<(IndexCalibration, PathBuf)> {
     let policy = "prefix-affinity";
     let point = "ws1-s0";
-    let source = args.fleet.source(&bins.engine, args.quick, false, Some(used))?;
+    let source = args
+        .fleet
+        .source(&bins.engine, args.quick, false, Some(used))?;
     let mut fleet = Fleet::new(source, args.fleet.options(&work.join("logs")))?;
     let sweep_dir = work.join("reference");
     let dir = sweep_dir.join(point).join(policy).join("rep-1");
@@ -496,10 +573,20 @@ fn reference_run(
     let implied = analysis::metrics::implied(&decay, Some(capacity_tokens), &cfg);
     eprintln!(
         "  index: TTL {} s{}, node cap {}, honoured share {}",
-        implied.ttl_s.map_or_else(|| "unknown".into(), |t| format!("{t:.2}")),
-        if implied.ttl_is_lower_bound { " (lower bound)" } else { "" },
-        implied.node_cap.map_or_else(|| "unknown".into(), |c| c.to_string()),
-        implied.honoured_share.map_or_else(|| "unknown".into(), |h| format!("{h:.2}")),
+        implied
+            .ttl_s
+            .map_or_else(|| "unknown".into(), |t| format!("{t:.2}")),
+        if implied.ttl_is_lower_bound {
+            " (lower bound)"
+        } else {
+            ""
+        },
+        implied
+            .node_cap
+            .map_or_else(|| "unknown".into(), |c| c.to_string()),
+        implied
+            .honoured_share
+            .map_or_else(|| "unknown".into(), |h| format!("{h:.2}")),
     );
     Ok((
         IndexCalibration {
@@ -527,8 +614,48 @@ mod tests {
             requests_used: 10,
             cache: None,
             outlier_ratio: None,
+            gpu_throttle_share: None,
             outlier_reason: None,
         }
+    }
+
+    fn gpu(device: u32, throttle_share: f64) -> GpuSummary {
+        GpuSummary {
+            device,
+            name: "card".into(),
+            sm_clock_mhz_min: Some(960),
+            sm_clock_mhz_max: Some(1305),
+            temperature_c_max: Some(80),
+            throttle_share,
+            samples: 100,
+        }
+    }
+
+    #[test]
+    fn a_card_that_throttles_far_more_is_an_outlier() {
+        let mut r: Vec<ReplicaCalibration> = (0..5).map(|i| replica(i, 55.0, 1.3)).collect();
+        let gpus = [
+            gpu(0, 0.0),
+            gpu(1, 0.34),
+            gpu(2, 0.1),
+            gpu(3, 0.2),
+            gpu(4, 0.67),
+        ];
+        find_throttle_outliers(&mut r, &gpus, |i| Some(i as u32));
+        let flagged: Vec<usize> = r
+            .iter()
+            .filter(|r| r.outlier_reason.is_some())
+            .map(|r| r.index)
+            .collect();
+        assert_eq!(flagged, [4]);
+        assert_eq!(r[1].gpu_throttle_share, Some(0.34));
+        // Without a device map nothing is known and nothing is flagged.
+        let mut r: Vec<ReplicaCalibration> = (0..5).map(|i| replica(i, 55.0, 1.3)).collect();
+        find_throttle_outliers(&mut r, &gpus, |_| None);
+        assert!(
+            r.iter()
+                .all(|r| r.outlier_reason.is_none() && r.gpu_throttle_share.is_none())
+        );
     }
 
     #[test]

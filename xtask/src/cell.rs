@@ -135,8 +135,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .to_string_lossy();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     {
-        let mut f = std::fs::File::create(&tmp)
-            .with_context(|| format!("creating {}", tmp.display()))?;
+        let mut f =
+            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         f.write_all(bytes)
             .and_then(|()| f.sync_all())
             .with_context(|| format!("writing {}", tmp.display()))?;
@@ -174,7 +174,10 @@ pub fn discard(
     attempt: u32,
     reason: &str,
 ) -> Result<PathBuf> {
-    let rep_dir = sweep_dir.join(point).join(policy).join(format!("rep-{rep}"));
+    let rep_dir = sweep_dir
+        .join(point)
+        .join(policy)
+        .join(format!("rep-{rep}"));
     let target = sweep_dir
         .join("_discarded")
         .join(point)
@@ -291,12 +294,24 @@ mod tests {
         let dir = s.0.join("rep-1");
         assert_eq!(CellState::of(&dir), CellState::Missing);
         clear(&dir).unwrap();
-        assert_eq!(CellState::of(&dir), CellState::Missing, "an empty dir is missing");
+        assert_eq!(
+            CellState::of(&dir),
+            CellState::Missing,
+            "an empty dir is missing"
+        );
         std::fs::write(dir.join("client.csv"), "request_id\n").unwrap();
-        assert_eq!(CellState::of(&dir), CellState::Incomplete, "rows without meta");
+        assert_eq!(
+            CellState::of(&dir),
+            CellState::Incomplete,
+            "rows without meta"
+        );
         assert!(!CellState::of(&dir).is_done());
         write_meta(&dir, &meta(false, true)).unwrap();
-        assert_eq!(CellState::of(&dir), CellState::Incomplete, "complete: false");
+        assert_eq!(
+            CellState::of(&dir),
+            CellState::Incomplete,
+            "complete: false"
+        );
         std::fs::write(dir.join("meta.json"), "{\"complete\": tr").unwrap();
         assert_eq!(CellState::of(&dir), CellState::Incomplete, "truncated meta");
         write_meta(&dir, &meta(true, true)).unwrap();
@@ -306,7 +321,11 @@ mod tests {
         assert_eq!(state, CellState::Complete { accepted: false });
         assert!(state.is_done(), "a set-aside rep is final too");
         clear(&dir).unwrap();
-        assert_eq!(CellState::of(&dir), CellState::Missing, "clearing redoes a half cell");
+        assert_eq!(
+            CellState::of(&dir),
+            CellState::Missing,
+            "clearing redoes a half cell"
+        );
     }
 
     #[test]
@@ -328,12 +347,24 @@ mod tests {
         let s = Scratch::new("meta");
         write_meta(&s.0, &meta(true, false)).unwrap();
         let v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(s.0.join("meta.json")).unwrap())
-                .unwrap();
+            serde_json::from_str(&std::fs::read_to_string(s.0.join("meta.json")).unwrap()).unwrap();
         for field in [
-            "sweep", "point", "policy", "rep", "workload_name", "workload_fingerprint",
-            "plan_fingerprint", "fleet", "slo", "window", "git_rev", "versions", "virtual",
-            "complete", "accepted", "set_aside_reason",
+            "sweep",
+            "point",
+            "policy",
+            "rep",
+            "workload_name",
+            "workload_fingerprint",
+            "plan_fingerprint",
+            "fleet",
+            "slo",
+            "window",
+            "git_rev",
+            "versions",
+            "virtual",
+            "complete",
+            "accepted",
+            "set_aside_reason",
         ] {
             assert!(v.get(field).is_some(), "meta.json lacks {field}");
         }

@@ -69,7 +69,8 @@ impl Bins {
 pub fn build_release_bins() -> Result<Bins> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
-    cmd.current_dir(workspace_root()).args(["build", "--release"]);
+    cmd.current_dir(workspace_root())
+        .args(["build", "--release"]);
     for p in BIN_PACKAGES {
         cmd.args(["-p", p]);
     }

@@ -162,16 +162,13 @@ impl FleetArgs {
                     bail!("--fleet command needs --command TEMPLATE");
                 };
                 if keep.len() != n && self.gpus.is_empty() {
-                    bail!("excluding replicas of a command fleet needs --gpus to say which card each one uses");
+                    bail!(
+                        "excluding replicas of a command fleet needs --gpus to say which card each one uses"
+                    );
                 }
                 let gpus: Vec<String> = keep
                     .iter()
-                    .map(|&i| {
-                        self.gpus
-                            .get(i)
-                            .cloned()
-                            .unwrap_or_else(|| i.to_string())
-                    })
+                    .map(|&i| self.gpus.get(i).cloned().unwrap_or_else(|| i.to_string()))
                     .collect();
                 Source::Command(CommandSpec {
                     template,

@@ -98,7 +98,14 @@ fn fmt(x: f64) -> String {
     format!("{x}")
 }
 
-fn point(ratio: f64, zipf_s: f64, turns: u32, prefix: u32, arrival: Arrival, suffix: &str) -> Point {
+fn point(
+    ratio: f64,
+    zipf_s: f64,
+    turns: u32,
+    prefix: u32,
+    arrival: Arrival,
+    suffix: &str,
+) -> Point {
     Point {
         name: format!("ws{}-s{}{suffix}", fmt(ratio), fmt(zipf_s)),
         ratio,
@@ -145,7 +152,10 @@ pub fn points(name: SweepName, p: &GridParams) -> Result<Vec<Point>> {
             } else if p.quick {
                 vec![3.0 * scale, 6.0 * scale]
             } else {
-                [2.0, 4.0, 6.0, 8.0, 10.0].iter().map(|r| r * scale).collect()
+                [2.0, 4.0, 6.0, 8.0, 10.0]
+                    .iter()
+                    .map(|r| r * scale)
+                    .collect()
             };
             if let Some(bad) = rates.iter().find(|r| !(r.is_finite() && **r > 0.0)) {
                 bail!("rates must be positive, got {bad}");
@@ -154,20 +164,49 @@ pub fn points(name: SweepName, p: &GridParams) -> Result<Vec<Point>> {
                 .into_iter()
                 .map(|r| {
                     let r = (r * 1000.0).round() / 1000.0;
-                    point(1.0, 0.0, turns, prefix, Arrival::Open { rate_rps: r }, &format!("-rate{}", fmt(r)))
+                    point(
+                        1.0,
+                        0.0,
+                        turns,
+                        prefix,
+                        Arrival::Open { rate_rps: r },
+                        &format!("-rate{}", fmt(r)),
+                    )
                 })
                 .collect()
         }
         SweepName::Turns => {
             let all: &[u32] = if p.quick { &[2, 6] } else { &[2, 4, 6, 10] };
             all.iter()
-                .map(|&t| point(1.0, 0.0, t, prefix, arrival, &format!("-t{t}{}", open_suffix(arrival))))
+                .map(|&t| {
+                    point(
+                        1.0,
+                        0.0,
+                        t,
+                        prefix,
+                        arrival,
+                        &format!("-t{t}{}", open_suffix(arrival)),
+                    )
+                })
                 .collect()
         }
         SweepName::PromptLength => {
-            let all: &[u32] = if p.quick { &[550, 2200] } else { &[275, 550, 1100, 2200] };
+            let all: &[u32] = if p.quick {
+                &[550, 2200]
+            } else {
+                &[275, 550, 1100, 2200]
+            };
             all.iter()
-                .map(|&len| point(1.0, 0.0, turns, len, arrival, &format!("-p{len}{}", open_suffix(arrival))))
+                .map(|&len| {
+                    point(
+                        1.0,
+                        0.0,
+                        turns,
+                        len,
+                        arrival,
+                        &format!("-p{len}{}", open_suffix(arrival)),
+                    )
+                })
                 .collect()
         }
     })
@@ -221,7 +260,10 @@ mod tests {
         assert_eq!(full.len(), 12);
         assert_eq!(full[0].name, "ws0.25-s0");
         assert!(full.iter().any(|p| p.name == "ws8-s1.4"));
-        assert!(full.iter().all(|p| p.arrival == Arrival::Closed { users: 32 }));
+        assert!(
+            full.iter()
+                .all(|p| p.arrival == Arrival::Closed { users: 32 })
+        );
         let quick = points(SweepName::PressureGrid, &params(true)).unwrap();
         let names: Vec<&str> = quick.iter().map(|p| p.name.as_str()).collect();
         assert_eq!(names, ["ws1-s0", "ws1-s1.4", "ws3-s0", "ws3-s1.4"]);
@@ -252,7 +294,9 @@ mod tests {
         assert_eq!(policies(&[], true).unwrap(), QUICK_POLICIES);
         let chosen = policies(&["prefix-hash".into(), "prefix-hash".into()], false).unwrap();
         assert_eq!(chosen, ["prefix-hash"]);
-        let err = policies(&["fastest".into()], false).unwrap_err().to_string();
+        let err = policies(&["fastest".into()], false)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("fastest") && err.contains("round-robin"));
         assert!(needs_kv_events("exact-residency-spec"));
         assert!(!needs_kv_events("prefix-affinity"));

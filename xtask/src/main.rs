@@ -7,8 +7,10 @@
 mod calibration;
 mod cell;
 mod env;
+mod fault;
 mod fleetargs;
 mod grid;
+mod haproxy;
 mod interrupt;
 mod report;
 mod run;
@@ -46,8 +48,9 @@ fn main() {
     interrupt::install();
     let cli = Cli::parse();
     let result = match cli.command {
-        Cmd::Calibrate(args) => bins(args.no_build)
-            .and_then(|b| calibration::calibrate(&args, &b).map(|_| ())),
+        Cmd::Calibrate(args) => {
+            bins(args.no_build).and_then(|b| calibration::calibrate(&args, &b).map(|_| ()))
+        }
         Cmd::Sweep(args) => bins(args.no_build).and_then(|b| sweep::sweep(&args, &b).map(|_| ())),
         Cmd::Report { dir } => report::write(&dir),
         Cmd::Ci => ci(),
@@ -78,7 +81,14 @@ fn ci() -> Result<()> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let steps: [&[&str]; 3] = [
         &["fmt", "--all", "--check"],
-        &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
         &["test", "--workspace"],
     ];
     for step in steps {
@@ -93,4 +103,28 @@ fn ci() -> Result<()> {
     }
     eprintln!("xtask ci: all green");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn main_job_flags_parse() {
+        let cli = Cli::try_parse_from(["xtask", "sweep", "pressure-grid", "--quick"]).unwrap();
+        let Cmd::Sweep(args) = cli.command else {
+            panic!("not a sweep")
+        };
+        assert!(args.quick);
+        assert_eq!(args.reps, 3);
+        assert_eq!(args.fleet.speed, fleetargs::DEFAULT_SPEED);
+        assert!(Cli::try_parse_from(["xtask", "sweep", "pressure-grid", "--open-loop"]).is_err());
+        assert!(Cli::try_parse_from(["xtask", "sweep", "nonsense"]).is_err());
+    }
 }

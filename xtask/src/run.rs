@@ -40,7 +40,9 @@ pub fn ensure_plan(dir: &Path, spec: &WorkloadSpec, arrival: &ArrivalSpec) -> Re
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = dir.join("plan.bin");
     let plan = Plan::build(spec, arrival).map_err(|e| anyhow!("building the plan: {e}"))?;
-    let bytes = plan.to_bytes().map_err(|e| anyhow!("encoding the plan: {e}"))?;
+    let bytes = plan
+        .to_bytes()
+        .map_err(|e| anyhow!("encoding the plan: {e}"))?;
     if path.exists() {
         let old = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
         if old != bytes {
@@ -111,11 +113,19 @@ pub fn start_router(
             .kv_event_endpoints()
             .into_iter()
             .enumerate()
-            .map(|(i, e)| e.ok_or_else(|| anyhow!("replica {i} publishes no KV events, which policy {} needs", settings.policy)))
+            .map(|(i, e)| {
+                e.ok_or_else(|| {
+                    anyhow!(
+                        "replica {i} publishes no KV events, which policy {} needs",
+                        settings.policy
+                    )
+                })
+            })
             .collect::<Result<_>>()?;
         cmd.args(["--kv-events", &endpoints.join(",")]);
         // Replay endpoints let the router repair sequence gaps; pass them only when all are known.
-        let replay: Option<Vec<String>> = fleet.replicas().into_iter().map(|r| r.kv_replay).collect();
+        let replay: Option<Vec<String>> =
+            fleet.replicas().into_iter().map(|r| r.kv_replay).collect();
         if let Some(replay) = replay {
             cmd.args(["--kv-replay", &replay.join(",")]);
         }
@@ -292,6 +302,12 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
         None => EvidenceSampler::start(evidence_base, &evidence_path)?,
     };
     let evidence = sampler.finish()?;
+    if let Some(status) = router.try_wait()? {
+        bail!(
+            "the router exited during the run ({status}); see its log {}",
+            router.log_path().display()
+        );
+    }
     if router.terminate(Duration::from_secs(15)).is_none() {
         eprintln!(
             "xtask: the router did not exit on SIGTERM within 15 s and was killed; its rows may be cut (log {})",
@@ -309,7 +325,11 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
     };
     let good = rows
         .iter()
-        .filter(|r| !r.warmup && r.sent_s.is_some_and(|t| t >= window.measured_start_s && t < window.measured_end_s))
+        .filter(|r| {
+            !r.warmup
+                && r.sent_s
+                    .is_some_and(|t| t >= window.measured_start_s && t < window.measured_end_s)
+        })
         .filter(|r| analysis::is_good(r, &slo))
         .count();
     Ok(AttemptResult {

@@ -105,7 +105,8 @@ impl SweepArgs {
         self.warmup_s.unwrap_or(if self.quick { 3.0 } else { 10.0 })
     }
     fn measure(&self) -> f64 {
-        self.measure_s.unwrap_or(if self.quick { 10.0 } else { 40.0 })
+        self.measure_s
+            .unwrap_or(if self.quick { 10.0 } else { 40.0 })
     }
     fn dir(&self) -> PathBuf {
         let name = self.sweep_dir_name.clone().unwrap_or_else(|| {
@@ -198,7 +199,12 @@ fn calibration_for(args: &SweepArgs, bins: &Bins, sweep_dir: &Path) -> Result<Ca
 }
 
 /// The plan of one point.
-fn plan_for(args: &SweepArgs, point: &Point, cal: &Calibration, sweep_dir: &Path) -> Result<PlanFile> {
+fn plan_for(
+    args: &SweepArgs,
+    point: &Point,
+    cal: &Calibration,
+    sweep_dir: &Path,
+) -> Result<PlanFile> {
     let speed = args.fleet.effective_speed();
     let spec = WorkloadSpec {
         seed: args.seed,
@@ -241,9 +247,15 @@ fn select_points(points: Vec<Point>, only: &[String]) -> Result<Vec<Point>> {
     }
     if let Some(unknown) = only.iter().find(|n| !points.iter().any(|p| &p.name == *n)) {
         let names: Vec<&str> = points.iter().map(|p| p.name.as_str()).collect();
-        bail!("no point `{unknown}` in this sweep; its points are {}", names.join(", "));
+        bail!(
+            "no point `{unknown}` in this sweep; its points are {}",
+            names.join(", ")
+        );
     }
-    Ok(points.into_iter().filter(|p| only.contains(&p.name)).collect())
+    Ok(points
+        .into_iter()
+        .filter(|p| only.contains(&p.name))
+        .collect())
 }
 
 /// Runs the sweep; returns its directory.
@@ -272,11 +284,17 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
     )?;
     let points = select_points(points, &args.points)?;
     let kv_events = policies.iter().any(|p| grid::needs_kv_events(p));
-    let source = args
-        .fleet
-        .source(&bins.engine, args.quick, kv_events, Some(&cal.used_replicas))?;
+    let source = args.fleet.source(
+        &bins.engine,
+        args.quick,
+        kv_events,
+        Some(&cal.used_replicas),
+    )?;
     let emulated = matches!(args.fleet.fleet, FleetKind::Emulated);
-    let mut fleet = Fleet::new(source, args.fleet.options(&sweep_dir.join("logs").join("fleet")))?;
+    let mut fleet = Fleet::new(
+        source,
+        args.fleet.options(&sweep_dir.join("logs").join("fleet")),
+    )?;
     let git_rev = crate::env::git_rev();
     let versions = crate::env::versions();
     let speed = args.fleet.effective_speed();
@@ -323,9 +341,14 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
         for rep in 1..=args.reps {
             for policy in &policies {
                 if interrupt::requested() {
-                    bail!("interrupted; completed cells are kept, rerun the same command to resume");
+                    bail!(
+                        "interrupted; completed cells are kept, rerun the same command to resume"
+                    );
                 }
-                let dir = sweep_dir.join(&point.name).join(policy).join(format!("rep-{rep}"));
+                let dir = sweep_dir
+                    .join(&point.name)
+                    .join(policy)
+                    .join(format!("rep-{rep}"));
                 let state = CellState::of(&dir);
                 if state.is_done() {
                     progress.done += 1;
@@ -373,7 +396,10 @@ fn run_cell(
     git_rev: &Option<String>,
     versions: &serde_json::Value,
 ) -> Result<String> {
-    let dir = sweep_dir.join(&point.name).join(policy).join(format!("rep-{rep}"));
+    let dir = sweep_dir
+        .join(&point.name)
+        .join(policy)
+        .join(format!("rep-{rep}"));
     let run_s = args.warmup() + args.measure();
     let (mode, closed_users) = match point.arrival {
         Arrival::Closed { users } => ("closed", Some(users as usize)),
@@ -449,14 +475,24 @@ fn run_cell(
             }
         };
         // Evidence first: a dirty window says nothing about warming.
-        if let Err(why) = result.evidence.check(&run::bounds(args.max_lateness_p99_ms)) {
+        if let Err(why) = result
+            .evidence
+            .check(&run::bounds(args.max_lateness_p99_ms))
+        {
             if evidence_reruns < args.evidence_retries {
                 evidence_reruns += 1;
                 eprintln!(
                     "xtask: {} {policy} rep-{rep}: evidence failed ({why}); discarded, re-running",
                     point.name
                 );
-                cell::discard(sweep_dir, &point.name, policy, rep, attempt, &format!("evidence: {why}"))?;
+                cell::discard(
+                    sweep_dir,
+                    &point.name,
+                    policy,
+                    rep,
+                    attempt,
+                    &format!("evidence: {why}"),
+                )?;
                 continue;
             }
             set_aside = Some(format!(
@@ -486,7 +522,14 @@ fn run_cell(
                     "xtask: {} {policy} rep-{rep}: drift ({why}); re-running once",
                     point.name
                 );
-                cell::discard(sweep_dir, &point.name, policy, rep, attempt, &format!("drift: {why}"))?;
+                cell::discard(
+                    sweep_dir,
+                    &point.name,
+                    policy,
+                    rep,
+                    attempt,
+                    &format!("drift: {why}"),
+                )?;
                 continue;
             }
             set_aside = Some(format!("drifted twice: {why}"));
@@ -539,7 +582,11 @@ fn run_cell(
                 "accepted, goodput {:.2} req/s over {:.1} s{}",
                 result.goodput_rps,
                 result.window.measured_end_s - result.window.measured_start_s,
-                if attempt > 1 { format!(" (attempt {attempt})") } else { String::new() }
+                if attempt > 1 {
+                    format!(" (attempt {attempt})")
+                } else {
+                    String::new()
+                }
             ),
             Some(why) => format!("set aside: {why}"),
         });

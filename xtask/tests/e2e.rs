@@ -26,7 +26,16 @@ fn build_bins() {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = Command::new(cargo)
         .current_dir(workspace_root())
-        .args(["build", "--release", "-p", "engine-bin", "-p", "router-bin", "-p", "driver-bin"])
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "engine-bin",
+            "-p",
+            "router-bin",
+            "-p",
+            "driver-bin",
+        ])
         .status()
         .expect("cargo runs");
     assert!(status.success(), "building the experiment binaries failed");
@@ -60,13 +69,35 @@ fn tiny_sweep_then_report_then_resume() {
     let calibration = scratch.0.join("calibration.json");
     let calibration = calibration.to_string_lossy().into_owned();
     let args = [
-        "sweep", "pressure-grid", "--quick", "--no-build",
-        "--out", out.as_str(), "--calibration", calibration.as_str(),
-        "--sweep-dir-name", "tiny",
-        "--points", "ws1-s0", "--policies", "round-robin,prefix-affinity", "--reps", "2",
-        "--replicas", "3", "--users", "8", "--warmup-s", "1", "--measure-s", "3",
+        "sweep",
+        "pressure-grid",
+        "--quick",
+        "--no-build",
+        "--out",
+        out.as_str(),
+        "--calibration",
+        calibration.as_str(),
+        "--sweep-dir-name",
+        "tiny",
+        "--points",
+        "ws1-s0",
+        "--policies",
+        "round-robin,prefix-affinity",
+        "--reps",
+        "2",
+        "--replicas",
+        "3",
+        "--users",
+        "8",
+        "--warmup-s",
+        "1",
+        "--measure-s",
+        "3",
         // The test machine is shared and noisy: evidence is recorded, not used to reject here.
-        "--max-lateness-p99-ms", "10000", "--evidence-retries", "0",
+        "--max-lateness-p99-ms",
+        "10000",
+        "--evidence-retries",
+        "0",
     ];
     let (ok, stdout, stderr) = xtask(&args);
     assert!(ok, "sweep failed:\n{stderr}");
@@ -89,22 +120,42 @@ fn tiny_sweep_then_report_then_resume() {
             assert!(window["measured_end_s"].as_f64() > window["measured_start_s"].as_f64());
             plan_fingerprints.push(meta["plan_fingerprint"].as_str().unwrap().to_string());
             let client = std::fs::read_to_string(dir.join("client.csv")).unwrap();
-            assert!(client.lines().count() > 5, "client rows in {}", dir.display());
+            assert!(
+                client.lines().count() > 5,
+                "client rows in {}",
+                dir.display()
+            );
             let router = std::fs::read_to_string(dir.join("router.csv")).unwrap();
-            assert!(router.lines().count() > 5, "router rows in {}", dir.display());
+            assert!(
+                router.lines().count() > 5,
+                "router rows in {}",
+                dir.display()
+            );
             assert!(router.contains(policy), "the router ran {policy}");
             let evidence = std::fs::read_to_string(dir.join("evidence.jsonl")).unwrap();
             let last: serde_json::Value =
                 serde_json::from_str(evidence.lines().last().unwrap()).unwrap();
             assert_eq!(last["kind"], "summary");
-            assert_eq!(last["lateness"].as_array().unwrap().len(), 3, "lateness per replica");
+            assert_eq!(
+                last["lateness"].as_array().unwrap().len(),
+                3,
+                "lateness per replica"
+            );
         }
     }
     plan_fingerprints.dedup();
-    assert_eq!(plan_fingerprints.len(), 1, "every cell replayed the identical plan");
+    assert_eq!(
+        plan_fingerprints.len(),
+        1,
+        "every cell replayed the identical plan"
+    );
 
     let report = std::fs::read_to_string(sweep.join("report.md")).unwrap();
-    assert!(report.contains("ws1-s0") && report.contains("prefix-affinity") && report.contains("round-robin"));
+    assert!(
+        report.contains("ws1-s0")
+            && report.contains("prefix-affinity")
+            && report.contains("round-robin")
+    );
     assert!(stdout.contains("ws1-s0"), "the report is printed");
     let report_json = json(&sweep.join("report.json"));
     assert!(report_json.is_object());
@@ -113,7 +164,129 @@ fn tiny_sweep_then_report_then_resume() {
     let meta_before = std::fs::read(sweep.join("ws1-s0/round-robin/rep-1/meta.json")).unwrap();
     let (ok, _, stderr) = xtask(&args);
     assert!(ok, "resumed sweep failed:\n{stderr}");
-    assert!(!stderr.contains("rep-1:"), "a resumed sweep re-ran a finished cell:\n{stderr}");
+    assert!(
+        !stderr.contains("rep-1:"),
+        "a resumed sweep re-ran a finished cell:\n{stderr}"
+    );
     let meta_after = std::fs::read(sweep.join("ws1-s0/round-robin/rep-1/meta.json")).unwrap();
     assert_eq!(meta_before, meta_after);
+
+    interrupt_leaves_no_half_cell(&root, &calibration);
+}
+
+/// Every file under `dir`, recursively.
+fn files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = entry.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// Processes whose command line mentions `needle` (the router's `--rows` path does).
+fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline"))
+            && String::from_utf8_lossy(&cmdline).contains(needle)
+        {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// Ctrl-C in the middle of a cell: exit 130, no meta.json anywhere, no child left running.
+fn interrupt_leaves_no_half_cell(root: &Path, calibration: &str) {
+    let out = root.to_string_lossy().into_owned();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .current_dir(workspace_root())
+        .args([
+            "sweep",
+            "pressure-grid",
+            "--quick",
+            "--no-build",
+            "--no-report",
+            "--out",
+            out.as_str(),
+            "--calibration",
+            calibration,
+            "--sweep-dir-name",
+            "interrupted",
+            "--points",
+            "ws1-s0",
+            "--policies",
+            "round-robin",
+            "--reps",
+            "1",
+            "--replicas",
+            "3",
+            "--users",
+            "8",
+            "--warmup-s",
+            "1",
+            "--measure-s",
+            "30",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("xtask starts");
+    let sweep = root.join("interrupted");
+    // Wait (bounded) until the cell is running: the driver has started writing rows.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let running = loop {
+        let partial = files(&sweep)
+            .iter()
+            .any(|p| p.to_string_lossy().ends_with("client.csv.partial"));
+        if partial {
+            break true;
+        }
+        if std::time::Instant::now() > deadline || child.try_wait().unwrap().is_some() {
+            break false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    if !running {
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        panic!(
+            "the cell never started:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "exit code after Ctrl-C:\n{stderr}"
+    );
+    let metas: Vec<PathBuf> = files(&sweep)
+        .into_iter()
+        .filter(|p| p.ends_with("meta.json"))
+        .collect();
+    assert!(metas.is_empty(), "an interrupted cell left {metas:?}");
+    assert!(
+        !sweep.join("ws1-s0/round-robin/rep-1").exists(),
+        "the half cell was removed"
+    );
+    let left = processes_mentioning(&sweep.to_string_lossy());
+    assert!(left.is_empty(), "processes left running: {left:?}");
 }

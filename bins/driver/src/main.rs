@@ -245,12 +245,18 @@ fn drive(a: &RunArgs, mode: Arrival) -> Result<()> {
                 Arrival::Open => driver::run_open(&plan, &cfg).await,
             }
         };
+        let interrupted = |what: &str| {
+            anyhow::anyhow!(
+                "{what}; rows so far are in {}",
+                driver::rows::partial_path(&cfg.out).display()
+            )
+        };
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("installing the SIGTERM handler")?;
         tokio::select! {
             r = run => r.map_err(anyhow::Error::from),
-            _ = tokio::signal::ctrl_c() => bail!(
-                "interrupted; rows so far are in {}",
-                driver::rows::partial_path(&cfg.out).display()
-            ),
+            _ = tokio::signal::ctrl_c() => Err(interrupted("interrupted")),
+            _ = term.recv() => Err(interrupted("terminated")),
         }
     })?;
     println!("{summary}");

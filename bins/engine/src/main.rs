@@ -87,8 +87,9 @@ struct Args {
     /// Cost of a /tokenize or render round trip, ms.
     #[arg(long, default_value_t = StepModel::default().tokenize_ms)]
     tokenize_ms: f64,
-    /// Tokio worker threads for HTTP (the engine core has its own thread).
-    #[arg(long, default_value_t = 2)]
+    /// Tokio worker threads for HTTP (the engine core has its own thread). One is as fast as
+    /// two on a small shared machine and cheaper (REFERENCE.md §7).
+    #[arg(long, default_value_t = 1)]
     workers: usize,
 }
 

@@ -17,7 +17,7 @@ use clap::Parser;
 struct Args {
     /// The sweep directory, e.g. measurements/pressure-grid.
     sweep_dir: PathBuf,
-    /// Where to write the JSON report [default: <sweep-dir>/report.json].
+    /// Where to write the JSON report [default: SWEEP_DIR/report.json].
     #[arg(long)]
     json: Option<PathBuf>,
     /// Also write the Markdown to this file (it is always printed to stdout).

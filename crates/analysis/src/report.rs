@@ -557,7 +557,7 @@ pub fn analyze(sweep: &SweepData, cfg: &ReportConfig) -> Report {
 }
 
 /// Loads and analyses a sweep directory one point at a time (only one point's rows are held in
-/// memory), with the same result as [`analyze`] over [`load_sweep`].
+/// memory), with the same result as [`analyze`] over [`crate::load::load_sweep`].
 pub fn analyze_dir(dir: &Path, cfg: &ReportConfig) -> Result<Report> {
     let (sweep, points) = discover(dir)?;
     let mut b = Builder::new(cfg);

@@ -70,3 +70,28 @@ fn differing_workload_names_are_refused_first() {
     assert_eq!(values, ["mt-other", "mt-ws1-s0"]);
     assert_eq!(refusal.groups[0].cells, ["prefix-affinity/rep-1"]);
 }
+
+#[test]
+fn adaptive_router_test_states_the_null_result() {
+    // p0: both policies have identical rows, so nothing beats prefix-affinity; p1 is refused and
+    // therefore not tested.
+    let r = analyze_dir(
+        &common::fixtures().join("sweep-incomparable"),
+        &ReportConfig::default(),
+    )
+    .unwrap();
+    let t = &r.adaptive_router_test;
+    assert_eq!(t.points_tested, ["p0"]);
+    assert!(t.beats.is_empty());
+    assert!(
+        t.statement
+            .starts_with("Null result: at none of the 1 points tested"),
+        "{}",
+        t.statement
+    );
+    let p0 = &r.points[0];
+    let m = p0.margin("session-affinity", "prefix-affinity").unwrap();
+    assert_eq!(m.margin_rps, 0.0);
+    assert_eq!(m.verdict, analysis::Verdict::WithinSpread);
+    assert!(markdown::render(&r).contains(&t.statement));
+}

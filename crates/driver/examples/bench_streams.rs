@@ -26,6 +26,7 @@ struct Opts {
     chunks: usize,
     seconds: f64,
     server_threads: usize,
+    hyper_server: bool,
 }
 
 fn parse_opts() -> Result<Opts, String> {
@@ -35,10 +36,16 @@ fn parse_opts() -> Result<Opts, String> {
         chunks: 64,
         seconds: 10.0,
         server_threads: 1,
+        hyper_server: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
+        if args[i] == "--hyper-server" {
+            o.hyper_server = true;
+            i += 1;
+            continue;
+        }
         let v = args
             .get(i + 1)
             .ok_or_else(|| format!("{} needs a value", args[i]))?;
@@ -83,19 +90,37 @@ fn main() {
         stamp_content: Some(base),
         ..StreamScript::uniform(gap, gap, o.chunks, 32)
     };
-    let server = server_rt
-        .block_on(ScriptedServer::start(move |_| Reply::Stream(script.clone())))
-        .expect("server");
-    let url = server.url();
-
+    // Either server stamps each chunk with `base.elapsed()` just before handing it on; the raw
+    // one stamps immediately before the write(2), so its lag is kernel + driver only.
+    let (url, _hyper_server) = if o.hyper_server {
+        let server = server_rt
+            .block_on(ScriptedServer::start(move |_| {
+                Reply::Stream(script.clone())
+            }))
+            .expect("server");
+        (server.url(), Some(server))
+    } else {
+        let listener = server_rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        server_rt.spawn(raw::serve(listener, base, gap, o.chunks));
+        (url, None)
+    };
+    let wall0 = Instant::now();
+    let cpu_all0 = process_cpu().zip(thread_cpu());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("driver runtime");
     let offered = o.streams as f64 * 1000.0 / o.gap_ms.max(1) as f64;
     println!(
-        "driver: current-thread runtime; server: {} thread(s); {} streams × 1 chunk / {} ms = {:.0} chunks/s offered",
-        o.server_threads, o.streams, o.gap_ms, offered
+        "driver: current-thread runtime; {} server: {} thread(s); {} streams × 1 chunk / {} ms = {:.0} chunks/s offered",
+        if o.hyper_server { "hyper" } else { "raw" },
+        o.server_threads,
+        o.streams,
+        o.gap_ms,
+        offered
     );
 
     // Phase A.
@@ -118,7 +143,8 @@ fn main() {
             let requester = requester.clone();
             let body = body.clone();
             tasks.push(tokio::spawn(async move {
-                let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("histogram");
+                let mut h =
+                    Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("histogram");
                 let (mut n, mut errors) = (0u64, 0u64);
                 let id = format!("bench-{s}");
                 while base.elapsed() < end {
@@ -156,11 +182,22 @@ fn main() {
             _ => None,
         };
         let wall = base.elapsed() - start;
-        (all, chunks, o.seconds, cpu.map(|c| c.as_secs_f64() / wall.as_secs_f64()), errors)
+        (
+            all,
+            chunks,
+            o.seconds,
+            cpu.map(|c| c.as_secs_f64() / wall.as_secs_f64()),
+            errors,
+        )
     });
     let us = |q: f64| hist.value_at_quantile(q) as f64 / 1e3;
-    println!("\nphase A: Requester, {} concurrent streams, {:.0} s window", o.streams, window_s);
-    println!("| chunks/s | lag p50 µs | lag p90 µs | lag p99 µs | lag max µs | driver thread CPU | errors |");
+    println!(
+        "\nphase A: Requester, {} concurrent streams, {:.0} s window",
+        o.streams, window_s
+    );
+    println!(
+        "| chunks/s | lag p50 µs | lag p90 µs | lag p99 µs | lag max µs | driver thread CPU | errors |"
+    );
     println!("|---:|---:|---:|---:|---:|---:|---:|");
     println!(
         "| {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |",
@@ -195,7 +232,7 @@ fn main() {
     let cfg = RunConfig {
         duration_s: Some(o.seconds),
         progress: ProgressMode::Off,
-        ..RunConfig::new(url, out.clone())
+        ..RunConfig::new(url.clone(), out.clone())
     };
     let (summary, cpu) = rt.block_on(async {
         let cpu0 = thread_cpu();
@@ -231,7 +268,9 @@ fn main() {
         "\nphase B: run_closed, {} users, think 0, sends stop at {:.0} s; steady window {w0:.0}–{w1:.0} s",
         o.streams, o.seconds
     );
-    println!("| requests | chunks/s (steady) | mean concurrent streams (steady) | TTFT p50 ms | ITL p50 ms | send lag p50 ms | driver thread CPU | errors |");
+    println!(
+        "| requests | chunks/s (steady) | mean concurrent streams (steady) | TTFT p50 ms | ITL p50 ms | send lag p50 ms | driver thread CPU | errors |"
+    );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     println!(
         "| {} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} |",
@@ -247,5 +286,112 @@ fn main() {
     if std::env::var_os("BENCH_DEBUG").is_some() {
         println!("{summary}");
     }
-    drop(server);
+    if let Some(c) = server_cpu_share(cpu_all0, &wall0) {
+        println!(
+            "\nserver threads CPU over both phases: {:.0}% of one core",
+            c * 100.0
+        );
+    }
+}
+
+/// CPU time of every thread of the process, from the kernel's scheduler statistics.
+fn process_cpu() -> Option<Duration> {
+    let mut total = 0u64;
+    for entry in std::fs::read_dir("/proc/self/task").ok()? {
+        let path = entry.ok()?.path().join("schedstat");
+        let s = std::fs::read_to_string(path).ok()?;
+        total += s.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(Duration::from_nanos(total))
+}
+
+fn server_cpu_share(all0: Option<(Duration, Duration)>, wall0: &Instant) -> Option<f64> {
+    let (all0, main0) = all0?;
+    let all = process_cpu()? - all0;
+    let main = thread_cpu()? - main0;
+    Some(all.saturating_sub(main).as_secs_f64() / wall0.elapsed().as_secs_f64())
+}
+
+/// A minimal HTTP/1.1 SSE server: no framework between the timestamp and the socket.
+mod raw {
+    use std::time::{Duration, Instant};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    pub async fn serve(listener: TcpListener, base: Instant, gap: Duration, chunks: usize) {
+        while let Ok((stream, _)) = listener.accept().await {
+            let _ = stream.set_nodelay(true);
+            tokio::spawn(connection(stream, base, gap, chunks));
+        }
+    }
+
+    fn chunked(payload: &str) -> Vec<u8> {
+        format!("{:x}\r\n{payload}\r\n", payload.len()).into_bytes()
+    }
+
+    async fn connection(mut s: TcpStream, base: Instant, gap: Duration, chunks: usize) {
+        let mut buf: Vec<u8> = Vec::with_capacity(4096);
+        loop {
+            // Request head, then a content-length body.
+            let head_end = loop {
+                if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    break p + 4;
+                }
+                let mut tmp = [0u8; 4096];
+                match s.read(&mut tmp).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                }
+            };
+            let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            while buf.len() < head_end + len {
+                let mut tmp = [0u8; 4096];
+                match s.read(&mut tmp).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                }
+            }
+            let at = Instant::now();
+            buf.drain(..head_end + len);
+            if head.starts_with("get /v1/models") {
+                let body = r#"{"object":"list","data":[{"id":"raw","object":"model"}]}"#;
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                if s.write_all(resp.as_bytes()).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+            if s.write_all(head.as_bytes()).await.is_err() {
+                return;
+            }
+            for i in 0..chunks {
+                tokio::time::sleep_until((at + gap * (i as u32 + 1)).into()).await;
+                let ns = base.elapsed().as_nanos();
+                let event = format!(
+                    "data: {{\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{ns}\"}},\"finish_reason\":null}}],\"usage\":null}}\n\n"
+                );
+                if s.write_all(&chunked(&event)).await.is_err() {
+                    return;
+                }
+            }
+            let tail = format!(
+                "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":32,\"completion_tokens\":{chunks}}}}}\n\ndata: [DONE]\n\n"
+            );
+            let mut out = chunked(&tail);
+            out.extend_from_slice(b"0\r\n\r\n");
+            if s.write_all(&out).await.is_err() {
+                return;
+            }
+        }
+    }
 }

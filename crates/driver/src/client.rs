@@ -13,10 +13,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpStream;
 use serde::Serialize;
+use tokio::net::TcpStream;
 use tokio::time::timeout_at;
-use tower_service::Service as _;
 
 use crate::DriverError;
 use crate::chunk::{Usage, error_message, parse_chunk};
@@ -203,10 +202,7 @@ impl hyper::rt::Write for StampedIo {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
-    fn poll_shutdown(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<std::io::Result<()>> {
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 
@@ -484,13 +480,10 @@ impl Requester {
             };
             // One timestamp per frame: every event completed by these bytes arrived with the
             // latest socket read (never later than now; falls back to now without a stamp).
-            let now = stamp
-                .as_ref()
-                .and_then(ReadStamp::instant)
-                .map_or_else(
-                    || self.since_start(),
-                    |t| t.saturating_duration_since(self.clock_start),
-                );
+            let now = stamp.as_ref().and_then(ReadStamp::instant).map_or_else(
+                || self.since_start(),
+                |t| t.saturating_duration_since(self.clock_start),
+            );
             if done {
                 continue;
             }

@@ -22,6 +22,9 @@ use crate::client::{ChatRequest, Outcome, Requester, chat_body};
 use crate::metrics::{latencies, median};
 use crate::rows::{ClientRow, RowWriter};
 
+/// Send lag (p90) above which the summary warns that the schedule was not kept.
+const LATE_SEND_WARN_MS: f64 = 100.0;
+
 /// When to draw the progress line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ProgressMode {
@@ -207,6 +210,14 @@ impl std::fmt::Display for RunSummary {
                 Some(q) => writeln!(f, "{name:<14}{:>10.2}{:>10.2}{:>10.2}", q.p50, q.p90, q.p99)?,
                 None => writeln!(f, "{name:<14}{:>10}{:>10}{:>10}", "-", "-", "-")?,
             }
+        }
+        if let Some(lag) = self.send_lag_ms.filter(|q| q.p90 > LATE_SEND_WARN_MS) {
+            writeln!(
+                f,
+                "warning   10% of sends were ≥ {:.0} ms behind schedule (p99 {:.0} ms): turns \
+                 waited for their conversation's previous turn; see send_lag_ms",
+                lag.p90, lag.p99
+            )?;
         }
         write!(f, "rows      {}", self.out.display())
     }
@@ -395,7 +406,7 @@ pub async fn run_closed(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driv
                 if shared.stopped(scheduled) {
                     break;
                 }
-                tokio::time::sleep_until(scheduled_at.into()).await;
+                sleep_until(scheduled_at).await;
                 let Some(lock) = locks.get(step.conversation as usize) else {
                     break;
                 };
@@ -445,7 +456,7 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
                 if shared.stopped(scheduled) {
                     break;
                 }
-                tokio::time::sleep_until((start + scheduled).into()).await;
+                sleep_until(start + scheduled).await;
                 shared
                     .fire(&open_request_id(i), c as u32, turn, scheduled)
                     .await;
@@ -455,6 +466,14 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
         }));
     }
     finish(shared, tasks, progress, total, "open").await
+}
+
+/// Sleeps until `at`, not at all when it has passed: tokio rounds deadlines up to its next
+/// millisecond tick, which would add up to 1 ms of send lag to every zero-think request.
+async fn sleep_until(at: Instant) {
+    if at > Instant::now() {
+        tokio::time::sleep_until(at.into()).await;
+    }
 }
 
 async fn prepare(plan: &Plan, cfg: &RunConfig) -> Result<Arc<Shared>, DriverError> {
@@ -645,4 +664,102 @@ async fn finish(
         output_tokens: sink.output_tokens,
         chunks: sink.chunks,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sink() -> Sink {
+        Sink {
+            writer: None,
+            write_error: None,
+            done: 0,
+            errors: 0,
+            errors_by_kind: BTreeMap::new(),
+            warmup: 0,
+            last_end: Duration::ZERO,
+            ttft: Vec::new(),
+            itl: Vec::new(),
+            e2el: Vec::new(),
+            lag: Vec::new(),
+            progress_ttft: hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 3).unwrap(),
+            output_tokens: 0,
+            chunks: 0,
+        }
+    }
+
+    #[test]
+    fn sink_separates_warmup_and_errors() {
+        let mut s = sink();
+        let ok = ClientRow {
+            ttft_ms: Some(40.0),
+            itl_p50_ms: Some(8.0),
+            e2el_ms: Some(100.0),
+            output_tokens: Some(10),
+            chunks: 10,
+            send_lag_ms: Some(0.5),
+            ..ClientRow::default()
+        };
+        s.record(&ok, Duration::from_secs(2));
+        s.record(
+            &ClientRow {
+                warmup: 1,
+                ..ok.clone()
+            },
+            Duration::from_secs(1),
+        );
+        s.record(
+            &ClientRow {
+                error: "timeout: no response within 1s".into(),
+                ..ClientRow::default()
+            },
+            Duration::from_secs(3),
+        );
+        assert_eq!((s.done, s.errors, s.warmup), (3, 1, 1));
+        assert_eq!(s.ttft, vec![40.0]);
+        assert_eq!(s.errors_by_kind.get("timeout"), Some(&1));
+        assert_eq!(s.last_end, Duration::from_secs(3));
+        assert_eq!(s.output_tokens, 20);
+        let line = progress_line(&s, 10, Duration::from_secs(2), None);
+        assert!(
+            line.starts_with("3/10 done  1.5 req/s  1 errors  TTFT p50 40.0 ms"),
+            "{line}"
+        );
+        assert!(line.ends_with("ETA 5 s"), "{line}");
+    }
+
+    #[test]
+    fn quantiles_use_nearest_rank() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        let q = Quantiles::of(&mut v).unwrap();
+        assert_eq!((q.p50, q.p90, q.p99), (50.5, 90.0, 99.0));
+        assert!(Quantiles::of(&mut []).is_none());
+    }
+
+    #[test]
+    fn bad_configs_are_errors() {
+        let base = RunConfig::new("http://127.0.0.1:1", "x.csv");
+        for cfg in [
+            RunConfig {
+                warmup_s: -1.0,
+                ..base.clone()
+            },
+            RunConfig {
+                timeout_s: 0.0,
+                ..base.clone()
+            },
+            RunConfig {
+                duration_s: Some(f64::NAN),
+                ..base.clone()
+            },
+            RunConfig {
+                preflight: false,
+                ..base.clone()
+            },
+        ] {
+            assert!(matches!(cfg.validate(), Err(DriverError::Config(_))));
+        }
+        assert!(base.validate().is_ok());
+    }
 }

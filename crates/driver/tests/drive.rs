@@ -128,9 +128,10 @@ async fn ttft_and_itl_follow_the_scripted_chunks() {
         let itl = r.itl_p50_ms.unwrap();
         // Sleeps never end early; the upper bounds only guard against gross errors.
         assert!((60.0..400.0).contains(&ttft), "ttft {ttft}");
-        assert!((9.0..25.0).contains(&itl), "itl p50 {itl}");
+        // Undivided gaps would give a median of 40 ms; jitter of a few ms either way is noise.
+        assert!((7.0..30.0).contains(&itl), "itl p50 {itl}");
         // TPOT: 130 ms over 13 tokens.
-        assert!((9.5..30.0).contains(&r.tpot_ms.unwrap()), "{r:?}");
+        assert!((8.0..30.0).contains(&r.tpot_ms.unwrap()), "{r:?}");
     }
 
     // Headers and body as the contract says.
@@ -195,10 +196,16 @@ async fn every_failure_is_a_row_with_its_kind() {
             abort: false,
         },
         Reply::Hang,
+        Reply::Raw {
+            status: 200,
+            content_type: "text/event-stream".into(),
+            frames: vec![(ms(0), sse(one_chunk)), (ms(60_000), sse(one_chunk))],
+            abort: false,
+        },
         Reply::Stream(StreamScript::uniform(ms(1), ms(1), 3, 10)),
     ];
     let expected = [
-        "http", "sse", "stream", "stream", "upstream", "http", "timeout", "",
+        "http", "sse", "stream", "stream", "upstream", "http", "timeout", "timeout", "",
     ];
     let n = replies.len();
     let counter = Arc::new(AtomicUsize::new(0));
@@ -228,6 +235,14 @@ async fn every_failure_is_a_row_with_its_kind() {
         rows[5].error
     );
     assert_eq!(rows[6].status, 0);
+    // A stream that stalls after its head and one chunk: status 200, the chunk kept.
+    assert_eq!(rows[7].status, 200);
+    assert_eq!(rows[7].chunks, 1);
+    assert!(
+        rows[7].error.contains("stream unfinished"),
+        "{}",
+        rows[7].error
+    );
     // A failed stream keeps what arrived before the failure.
     assert_eq!(rows[2].chunks, 1);
     assert!(rows[2].ttft_ms.is_some());

@@ -62,7 +62,10 @@ impl Load {
 
     /// One step; each finished conversation sends its next turn at once.
     fn step(&mut self) {
-        let t = self.e.next_wakeup_us(self.now).expect("closed loop never idles");
+        let t = self
+            .e
+            .next_wakeup_us(self.now)
+            .expect("closed loop never idles");
         self.e.step_into(t, &mut self.out);
         self.now = self.out.end_us();
         let done: Vec<(u32, u32)> = self

@@ -1,9 +1,13 @@
 //! Lateness benchmark: how far behind its modelled schedule an emulated replica emits.
 //!
 //! `cargo run --release -p engine --example lateness -- streams [SECS]` — one replica at
-//! `--speed 1`, N closed-loop streaming clients (max_num_seqs = N), lateness p50/p99 per N.
+//! `--speed 1`, N closed-loop decode-heavy streaming clients (16-token prompts, 256 tokens out,
+//! max_num_seqs = N), lateness p50/p99 per N.
 //! `cargo run --release -p engine --example lateness -- fleet [SECS]` — five replicas, 32
 //! closed-loop conversation users spread over them, lateness p99 (worst replica) per speed.
+//! `cargo run --release -p engine --example lateness -- fleet-procs PATH/TO/engine [SECS]` — the
+//! same with five `engine` processes; p99 is read from `/metrics` (the smallest
+//! `kvroute_engine_lateness_seconds` bucket holding 99% of the window's steps), as the sweep does.
 //! Clients run in the same process and compete for the same cores, as they do on a small box.
 
 use std::net::SocketAddr;
@@ -35,7 +39,9 @@ fn text(tag: u64, tokens: usize) -> String {
     s
 }
 
-async fn connect(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>> {
+async fn connect(
+    addr: SocketAddr,
+) -> hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>> {
     let stream = TcpStream::connect(addr).await.expect("connect");
     stream.set_nodelay(true).expect("nodelay");
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
@@ -58,7 +64,11 @@ async fn stream_once(
         .header("content-type", "application/json")
         .body(http_body_util::Full::new(Bytes::from(body)))
         .expect("request");
-    let mut resp = sender.send_request(req).await.expect("response").into_body();
+    let mut resp = sender
+        .send_request(req)
+        .await
+        .expect("response")
+        .into_body();
     let mut out = String::new();
     let mut buf = Vec::new();
     while let Some(f) = resp.frame().await {
@@ -77,22 +87,48 @@ async fn stream_once(
     out
 }
 
-/// A closed-loop conversation user: ~1,100-token context, then turns of ~150 + 128 tokens.
-async fn user(addr: SocketAddr, id: u64, stop: Instant) {
+/// Shape of one closed-loop user's requests.
+#[derive(Clone, Copy)]
+struct Shape {
+    context_tokens: usize,
+    turn_tokens: usize,
+    max_tokens: u32,
+    turns: u64,
+}
+
+/// The reference workload: ~1,100-token context, then 8 turns of ~150 + 128 tokens.
+const CONVERSATION: Shape = Shape {
+    context_tokens: 1100,
+    turn_tokens: 150,
+    max_tokens: 128,
+    turns: 8,
+};
+
+/// Decode-heavy streams (short prompts, long answers): stresses token emission.
+const STREAMS: Shape = Shape {
+    context_tokens: 16,
+    turn_tokens: 0,
+    max_tokens: 256,
+    turns: 1,
+};
+
+/// A closed-loop user sending `shape` requests until `stop`, with no think time.
+async fn user(addr: SocketAddr, id: u64, stop: Instant, shape: Shape) {
     let mut sender = connect(addr).await;
     let mut conv = 0u64;
     while Instant::now() < stop {
-        let mut history = text(id * 1000 + conv, 1100);
-        for turn in 0..8u64 {
+        let mut history = text(id * 1000 + conv, shape.context_tokens);
+        for turn in 0..shape.turns {
             if Instant::now() >= stop {
                 return;
             }
             history.push_str("\nUser: ");
-            history.push_str(&text(id * 100_000 + conv * 100 + turn, 150));
+            history.push_str(&text(id * 100_000 + conv * 100 + turn, shape.turn_tokens));
             history.push_str("\nAssistant:");
-            let body = json!({"prompt": history, "max_tokens": 128, "ignore_eos": true,
+            let body =
+                json!({"prompt": history, "max_tokens": shape.max_tokens, "ignore_eos": true,
                               "stream": true, "stream_options": {"include_usage": true}})
-            .to_string();
+                .to_string();
             let reply = stream_once(&mut sender, body).await;
             history.push_str(&reply);
         }
@@ -119,18 +155,27 @@ fn replica(speed: f64, num_gpu_blocks: u32, max_num_seqs: u32) -> ServerConfig {
 fn window(before: &Server, snap: &hdrhistogram::Histogram<u64>) -> (u64, u64, u64, u64) {
     let mut h = before.metrics().lateness_us;
     h.subtract(snap).expect("same histogram config");
-    (h.value_at_quantile(0.5), h.value_at_quantile(0.99), h.max(), h.len())
+    (
+        h.value_at_quantile(0.5),
+        h.value_at_quantile(0.99),
+        h.max(),
+        h.len(),
+    )
 }
 
 async fn streams(secs: u64) {
     println!("| streams | steps | tokens/s | lateness p50 µs | p99 µs | max µs | p99 < 1 ms |");
     println!("|---:|---:|---:|---:|---:|---:|:---:|");
-    for n in [16u64, 64, 128, 256, 512] {
-        // Room for every stream's longest turn, so the cell measures the emitter, not preemption.
-        let blocks = (n as u32 * 160).max(2048);
-        let srv = server::start(replica(1.0, blocks, n as u32)).await.expect("start");
+    for n in [16u64, 64, 256, 512, 1024] {
+        // Room for every stream, so the cell measures the emitter, not preemption.
+        let blocks = (n as u32 * 24).max(2048);
+        let srv = server::start(replica(1.0, blocks, n as u32))
+            .await
+            .expect("start");
         let stop = Instant::now() + Duration::from_secs(2 + secs);
-        let tasks: Vec<_> = (0..n).map(|u| tokio::spawn(user(srv.addr(), u, stop))).collect();
+        let tasks: Vec<_> = (0..n)
+            .map(|u| tokio::spawn(user(srv.addr(), u, stop, STREAMS)))
+            .collect();
         tokio::time::sleep(Duration::from_secs(2)).await;
         let snap = srv.metrics();
         tokio::time::sleep(Duration::from_secs(secs)).await;
@@ -149,17 +194,23 @@ async fn streams(secs: u64) {
 }
 
 async fn fleet(secs: u64) {
-    println!("| speed | steps (5 replicas) | tokens/s | worst-replica lateness p50 µs | p99 µs | max µs | p99 < 1 ms |");
+    println!(
+        "| speed | steps (5 replicas) | tokens/s | worst-replica lateness p50 µs | p99 µs | max µs | p99 < 1 ms |"
+    );
     println!("|---:|---:|---:|---:|---:|---:|:---:|");
     for speed in [1.0, 2.0, 4.0, 8.0, 16.0, 32.0] {
         let mut srvs = Vec::new();
         for _ in 0..5 {
-            srvs.push(server::start(replica(speed, engine::DEFAULT_NUM_GPU_BLOCKS, 256)).await.expect("start"));
+            srvs.push(
+                server::start(replica(speed, engine::DEFAULT_NUM_GPU_BLOCKS, 256))
+                    .await
+                    .expect("start"),
+            );
         }
         let warm = Duration::from_secs_f64((4.0 / speed).max(1.0));
         let stop = Instant::now() + warm + Duration::from_secs(secs);
         let tasks: Vec<_> = (0..32u64)
-            .map(|u| tokio::spawn(user(srvs[(u % 5) as usize].addr(), u, stop)))
+            .map(|u| tokio::spawn(user(srvs[(u % 5) as usize].addr(), u, stop, CONVERSATION)))
             .collect();
         tokio::time::sleep(warm).await;
         let snaps: Vec<_> = srvs.iter().map(|s| s.metrics()).collect();
@@ -192,6 +243,107 @@ async fn fleet(secs: u64) {
     }
 }
 
+/// An `engine` child process, killed on drop.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_engine(bin: &str, speed: f64) -> (Child, SocketAddr) {
+    use std::io::BufRead;
+    let mut c = std::process::Command::new(bin)
+        .args(["--port", "0", "--speed", &speed.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("engine binary starts");
+    let out = c.stdout.take().expect("stdout");
+    let child = Child(c);
+    let mut line = String::new();
+    std::io::BufReader::new(out).read_line(&mut line).expect("readiness line");
+    let v: Value = serde_json::from_str(&line).expect("readiness JSON");
+    let addr = v["listening"].as_str().expect("listening").parse().expect("addr");
+    (child, addr)
+}
+
+/// Cumulative lateness bucket counts `(le seconds, count)` and token count from `/metrics`.
+async fn scrape(addr: SocketAddr) -> (Vec<(f64, u64)>, u64) {
+    let mut sender = connect(addr).await;
+    let req = hyper::Request::builder()
+        .uri("/metrics")
+        .header("host", "127.0.0.1")
+        .body(http_body_util::Full::new(Bytes::new()))
+        .expect("request");
+    let body = sender.send_request(req).await.expect("response").into_body();
+    let text = String::from_utf8(body.collect().await.expect("body").to_bytes().to_vec()).expect("utf-8");
+    let mut buckets = Vec::new();
+    let mut tokens = 0;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("kvroute_engine_lateness_seconds_bucket{")
+            && let Some(le) = rest.split("le=\"").nth(1).and_then(|x| x.split('"').next())
+            && let Some(n) = line.rsplit(' ').next().and_then(|x| x.parse().ok())
+        {
+            buckets.push((le.parse().unwrap_or(f64::INFINITY), n));
+        }
+        if line.starts_with("vllm:generation_tokens_total{") {
+            tokens = line.rsplit(' ').next().and_then(|x| x.parse().ok()).unwrap_or(0);
+        }
+    }
+    (buckets, tokens)
+}
+
+async fn fleet_procs(bin: &str, secs: u64) {
+    println!("| speed | steps (5 replicas) | tokens/s | worst replica: share of steps ≤ 1 ms | p99 bucket | p99 < 1 ms |");
+    println!("|---:|---:|---:|---:|---:|:---:|");
+    for speed in [1.0, 2.0, 4.0, 8.0, 16.0, 32.0] {
+        let procs: Vec<_> = (0..5).map(|_| spawn_engine(bin, speed)).collect();
+        let warm = Duration::from_secs_f64((4.0 / speed).max(1.0));
+        let stop = Instant::now() + warm + Duration::from_secs(secs);
+        let tasks: Vec<_> = (0..32u64)
+            .map(|u| tokio::spawn(user(procs[(u % 5) as usize].1, u, stop, CONVERSATION)))
+            .collect();
+        tokio::time::sleep(warm).await;
+        let mut before = Vec::new();
+        for (_, a) in &procs {
+            before.push(scrape(*a).await);
+        }
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        let (mut steps, mut toks, mut worst_share, mut worst_p99) = (0, 0, 1.0f64, 0.0f64);
+        for ((_, a), (b0, t0)) in procs.iter().zip(&before) {
+            let (b1, t1) = scrape(*a).await;
+            toks += t1 - t0;
+            let total = b1.last().map_or(0, |x| x.1) - b0.last().map_or(0, |x| x.1);
+            steps += total;
+            let within = |le: f64| {
+                let get = |b: &Vec<(f64, u64)>| b.iter().find(|x| x.0 == le).map_or(0, |x| x.1);
+                get(&b1) - get(b0)
+            };
+            let share = within(0.001) as f64 / total.max(1) as f64;
+            let p99 = b1
+                .iter()
+                .map(|x| x.0)
+                .find(|&le| within(le) as f64 >= 0.99 * total as f64)
+                .unwrap_or(f64::INFINITY);
+            worst_share = worst_share.min(share);
+            worst_p99 = worst_p99.max(p99);
+        }
+        println!(
+            "| {speed} | {steps} | {:.0} | {:.4} | ≤ {} ms | {} |",
+            toks as f64 / secs as f64,
+            worst_share,
+            worst_p99 * 1000.0,
+            if worst_share >= 0.99 { "yes" } else { "no" }
+        );
+        for t in tasks {
+            t.abort();
+        }
+        drop(procs);
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let secs: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5);
@@ -203,6 +355,11 @@ fn main() {
     match args.get(1).map(String::as_str) {
         Some("streams") => rt.block_on(streams(secs)),
         Some("fleet") => rt.block_on(fleet(secs)),
-        _ => eprintln!("usage: lateness streams|fleet [SECS]"),
+        Some("fleet-procs") => {
+            let bin = args.get(2).cloned().unwrap_or_else(|| "target/release/engine".into());
+            let secs = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(5);
+            rt.block_on(fleet_procs(&bin, secs));
+        }
+        _ => eprintln!("usage: lateness streams|fleet [SECS] | fleet-procs ENGINE_BIN [SECS]"),
     }
 }

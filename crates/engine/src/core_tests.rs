@@ -500,7 +500,10 @@ fn random_workload_keeps_pool_invariants_and_event_mirror() {
                     // Conversations share prefixes: a few tags, varying lengths.
                     let tag = rng.random_range(0..4);
                     let len = rng.random_range(1..200);
-                    let p = SamplingParams { max_tokens: rng.random_range(1..60), ignore_eos: rng.random_bool(0.5) };
+                    let p = SamplingParams {
+                        max_tokens: rng.random_range(1..60),
+                        ignore_eos: rng.random_bool(0.5),
+                    };
                     if e.add_request(next_id, prompt(tag, len), p, now).is_ok() {
                         live.push(next_id);
                     }
@@ -550,14 +553,65 @@ fn random_workload_keeps_pool_invariants_and_event_mirror() {
                 }
             }
             for b in 1..40u32 {
-                assert_eq!(e.pool().ref_count(b), holders.get(&b).copied().unwrap_or(0), "block {b}");
+                assert_eq!(
+                    e.pool().ref_count(b),
+                    holders.get(&b).copied().unwrap_or(0),
+                    "block {b}"
+                );
             }
             assert_eq!(e.pool().num_free_blocks() as usize + holders.len(), 39);
-            assert_eq!(e.pool().free_queue().len(), e.pool().num_free_blocks() as usize);
+            assert_eq!(
+                e.pool().free_queue().len(),
+                e.pool().num_free_blocks() as usize
+            );
             let mirror_set: HashSet<u64> = mirror.keys().copied().collect();
             assert_eq!(mirror_set, e.pool().cached_hashes());
-            assert_eq!(mirror.values().map(|&c| c as usize).sum::<usize>(), e.pool().num_cached_blocks());
+            assert_eq!(
+                mirror.values().map(|&c| c as usize).sum::<usize>(),
+                e.pool().num_cached_blocks()
+            );
         }
-        assert!(e.counters().preemptions > 0, "seed {seed}: the tight pool should preempt");
+        assert!(
+            e.counters().preemptions > 0,
+            "seed {seed}: the tight pool should preempt"
+        );
     }
+}
+
+#[test]
+fn jitter_is_seeded_and_bounded() {
+    let run_with = |seed: u64, jitter: f64| {
+        let mut c = cfg(2048);
+        c.seed = seed;
+        c.model.jitter = jitter;
+        let mut e = Engine::new(c).expect("valid");
+        e.add_request(1, prompt(1, 100), params(50), 0).expect("ok");
+        let mut d = Vec::new();
+        let mut now = 0;
+        while let Some(t) = e.next_wakeup_us(now) {
+            let out = e.step(t);
+            now = out.end_us();
+            d.push(out.duration_us);
+        }
+        d
+    };
+    let base = run_with(1, 0.0);
+    let a = run_with(1, 0.1);
+    assert_eq!(a, run_with(1, 0.1), "same seed, same durations");
+    assert_ne!(a, run_with(2, 0.1), "different seed, different durations");
+    assert_ne!(a, base);
+    for (x, b) in a.iter().zip(&base) {
+        let r = *x as f64 / *b as f64;
+        assert!((0.89..=1.11).contains(&r), "jittered {x} vs {b}");
+    }
+    assert!(
+        Engine::new(EngineConfig {
+            model: StepModel {
+                jitter: 1.5,
+                ..StepModel::default()
+            },
+            ..EngineConfig::default()
+        })
+        .is_err()
+    );
 }

@@ -207,3 +207,85 @@ async fn subscriber_reconstructs_cache_array_encoding() {
 async fn subscriber_reconstructs_cache_map_encoding() {
     reconstructs_cached_set(Encoding::Map).await;
 }
+
+fn events_cfg(endpoint: &str, bind: bool, replay: Option<&str>) -> engine::server::ServerConfig {
+    let mut cfg = config(50.0, 96);
+    cfg.kv_events = Some(KvEventsConfig {
+        endpoint: endpoint.into(),
+        bind,
+        replay_endpoint: replay.map(str::to_owned),
+        topic: String::new(),
+        buffer_steps: 100_000,
+        encoding: Encoding::Array,
+    });
+    cfg
+}
+
+async fn workload(addr: std::net::SocketAddr) {
+    for conv in 0..8u32 {
+        let body = json!({"prompt": prose(conv % 3, 150 + 10 * conv as usize), "max_tokens": 24, "ignore_eos": true}).to_string();
+        assert_eq!(call(addr, "POST", "/v1/completions", &body).await.0, 200);
+    }
+}
+
+#[tokio::test]
+async fn late_joiner_rebuilds_the_cache_from_replay_alone() {
+    let srv = start(events_cfg(
+        "tcp://127.0.0.1:0",
+        true,
+        Some("tcp://127.0.0.1:0"),
+    ))
+    .await;
+    workload(srv.addr()).await; // nobody subscribed: every batch is lost to PUB
+    let truth = srv.cached_block_hashes().await.expect("alive");
+    let mut mirror = Mirror::default();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // The publisher may still be buffering the last batches; replay again from where we stopped.
+    while mirror.set() != truth {
+        assert!(
+            Instant::now() < deadline,
+            "replay never matched the engine's cache"
+        );
+        let from = mirror.next_seq.unwrap_or(0);
+        for (s, p) in replay(srv.kv_replay_endpoint().expect("replay on"), from).await {
+            mirror.apply(s, &p);
+        }
+    }
+    assert!(mirror.stored > 0);
+    srv.shutdown().await;
+}
+
+#[tokio::test]
+async fn connect_mode_publishes_to_a_bound_subscriber() {
+    // vLLM's rule: an endpoint without a wildcard is connected to (e.g. a proxy that binds).
+    let mut sub = SubSocket::new();
+    let ep = sub
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .expect("sub binds")
+        .to_string();
+    sub.subscribe("").await.expect("subscribe");
+    assert!(!engine::server::events::should_bind(&ep));
+    let srv = start(events_cfg(&ep, false, None)).await;
+    assert_eq!(srv.kv_events_endpoint(), Some(ep.as_str()));
+    assert!(srv.kv_replay_endpoint().is_none());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut got = None;
+    // Batches sent before the connection completes are dropped (PUB semantics): keep sending
+    // work until one arrives.
+    while got.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "no batch reached the bound subscriber"
+        );
+        workload(srv.addr()).await;
+        if let Ok(m) = tokio::time::timeout(Duration::from_millis(500), sub.recv()).await {
+            got = Some(m.expect("recv").into_vec());
+        }
+    }
+    let m = got.expect("message");
+    assert_eq!(m.len(), 3);
+    assert!(m[0].is_empty(), "default topic is empty");
+    assert!(!decode_batch(&m[2]).expect("decodes").events.is_empty());
+    srv.shutdown().await;
+}

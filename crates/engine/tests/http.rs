@@ -380,3 +380,28 @@ async fn models_metrics_health_and_reset() {
     );
     srv.shutdown().await;
 }
+
+#[tokio::test]
+async fn disconnect_of_a_non_stream_request_aborts_it() {
+    let srv = start(config(1.0, 2048)).await;
+    let body = json!({"prompt": prose(7, 100), "max_tokens": 4000, "ignore_eos": true}).to_string();
+    let addr = srv.addr();
+    let client = tokio::spawn(async move { call(addr, "POST", "/v1/completions", &body).await });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while srv.metrics().running == 0 {
+        assert!(Instant::now() < deadline, "request never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    client.abort(); // drops the connection with the request in flight
+    let _ = client.await;
+    loop {
+        let m = srv.metrics();
+        if m.running == 0 && m.kv_usage == 0.0 {
+            assert_eq!(m.aborted, 1);
+            break;
+        }
+        assert!(Instant::now() < deadline, "request not aborted: {m:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    srv.shutdown().await;
+}

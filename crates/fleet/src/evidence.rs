@@ -281,7 +281,9 @@ impl SamplerState {
         if self.samples == 0 {
             let status = if self.gpu.is_some() { "ok" } else { "no GPU" };
             let reason = self.gpu_reason.clone();
-            self.write(json!({"t_s": t_s, "kind": "gpu-status", "status": status, "reason": reason}))?;
+            self.write(
+                json!({"t_s": t_s, "kind": "gpu-status", "status": status, "reason": reason}),
+            )?;
         }
         self.samples += 1;
         self.sample_host(t_s)?;
@@ -354,7 +356,9 @@ impl SamplerState {
                 continue;
             };
             summary.samples += 1;
-            let sm = device.clock_info(nvml_wrapper::enum_wrappers::device::Clock::SM).ok();
+            let sm = device
+                .clock_info(nvml_wrapper::enum_wrappers::device::Clock::SM)
+                .ok();
             let temp = device
                 .temperature(nvml_wrapper::enum_wrappers::device::TemperatureSensor::Gpu)
                 .ok();
@@ -392,7 +396,11 @@ impl SamplerState {
                         Some(g) => format!("process group {g} is not the fleet's"),
                         None => "pid not visible in /proc".to_string(),
                     };
-                    if !self.foreign.iter().any(|f| f.0 == summary.device && f.1 == p.pid) {
+                    if !self
+                        .foreign
+                        .iter()
+                        .any(|f| f.0 == summary.device && f.1 == p.pid)
+                    {
                         self.foreign.push((summary.device, p.pid, why));
                     }
                 }
@@ -431,7 +439,11 @@ impl SamplerState {
             samples: self.samples,
             gpu_status: if self.gpu.is_some() { "ok" } else { "no GPU" }.to_string(),
             gpu_reason: self.gpu_reason.clone(),
-            gpus: self.gpu.as_ref().map(|g| g.summaries.clone()).unwrap_or_default(),
+            gpus: self
+                .gpu
+                .as_ref()
+                .map(|g| g.summaries.clone())
+                .unwrap_or_default(),
             foreign_processes: self.foreign.clone(),
             lateness,
             loadavg_1m_max: self.loadavg_max,
@@ -520,24 +532,44 @@ mod tests {
     #[test]
     fn lateness_bound_discards_and_passes() {
         let s = summary();
-        assert!(s.check(&EvidenceBounds { max_lateness_p99_ms: 5.0 }).is_ok());
+        assert!(
+            s.check(&EvidenceBounds {
+                max_lateness_p99_ms: 5.0
+            })
+            .is_ok()
+        );
         let err = s
-            .check(&EvidenceBounds { max_lateness_p99_ms: 1.0 })
+            .check(&EvidenceBounds {
+                max_lateness_p99_ms: 1.0,
+            })
             .unwrap_err();
         assert!(err.contains("replica 0") && err.contains("2.500"), "{err}");
         let mut past = summary();
         past.lateness[0].p99_ms = None;
-        assert!(past.check(&EvidenceBounds { max_lateness_p99_ms: 5.0 }).is_err());
+        assert!(
+            past.check(&EvidenceBounds {
+                max_lateness_p99_ms: 5.0
+            })
+            .is_err()
+        );
         past.lateness[0].steps = 0.0;
-        assert!(past.check(&EvidenceBounds { max_lateness_p99_ms: 5.0 }).is_ok());
+        assert!(
+            past.check(&EvidenceBounds {
+                max_lateness_p99_ms: 5.0
+            })
+            .is_ok()
+        );
     }
 
     #[test]
     fn foreign_gpu_process_discards() {
         let mut s = summary();
-        s.foreign_processes.push((1, 4242, "process group 7 is not the fleet's".into()));
+        s.foreign_processes
+            .push((1, 4242, "process group 7 is not the fleet's".into()));
         let err = s
-            .check(&EvidenceBounds { max_lateness_p99_ms: 5.0 })
+            .check(&EvidenceBounds {
+                max_lateness_p99_ms: 5.0,
+            })
             .unwrap_err();
         assert!(err.contains("4242") && err.contains("GPU 1"), "{err}");
     }
@@ -581,7 +613,12 @@ mod tests {
         let text = std::fs::read_to_string(&out).unwrap();
         let kinds: Vec<String> = text
             .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["kind"].as_str().unwrap().to_string())
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["kind"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
             .collect();
         assert_eq!(kinds.first().map(String::as_str), Some("gpu-status"));
         assert_eq!(kinds.last().map(String::as_str), Some("summary"));

@@ -208,9 +208,16 @@ impl Fleet {
         }
         if let Source::Emulated(spec) = &source {
             if !(spec.speed.is_finite() && spec.speed > 0.0) {
-                bail!("emulated speed must be a positive number, got {}", spec.speed);
+                bail!(
+                    "emulated speed must be a positive number, got {}",
+                    spec.speed
+                );
             }
-            if let Some(bad) = spec.slowdowns.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+            if let Some(bad) = spec
+                .slowdowns
+                .iter()
+                .find(|s| !(s.is_finite() && **s > 0.0))
+            {
                 bail!("slowdowns must be positive numbers, got {bad}");
             }
         }
@@ -326,7 +333,10 @@ impl Fleet {
 
     /// KV event endpoints in fleet order; `None` where a replica publishes none.
     pub fn kv_event_endpoints(&self) -> Vec<Option<String>> {
-        self.slots.iter().map(|s| s.info.kv_events.clone()).collect()
+        self.slots
+            .iter()
+            .map(|s| s.info.kv_events.clone())
+            .collect()
     }
 
     /// Process group ids of every process this fleet runs (for the foreign-process check).
@@ -361,7 +371,12 @@ impl Fleet {
         self.options.log_dir.join(format!("replica-{index}.log"))
     }
 
-    fn spawn_slot(&self, index: usize, previous: Option<&ReplicaInfo>, starts: u32) -> Result<Slot> {
+    fn spawn_slot(
+        &self,
+        index: usize,
+        previous: Option<&ReplicaInfo>,
+        starts: u32,
+    ) -> Result<Slot> {
         let log_path = self.log_path(index);
         match &self.source {
             Source::Emulated(spec) => {
@@ -417,7 +432,9 @@ impl Fleet {
                 write_log_header(&log_path, index, starts, &cmd)?;
                 let guard = ChildGuard::spawn(&format!("replica {index}"), cmd, &log_path)?;
                 let kv_events = match spec.kv_base_port {
-                    Some(base) => Some(format!("tcp://{}:{}", spec.host, offset_port(base, index)?)),
+                    Some(base) => {
+                        Some(format!("tcp://{}:{}", spec.host, offset_port(base, index)?))
+                    }
                     None => None,
                 };
                 Ok(Slot {
@@ -479,7 +496,10 @@ impl Fleet {
             if let Some(guard) = slot.guard.as_mut()
                 && let Some(status) = guard.try_wait()?
             {
-                bail!("replica {index} ({}) exited ({status}) before it was healthy{log_hint}", slot.info.url);
+                bail!(
+                    "replica {index} ({}) exited ({status}) before it was healthy{log_hint}",
+                    slot.info.url
+                );
             }
             let last_error = match http::get(&health, Duration::from_secs(2)) {
                 Ok(r) if r.status == 200 => return Ok(()),
@@ -517,7 +537,11 @@ pub fn reset_prefix_cache(url: &str) -> Result<()> {
         Duration::from_secs(30),
     )?;
     if !(200..300).contains(&r.status) {
-        bail!("POST /reset_prefix_cache answered {}: {}", r.status, r.text());
+        bail!(
+            "POST /reset_prefix_cache answered {}: {}",
+            r.status,
+            r.text()
+        );
     }
     Ok(())
 }

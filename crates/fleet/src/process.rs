@@ -128,7 +128,10 @@ impl ChildGuard {
             .process_group(0);
         let program = command.get_program().to_string_lossy().into_owned();
         let mut child = command.spawn().with_context(|| {
-            format!("{name}: cannot start `{program}` (log {})", log_path.display())
+            format!(
+                "{name}: cannot start `{program}` (log {})",
+                log_path.display()
+            )
         })?;
         let stdout = child
             .stdout

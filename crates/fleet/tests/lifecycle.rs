@@ -70,19 +70,29 @@ fn metrics(url: &str) -> String {
 #[test]
 fn emulated_fleet_starts_cycles_kills_and_restarts() {
     let dir = TempDir::new("emulated");
-    let mut fleet = Fleet::new(Source::Emulated(emulated(2, &[])), options(dir.path(), 20)).unwrap();
+    let mut fleet =
+        Fleet::new(Source::Emulated(emulated(2, &[])), options(dir.path(), 20)).unwrap();
     fleet.start(&never).unwrap();
     let first = fleet.replicas();
     assert_eq!(first.len(), 2);
     for r in &first {
         assert!(healthy(&r.url), "replica {} healthy", r.index);
         let cfg = fleet::metrics::cache_config(&metrics(&r.url)).unwrap();
-        assert_eq!(cfg.num_gpu_blocks, 512, "--num-gpu-blocks reached the replica");
+        assert_eq!(
+            cfg.num_gpu_blocks, 512,
+            "--num-gpu-blocks reached the replica"
+        );
     }
     assert_eq!(first[1].slowdown, 2.0);
     let log = std::fs::read_to_string(first[1].log_path.as_ref().unwrap()).unwrap();
-    assert!(log.contains("--slowdown 2") && log.contains("--kv-events-port 0"), "{log}");
-    assert!(log.contains("banner line"), "stdout is captured in the log: {log}");
+    assert!(
+        log.contains("--slowdown 2") && log.contains("--kv-events-port 0"),
+        "{log}"
+    );
+    assert!(
+        log.contains("banner line"),
+        "stdout is captured in the log: {log}"
+    );
 
     fleet.cycle(&never).unwrap();
     let cycled = fleet.replicas();
@@ -95,7 +105,10 @@ fn emulated_fleet_starts_cycles_kills_and_restarts() {
     fleet.kill_one(0).unwrap();
     assert!(!alive(cycled[0].pid.unwrap()));
     assert!(!healthy(&cycled[0].url));
-    assert!(fleet.kill_one(0).is_err(), "a dead replica cannot be killed twice");
+    assert!(
+        fleet.kill_one(0).is_err(),
+        "a dead replica cannot be killed twice"
+    );
     fleet.restart_one(0, &never).unwrap();
     let restarted = fleet.replicas();
     assert_eq!(restarted[0].url, cycled[0].url, "restart keeps the port");
@@ -148,8 +161,14 @@ fn health_timeout_names_replica_and_log() {
     )
     .unwrap();
     let err = format!("{:#}", fleet.start(&never).unwrap_err());
-    assert!(err.contains("replica 0") && err.contains("not healthy"), "{err}");
-    assert!(err.contains("503") && err.contains("replica-0.log"), "{err}");
+    assert!(
+        err.contains("replica 0") && err.contains("not healthy"),
+        "{err}"
+    );
+    assert!(
+        err.contains("503") && err.contains("replica-0.log"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -161,7 +180,10 @@ fn early_exit_is_reported_with_its_log() {
     )
     .unwrap();
     let err = format!("{:#}", fleet.start(&never).unwrap_err());
-    assert!(err.contains("replica 0") && err.contains("replica-0.log"), "{err}");
+    assert!(
+        err.contains("replica 0") && err.contains("replica-0.log"),
+        "{err}"
+    );
     let log = std::fs::read_to_string(dir.path().join("logs/replica-0.log")).unwrap();
     assert!(log.contains("boom"), "stderr is captured in the log: {log}");
 }
@@ -212,7 +234,10 @@ fn static_source_cycles_by_resetting_the_prefix_cache() {
     let dir = TempDir::new("static");
     let mut replica =
         ChildGuard::spawn("external", Command::new(FAKE), &dir.path().join("ext.log")).unwrap();
-    let url = replica.wait_ready(Duration::from_secs(20), &never).unwrap().url();
+    let url = replica
+        .wait_ready(Duration::from_secs(20), &never)
+        .unwrap()
+        .url();
     let mut fleet = Fleet::new(
         Source::Static(StaticSpec {
             urls: vec![url.clone()],
@@ -222,12 +247,18 @@ fn static_source_cycles_by_resetting_the_prefix_cache() {
     )
     .unwrap();
     fleet.start(&never).unwrap();
-    assert!(fleet.kill_one(0).is_err(), "static replicas are not ours to kill");
+    assert!(
+        fleet.kill_one(0).is_err(),
+        "static replicas are not ours to kill"
+    );
     fleet.cycle(&never).unwrap();
     fleet.cycle(&never).unwrap();
     assert!(metrics(&url).contains("fake_resets_total 2"));
     drop(fleet);
-    assert!(healthy(&url), "dropping a static fleet leaves its replicas alone");
+    assert!(
+        healthy(&url),
+        "dropping a static fleet leaves its replicas alone"
+    );
 }
 
 #[test]

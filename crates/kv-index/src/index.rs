@@ -176,8 +176,8 @@ impl Matches {
 }
 
 const NONE: u32 = u32::MAX;
-/// Marks a node that is part of the chain being placed (it is unlinked from the LRU list).
-const IN_CHAIN: u32 = u32::MAX - 1;
+/// Bit of `Node::children` marking a node of the chain being placed (counts stay below 2^24).
+const IN_CHAIN: u32 = 1 << 31;
 const EMPTY_ENTRY: u64 = u64::MAX;
 /// Slot value of an inline entry that points at the overflow vector instead.
 const OVERFLOW_SLOT: u64 = 0xFFFE;
@@ -195,7 +195,7 @@ const WARM_AHEAD: usize = 16;
 struct Node {
     key: BlockKey,
     parent: u32,
-    /// Newer neighbour in the LRU list (`NONE` at the head, `IN_CHAIN` while being placed).
+    /// Newer neighbour in the LRU list (`NONE` at the head or when detached).
     prev: u32,
     /// Older neighbour in the LRU list.
     next: u32,
@@ -229,7 +229,8 @@ impl Node {
 /// Chunked node storage: growth allocates one more chunk and never moves nodes.
 #[derive(Default)]
 struct Slab {
-    chunks: Vec<Box<[Node]>>,
+    /// Fixed-size chunks: indexing within one needs no bounds check.
+    chunks: Vec<Box<[Node; CHUNK]>>,
 }
 
 impl Slab {
@@ -245,8 +246,20 @@ impl Slab {
         self.chunks.len() * CHUNK
     }
     fn grow(&mut self) {
-        self.chunks.push(vec![Node::FREE; CHUNK].into_boxed_slice());
+        let chunk: Box<[Node; CHUNK]> = vec![Node::FREE; CHUNK]
+            .into_boxed_slice()
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("the vector has CHUNK nodes"));
+        self.chunks.push(chunk);
     }
+}
+
+/// A key's hash, home bucket and the slot found there when its tag matched.
+#[derive(Clone, Copy, Default)]
+struct Probe {
+    h: u64,
+    home: usize,
+    candidate: u32,
 }
 
 /// Open-addressing table from key to slot. A bucket is `hash32 << 32 | slot`, where `hash32`
@@ -297,22 +310,45 @@ impl Table {
             i = self.next(i);
         }
     }
-    /// Issues the memory loads of the next keys' buckets and likely nodes together, so that
-    /// their cache misses overlap instead of being paid one after the other in the descent
-    /// (a safe stand-in for prefetch instructions).
-    fn warm(&self, keys: &[BlockKey], slab: &Slab) {
-        let mut acc = 0u64;
-        for &k in keys {
-            acc ^= self.buckets[self.home_of(Self::hash32(k))];
-        }
-        for &k in keys {
+    /// Hashes the next keys and issues the memory loads of their home buckets, then of their
+    /// likely nodes, all together, so that the cache misses overlap instead of being paid one
+    /// after the other in the descent (a safe stand-in for prefetch instructions).
+    fn prepare(&self, keys: &[BlockKey], probes: &mut [Probe; WARM_AHEAD], slab: &Slab) {
+        for (p, &k) in probes.iter_mut().zip(keys) {
             let h = Self::hash32(k);
-            let b = self.buckets[self.home_of(h)];
-            if b >> 32 == h {
-                acc ^= slab.get(b as u32).key;
+            let home = self.home_of(h);
+            let b = self.buckets[home];
+            *p = Probe {
+                h,
+                home,
+                candidate: if b >> 32 == h { b as u32 } else { NONE },
+            };
+        }
+        let mut acc = 0u64;
+        for p in probes.iter().take(keys.len()) {
+            if p.candidate != NONE {
+                acc ^= slab.get(p.candidate).key;
             }
         }
         std::hint::black_box(acc);
+    }
+    /// [`find`](Self::find) with the hashing and first probe done by [`prepare`](Self::prepare).
+    #[inline]
+    fn find_prepared(&self, key: BlockKey, p: Probe, slab: &Slab) -> Option<u32> {
+        if p.candidate != NONE && slab.get(p.candidate).key == key {
+            return Some(p.candidate);
+        }
+        let mut i = p.home;
+        loop {
+            let b = self.buckets[i];
+            if b == EMPTY_BUCKET {
+                return None;
+            }
+            if b >> 32 == p.h && slab.get(b as u32).key == key {
+                return Some(b as u32);
+            }
+            i = self.next(i);
+        }
     }
     #[inline]
     fn find(&self, key: BlockKey, slab: &Slab) -> Option<u32> {
@@ -741,7 +777,7 @@ impl PrefixIndex {
             .map(|m| m.capacity() * (std::mem::size_of::<(u64, (BlockKey, u32))>() + 1))
             .sum();
         let bytes = self.slab.capacity() * std::mem::size_of::<Node>()
-            + self.slab.chunks.capacity() * std::mem::size_of::<Box<[Node]>>()
+            + self.slab.chunks.capacity() * std::mem::size_of::<Box<[Node; CHUNK]>>()
             + self.table.buckets.capacity() * 8
             + self.free.capacity() * 4
             + overflow_bytes
@@ -810,41 +846,41 @@ impl PrefixIndex {
         out.depth.resize(nslots, 0);
         let mut matching = nslots > 0;
         let limit = keys.len().min(self.cfg.node_cap);
-        let mut warmed = 0;
-        for (depth, &k) in keys[..limit].iter().enumerate() {
-            if depth == warmed {
-                warmed = (depth + WARM_AHEAD).min(limit);
-                self.table.warm(&keys[depth..warmed], &self.slab);
-            }
-            let Some(i) = self.table.find(k, &self.slab) else {
-                break;
-            };
-            if record {
-                path.push(i);
-            }
-            if matching {
-                let d = depth as u32;
-                let mut advanced = false;
-                let node = self.slab.get(i);
-                let mut visit = |e: u64| {
-                    let s = (e & SLOT_MASK) as usize;
-                    if s < nslots && out.depth[s] == d && self.alive(e, now) {
-                        out.depth[s] = d + 1;
-                        advanced = true;
-                    }
+        let mut probes = [Probe::default(); WARM_AHEAD];
+        'descent: for base in (0..limit).step_by(WARM_AHEAD) {
+            let chunk = &keys[base..(base + WARM_AHEAD).min(limit)];
+            self.table.prepare(chunk, &mut probes, &self.slab);
+            for (j, &k) in chunk.iter().enumerate() {
+                let Some(i) = self.table.find_prepared(k, probes[j], &self.slab) else {
+                    break 'descent;
                 };
-                match node.overflow() {
-                    None => node.entries.iter().for_each(|&e| visit(e)),
-                    Some(o) => {
-                        visit(node.entries[0]);
-                        visit(node.entries[1]);
-                        self.overflow[o].iter().for_each(|&e| visit(e));
-                    }
+                if record {
+                    path.push(i);
                 }
-                if !advanced {
-                    matching = false;
-                    if !record {
-                        break;
+                if matching {
+                    let d = (base + j) as u32;
+                    let mut advanced = false;
+                    let node = self.slab.get(i);
+                    let mut visit = |e: u64| {
+                        let s = (e & SLOT_MASK) as usize;
+                        if s < nslots && out.depth[s] == d && self.alive(e, now) {
+                            out.depth[s] = d + 1;
+                            advanced = true;
+                        }
+                    };
+                    match node.overflow() {
+                        None => node.entries.iter().for_each(|&e| visit(e)),
+                        Some(o) => {
+                            visit(node.entries[0]);
+                            visit(node.entries[1]);
+                            self.overflow[o].iter().for_each(|&e| visit(e));
+                        }
+                    }
+                    if !advanced {
+                        matching = false;
+                        if !record {
+                            break 'descent;
+                        }
                     }
                 }
             }
@@ -863,47 +899,108 @@ impl PrefixIndex {
     /// found (all existing); entries are written on `keys[write_from..]`.
     fn place_chain(&mut self, keys: &[BlockKey], path: &mut Vec<u32>, write_from: usize, w: Write) {
         let limit = keys.len().min(self.cfg.node_cap);
-        // Detach the known part, stopping at a repeated node.
+        // 1. The known part: mark it (stopping at a repeated node) and fix its parent links now,
+        //    before any eviction: a linked node must never be the parent of a detached one, or
+        //    the LRU tail might not be a leaf.
+        let known = path.len().min(limit);
         let mut n = 0;
-        while n < path.len() && n < limit {
+        while n < known {
             let i = path[n];
-            if self.slab.get(i).prev == IN_CHAIN {
+            let want = if n == 0 { NONE } else { path[n - 1] };
+            let node = self.slab.get_mut(i);
+            if node.children & IN_CHAIN != 0 {
                 break;
             }
-            self.unlink(i);
-            self.slab.get_mut(i).prev = IN_CHAIN;
-            let parent = if n == 0 { NONE } else { path[n - 1] };
-            self.set_parent(i, parent);
+            node.children |= IN_CHAIN;
+            if node.parent != want {
+                self.set_parent(i, want);
+            }
             n += 1;
         }
-        let repeated = n < path.len().min(limit);
+        let repeated = n < known;
         path.truncate(n);
+        // 2. Detach it run by run: nodes already consecutive in the LRU list in chain order
+        //    (a chain touched before) move as one piece.
+        let mut j = 0;
+        while j < n {
+            let first = path[j];
+            let mut last = first;
+            while j + 1 < n && self.slab.get(last).next == path[j + 1] {
+                j += 1;
+                last = path[j];
+            }
+            self.unlink_run(first, last);
+            j += 1;
+        }
+        // 3. The rest of the chain: existing nodes are detached, missing ones created (which may
+        //    evict the least recent node outside the chain).
         if !repeated {
             while n < limit {
                 let k = keys[n];
                 let i = match self.table.find(k, &self.slab) {
-                    Some(i) if self.slab.get(i).prev == IN_CHAIN => break,
+                    Some(i) if self.slab.get(i).children & IN_CHAIN != 0 => break,
                     Some(i) => {
-                        self.unlink(i);
+                        self.unlink_run(i, i);
                         i
                     }
                     None => self.new_node(k),
                 };
-                self.slab.get_mut(i).prev = IN_CHAIN;
-                // Re-parent before any later eviction: a linked node must never be the parent
-                // of a detached one, or the LRU tail might not be a leaf.
-                let parent = if n == 0 { NONE } else { path[n - 1] };
-                self.set_parent(i, parent);
+                self.slab.get_mut(i).children |= IN_CHAIN;
+                self.set_parent(i, if n == 0 { NONE } else { path[n - 1] });
                 path.push(i);
                 n += 1;
             }
         }
-        for &i in &path[write_from.min(n)..n] {
-            self.write_entry(i, w);
+        if n == 0 {
+            return;
         }
-        for &i in path[..n].iter().rev() {
-            self.push_front(i);
+        // 4. Entries, unmark, and link the chain at the recent end in chain order (head most
+        //    recent), writing links only where a run ends.
+        for (j, &i) in path.iter().enumerate() {
+            if j >= write_from {
+                self.write_entry(i, w);
+            }
+            let node = self.slab.get_mut(i);
+            node.children &= !IN_CHAIN;
+            if let Some(&b) = path.get(j + 1)
+                && node.next != b
+            {
+                node.next = b;
+                self.slab.get_mut(b).prev = i;
+            }
         }
+        let (first, last) = (path[0], path[n - 1]);
+        let old = self.head;
+        self.slab.get_mut(first).prev = NONE;
+        self.slab.get_mut(last).next = old;
+        if old == NONE {
+            self.tail = last;
+        } else {
+            self.slab.get_mut(old).prev = last;
+        }
+        self.head = first;
+    }
+
+    /// Detaches the consecutive list segment `first ..= last` (both linked, or `first == last`
+    /// unlinked, which is a no-op).
+    fn unlink_run(&mut self, first: u32, last: u32) {
+        let prev = self.slab.get(first).prev;
+        let next = self.slab.get(last).next;
+        if prev == NONE {
+            if self.head != first {
+                return; // not linked
+            }
+            self.head = next;
+        } else {
+            self.slab.get_mut(prev).next = next;
+        }
+        if next == NONE {
+            self.tail = prev;
+        } else {
+            self.slab.get_mut(next).prev = prev;
+        }
+        self.slab.get_mut(first).prev = NONE;
+        self.slab.get_mut(last).next = NONE;
     }
 
     fn set_parent(&mut self, i: u32, want: u32) {
@@ -999,42 +1096,7 @@ impl PrefixIndex {
     }
 
     fn unlink(&mut self, i: u32) {
-        let Node { prev, next, .. } = *self.slab.get(i);
-        if prev == IN_CHAIN {
-            return;
-        }
-        if prev == NONE {
-            if self.head == i {
-                self.head = next;
-            } else {
-                return; // not linked
-            }
-        } else {
-            self.slab.get_mut(prev).next = next;
-        }
-        if next == NONE {
-            self.tail = prev;
-        } else {
-            self.slab.get_mut(next).prev = prev;
-        }
-        let n = self.slab.get_mut(i);
-        n.prev = NONE;
-        n.next = NONE;
-    }
-
-    fn push_front(&mut self, i: u32) {
-        let old = self.head;
-        {
-            let n = self.slab.get_mut(i);
-            n.prev = NONE;
-            n.next = old;
-        }
-        if old == NONE {
-            self.tail = i;
-        } else {
-            self.slab.get_mut(old).prev = i;
-        }
-        self.head = i;
+        self.unlink_run(i, i);
     }
 
     fn entry_count(&self, n: &Node) -> usize {
@@ -1047,6 +1109,14 @@ impl PrefixIndex {
     fn write_entry(&mut self, i: u32, w: Write) {
         let now = w.now;
         let value = (now << TIME_SHIFT) | if w.speculative { SPEC_BIT } else { 0 } | w.slot as u64;
+        // Fast path: the replica's entry comes first (a node held by one replica).
+        if !w.speculative {
+            let first = &mut self.slab.get_mut(i).entries[0];
+            if *first != EMPTY_ENTRY && *first & SLOT_MASK == w.slot as u64 {
+                *first = value;
+                return;
+            }
+        }
         let keep =
             |this: &Self, old: u64| w.speculative && old & SPEC_BIT == 0 && this.alive(old, now);
         let node = *self.slab.get(i);

@@ -347,15 +347,12 @@ impl Reference {
         for n in self.nodes.values_mut() {
             n.entries.remove(&replica);
         }
-        loop {
-            let Some(k) = self
-                .nodes
-                .iter()
-                .find(|(_, n)| n.entries.is_empty() && n.children == 0)
-                .map(|(k, _)| *k)
-            else {
-                break;
-            };
+        while let Some(k) = self
+            .nodes
+            .iter()
+            .find(|(_, n)| n.entries.is_empty() && n.children == 0)
+            .map(|(k, _)| *k)
+        {
             self.remove_node(k);
         }
     }

@@ -77,7 +77,10 @@ impl ProxyBody {
             };
         }
         f.row.error = error.or_else(|| {
-            f.row.upstream_status.filter(|s| *s >= 400).map(|s| format!("http: upstream status {s}"))
+            f.row
+                .upstream_status
+                .filter(|s| *s >= 400)
+                .map(|s| format!("http: upstream status {s}"))
         });
         // Release the load before queueing the row, so the replica is free as early as possible.
         drop(f.guard);

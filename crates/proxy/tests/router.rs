@@ -1098,15 +1098,36 @@ async fn sequence_gaps_are_repaired_by_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_errors_pass_through_and_are_recorded() {
-    let a = MockReplica::start(Script { fail_status: Some(400), ..Script::default() }).await;
+    let a = MockReplica::start(Script {
+        fail_status: Some(400),
+        ..Script::default()
+    })
+    .await;
     let dir = temp_dir("upstream-error");
     let mut cfg = router_config(&[&a], "round-robin");
     cfg.rows = Some(dir.join("router.csv"));
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
-    let (status, v) = read_json(post(&url, "/v1/completions", completion("too long"), &[("x-request-id", "e1")]).await).await;
-    assert_eq!(status, 400, "the replica's status reaches the client unchanged");
-    assert!(v["error"]["message"].as_str().unwrap().contains("maximum context length"));
+    let (status, v) = read_json(
+        post(
+            &url,
+            "/v1/completions",
+            completion("too long"),
+            &[("x-request-id", "e1")],
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        status, 400,
+        "the replica's status reaches the client unchanged"
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("maximum context length")
+    );
     router.shutdown(Duration::from_secs(5)).await;
     let rows = read_rows(&dir.join("router.csv"));
     assert_eq!(rows.len(), 1);

@@ -63,6 +63,8 @@ fn main() {
             e2e.sort();
             lag.sort();
             let errs = out.outcomes.iter().filter(|o| !o.is_ok()).count();
+            let think: Vec<u64> = match &plan.schedule { workload::Schedule::Closed { users } => users[0].iter().map(|s| s.think_us).collect(), _ => vec![] };
+            eprintln!("  user0 think sum {} last end {} max sent {}", think.iter().sum::<u64>(), out.end_us, out.outcomes.iter().map(|o| o.sent_us).max().unwrap_or(0));
             eprintln!("  e2e p50 {} p99 {} lag p50 {} p99 {} errors {errs} {:?}", e2e[e2e.len()/2], e2e[e2e.len()*99/100], lag[lag.len()/2], lag[lag.len()*99/100], out.engine);
         }
         match summarize(&cfg, &plan, &out, &CellMeta::default(), wall) {

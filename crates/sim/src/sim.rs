@@ -115,8 +115,6 @@ enum Ev {
     StepEnd(u32),
     /// A KV event batch (slot) of a replica reaches the router.
     Deliver(u32, u32),
-    /// Request `r`'s client timeout.
-    Timeout(u32),
 }
 
 struct Item {
@@ -212,6 +210,9 @@ struct Sim<'a> {
     keying: Keying,
     heap: BinaryHeap<Item>,
     seq: u64,
+    /// Client timeouts `(at_us, request)`: sends happen in time order and every timeout is the
+    /// same length, so this queue is already sorted and stays out of the heap.
+    timeouts: VecDeque<(u64, u32)>,
     replicas: Vec<Replica>,
     fleet: Vec<ReplicaView>,
     reqs: Vec<Live>,
@@ -224,7 +225,8 @@ struct Sim<'a> {
     gap_pool: Vec<Vec<u32>>,
     session_ids: Vec<String>,
     keys_buf: Vec<u64>,
-    finished: Vec<Outcome>,
+    /// Finished requests, in completion order.
+    finished: Vec<u32>,
     per_replica_requests: Vec<u64>,
     decide_wall_ns: Vec<u64>,
     stop_us: Option<u64>,
@@ -300,6 +302,7 @@ pub fn simulate_with(cfg: &SimConfig, plan: &Plan, book: &PromptBook) -> Result<
         keying,
         heap: BinaryHeap::new(),
         seq: 0,
+        timeouts: VecDeque::new(),
         replicas,
         fleet: (0..cfg.replicas).map(ReplicaView::idle).collect(),
         reqs: Vec::with_capacity(plan.request_count()),
@@ -348,7 +351,13 @@ pub fn simulate_with(cfg: &SimConfig, plan: &Plan, book: &PromptBook) -> Result<
         index_event_errors: sim.policy.event_errors(),
         decide_wall_ns: sim.decide_wall_ns,
         events: sim.events,
-        outcomes: sim.finished,
+        outcomes: {
+            let mut reqs: Vec<Option<Outcome>> = sim.reqs.into_iter().map(|l| Some(l.out)).collect();
+            sim.finished
+                .iter()
+                .filter_map(|&r| reqs[r as usize].take())
+                .collect()
+        },
     })
 }
 
@@ -400,7 +409,26 @@ impl Sim<'_> {
     }
 
     fn run(&mut self) {
-        while let Some(Item { t, ev, .. }) = self.heap.pop() {
+        loop {
+            let next_heap = self.heap.peek().map(|i| i.t);
+            // Drop timeouts of requests that already ended without touching the clock.
+            while let Some(&(_, r)) = self.timeouts.front()
+                && self.reqs[r as usize].done
+            {
+                self.timeouts.pop_front();
+            }
+            if let Some(&(at, r)) = self.timeouts.front()
+                && next_heap.is_none_or(|h| at < h)
+            {
+                self.timeouts.pop_front();
+                self.now = self.now.max(at);
+                self.events += 1;
+                self.timeout(r, at);
+                continue;
+            }
+            let Some(Item { t, ev, .. }) = self.heap.pop() else {
+                break;
+            };
             self.now = self.now.max(t);
             self.events += 1;
             match ev {
@@ -417,7 +445,6 @@ impl Sim<'_> {
                 }
                 Ev::StepEnd(i) => self.end_step(i, t),
                 Ev::Deliver(i, b) => self.deliver(i, b, t),
-                Ev::Timeout(r) => self.timeout(r, t),
             }
         }
     }
@@ -486,8 +513,7 @@ impl Sim<'_> {
         let live = &mut self.reqs[r as usize];
         live.out.sent_us = t;
         live.out.warmup = t < self.warmup_us;
-        let timeout_at = t + self.timeout_us;
-        self.push(timeout_at, Ev::Timeout(r));
+        self.timeouts.push_back((t + self.timeout_us, r));
         if self.keying == Keying::ExactTokens {
             let at = t + self.tokenize_us;
             self.push(at, Ev::Decide(r));
@@ -771,7 +797,7 @@ impl Sim<'_> {
             f.outstanding = f.outstanding.saturating_sub(1);
             self.per_replica_requests[i as usize] += 1;
         }
-        self.finished.push(live.out.clone());
+        self.finished.push(r);
         if let Some(next) = self.conv_queue[conversation].pop_front() {
             self.send(next, t);
         } else {

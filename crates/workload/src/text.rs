@@ -16,22 +16,23 @@ const FUNCTION_WORDS: &[&str] = &[
     "up", "out", "do", "he", "she", "me", "my", "us",
 ];
 
-/// Content words: nouns, verbs and adjectives of everyday technical chat.
+/// Content words: nouns, verbs and adjectives of everyday chat, mostly short (as in real
+/// prose, where long words are rarer), with some longer ones that tokenizers split.
 const CONTENT_WORDS: &[&str] = &[
-    "system", "data", "model", "cache", "time", "value", "user", "order", "table", "query",
-    "server", "answer", "result", "report", "plan", "route", "token", "block", "queue", "score",
-    "run", "make", "find", "keep", "move", "send", "read", "write", "test", "build", "check",
-    "load", "store", "share", "count", "need", "help", "show", "give", "take", "work", "use",
-    "small", "large", "fast", "slow", "new", "old", "good", "clear", "exact", "early", "late",
-    "simple", "stable", "random", "recent", "common", "useful", "careful", "total", "final",
-    "memory", "engine", "request", "reply", "window", "budget", "limit", "policy", "measure",
-    "method", "number", "example", "question", "problem", "detail", "summary", "context",
-    "history", "network", "message", "account", "product", "customer", "weather", "garden",
-    "river", "city", "market", "music", "paper", "letter", "friend", "family", "school",
+    "data", "model", "cache", "time", "value", "user", "order", "table", "query", "node", "answer",
+    "result", "plan", "route", "token", "block", "queue", "score", "file", "page", "run", "make",
+    "find", "keep", "move", "send", "read", "write", "test", "build", "check", "load", "store",
+    "share", "count", "need", "help", "show", "give", "take", "work", "use", "small", "large",
+    "fast", "slow", "new", "old", "good", "clear", "exact", "early", "late", "stable", "random",
+    "recent", "common", "total", "final", "main", "next", "last", "same", "memory", "engine",
+    "request", "reply", "window", "budget", "limit", "policy", "measure", "method", "number",
+    "example", "question", "problem", "detail", "summary", "context", "river", "city", "market",
+    "music", "paper", "letter", "friend", "family", "school", "water", "light", "sound", "world",
+    "house", "night", "field", "point", "group", "place", "state",
 ];
 
 /// Share of positions filled from [`FUNCTION_WORDS`], in percent.
-const FUNCTION_WORD_PERCENT: u32 = 55;
+const FUNCTION_WORD_PERCENT: u32 = 45;
 
 /// Writes exactly `len_bytes` bytes of English-like ASCII text, deterministic in `seed`.
 ///
@@ -42,7 +43,7 @@ pub fn english_like(seed: u64, lead: &str, len_bytes: usize) -> String {
     let mut out = String::with_capacity(len_bytes + 16);
     out.push_str(lead);
     let mut words_in_sentence = 0u32;
-    let mut sentence_len = rng.random_range(6..16u32);
+    let mut sentence_len = rng.random_range(8..20u32);
     while out.len() < len_bytes {
         let pick_function = rng.random_range(0..100u32) < FUNCTION_WORD_PERCENT;
         let list = if pick_function {
@@ -68,8 +69,8 @@ pub fn english_like(seed: u64, lead: &str, len_bytes: usize) -> String {
         if words_in_sentence >= sentence_len {
             out.push('.');
             words_in_sentence = 0;
-            sentence_len = rng.random_range(6..16u32);
-        } else if words_in_sentence.is_multiple_of(7) {
+            sentence_len = rng.random_range(8..20u32);
+        } else if words_in_sentence.is_multiple_of(9) {
             out.push(',');
         }
     }
@@ -103,6 +104,32 @@ pub fn word_token_count(text: &str) -> usize {
     count
 }
 
+/// A BPE-like piece tokenizer: a word with its leading space is one piece, every other
+/// character is its own piece, and pieces longer than `max_piece_bytes` split into chunks of at
+/// most that many bytes (Llama-3-class vocabularies rarely hold longer English pieces). The
+/// engine emulator tokenizes this way with 6-byte pieces; used to check the text's ratio.
+pub fn piece_token_count(text: &str, max_piece_bytes: usize) -> usize {
+    let bytes = text.as_bytes();
+    let max = max_piece_bytes.max(1);
+    let mut count = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        let start = i;
+        if bytes[i] == b' ' && bytes.get(i + 1).is_some_and(u8::is_ascii_alphanumeric) {
+            i += 1;
+        }
+        if bytes[i].is_ascii_alphanumeric() {
+            while i < bytes.len() && bytes[i].is_ascii_alphanumeric() {
+                i += 1;
+            }
+        } else {
+            i += 1;
+        }
+        count += (i - start).div_ceil(max);
+    }
+    count
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,6 +157,23 @@ mod tests {
         let text = english_like(42, "", 400_000);
         let ratio = text.len() as f64 / word_token_count(&text) as f64;
         assert!((3.5..=4.5).contains(&ratio), "bytes per token {ratio}");
+    }
+
+    #[test]
+    fn about_four_bytes_per_piece_token() {
+        let text = english_like(42, "", 400_000);
+        let ratio = text.len() as f64 / piece_token_count(&text, 6) as f64;
+        assert!(
+            (3.8..=4.2).contains(&ratio),
+            "bytes per piece token {ratio}"
+        );
+    }
+
+    #[test]
+    fn piece_tokenizer_attaches_spaces_and_splits_long_words() {
+        // "The", " cat", ",", " sat", "." / " international" = 14 bytes → 3 pieces of ≤ 6.
+        assert_eq!(piece_token_count("The cat, sat.", 6), 5);
+        assert_eq!(piece_token_count(" international", 6), 3);
     }
 
     #[test]

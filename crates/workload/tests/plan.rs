@@ -292,3 +292,42 @@ fn invalid_arrivals_are_errors() {
         ));
     }
 }
+
+mod sizing_props {
+    use proptest::prelude::*;
+    use workload::{Sizing, WorkloadSpec, prefix_lengths};
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
+
+        /// Either the sizing hits the target to the token, or it refuses with an error (never
+        /// a silent miss), for any capacity, ratio and conversation shape.
+        #[test]
+        fn sizing_is_exact_or_refused(
+            capacity in 10_000u64..5_000_000,
+            ratio in 0.05f64..10.0,
+            turns in 1u32..12,
+            prefix in 16u32..4_000,
+            user in 1u32..400,
+            output in 1u32..300,
+        ) {
+            let spec = WorkloadSpec {
+                sizing: Sizing::WorkingSet { capacity_tokens: capacity, ratio },
+                turns,
+                prefix_tokens: prefix,
+                user_tokens: user,
+                output_tokens: output,
+                ..WorkloadSpec::default()
+            };
+            match prefix_lengths(&spec) {
+                Ok(prefixes) => {
+                    let total: u64 = prefixes.iter().map(|&p| spec.last_turn_tokens(p)).sum();
+                    let target = (ratio * capacity as f64).round();
+                    prop_assert_eq!(total as f64, target);
+                    prop_assert!(prefixes.iter().all(|&p| p >= u64::from(prefix / 2).max(1)));
+                }
+                Err(e) => prop_assert!(e.to_string().contains("too small"), "{}", e),
+            }
+        }
+    }
+}

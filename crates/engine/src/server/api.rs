@@ -402,7 +402,7 @@ impl Formatter {
 
     /// Appends the SSE events for one emission; returns true when the stream is complete.
     pub fn on_emit_stream(&mut self, e: Emit, q: &mut VecDeque<Bytes>) -> bool {
-        self.absorb(e);
+        self.count(e);
         let text = serde_json::to_string(tokenizer::decode_token(e.token)).expect("string");
         let finish = match e.finish {
             Some(f) => format!("\"{}\"", f.as_str()),
@@ -492,23 +492,28 @@ impl Formatter {
 
     /// Records one emission for a non-stream answer; returns true when finished.
     pub fn absorb(&mut self, e: Emit) -> bool {
+        self.count(e);
+        self.text.push_str(tokenizer::decode_token(e.token));
+        e.finish.is_some()
+    }
+
+    fn count(&mut self, e: Emit) {
         self.prompt_tokens = e.prompt_tokens;
         self.cached_tokens = e.cached_tokens;
         self.completion_tokens = e.output_index + 1;
-        self.text.push_str(tokenizer::decode_token(e.token));
         self.finish = e.finish.map(|f| f.as_str());
-        e.finish.is_some()
     }
 
     /// The non-stream response body.
     pub fn final_json(&self, id: &str, created: u64, model: &str) -> String {
         let mut usage = String::new();
+        // Non-stream answers are whole pydantic dumps in vLLM: unset details are null.
         usage_json(
             &mut usage,
             self.prompt_tokens,
             self.completion_tokens,
             self.cached(),
-            self.kind == Kind::Completion,
+            true,
         );
         let usage: Value = serde_json::from_str(&usage).expect("usage is valid JSON");
         let v = match self.kind {

@@ -72,6 +72,9 @@ impl Clock {
     }
 }
 
+/// Longest time before a deadline the thread stops sleeping and starts yield-spinning, µs.
+const SPIN_US: u64 = 100;
+
 struct Live {
     tx: mpsc::UnboundedSender<Emit>,
     arrival_us: u64,
@@ -106,12 +109,31 @@ pub fn run(
             },
             Some(t) => {
                 let now = clock.now_us();
-                if now < t {
-                    match rx.recv_timeout(Duration::from_micros(t - now)) {
+                // Spin at most 1/16 of the wait being ended, so fast replicas (high --speed)
+                // do not burn a core.
+                let spin_us = if in_flight {
+                    (out.duration_us / 16).min(SPIN_US)
+                } else {
+                    (frontend_us / 16).min(SPIN_US)
+                };
+                if now + spin_us < t {
+                    // Sleep until just before the deadline (the futex timeout has ~50 µs of
+                    // slack), then yield-spin the rest so emission lands on time.
+                    match rx.recv_timeout(Duration::from_micros(t - now - spin_us)) {
                         Ok(c) => Some(c),
-                        Err(RecvTimeoutError::Timeout) => None,
+                        Err(RecvTimeoutError::Timeout) => continue,
                         Err(RecvTimeoutError::Disconnected) => return,
                     }
+                } else if now < t {
+                    match rx.try_recv() {
+                        Ok(c) => Some(c),
+                        Err(_) => {
+                            std::thread::yield_now();
+                            continue;
+                        }
+                    }
+                } else if in_flight {
+                    None // emit first; pending commands wait one iteration
                 } else {
                     rx.try_recv().ok()
                 }
@@ -174,6 +196,8 @@ pub fn run(
             if let (Some(tx), false) = (&events_tx, out.kv_events.is_empty()) {
                 let _ = tx.send(std::mem::take(&mut out.kv_events));
             }
+            // One lock per step: /metrics readers copy the state and render outside it.
+            let mut m = metrics.lock().expect("metrics lock");
             for tok in &out.tokens {
                 let Some(l) = live.get_mut(&tok.id) else {
                     continue;
@@ -185,7 +209,6 @@ pub fn run(
                     prompt_tokens: tok.prompt_tokens,
                     cached_tokens: tok.cached_tokens,
                 });
-                let mut m = metrics.lock().expect("metrics lock");
                 if tok.output_index == 0 {
                     m.ttft
                         .observe(now.saturating_sub(l.arrival_us) as f64 / 1e6);
@@ -200,15 +223,12 @@ pub fn run(
                         FinishReason::Stop => m.finished_stop += 1,
                         FinishReason::Length => m.finished_length += 1,
                     }
-                    drop(m);
                     live.remove(&tok.id);
                 }
             }
-            {
-                let mut m = metrics.lock().expect("metrics lock");
-                m.lateness.observe(late_us as f64 / 1e6);
-                m.lateness_us.saturating_record(late_us);
-            }
+            m.lateness.observe(late_us as f64 / 1e6);
+            m.lateness_us.saturating_record(late_us);
+            drop(m);
             publish_gauges(&engine, &metrics, aborted);
             continue;
         }

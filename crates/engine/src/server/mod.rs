@@ -135,12 +135,14 @@ impl Server {
 
     /// The one JSON line the binary prints once it accepts connections (docs/CONTRACTS.md).
     pub fn readiness_line(&self) -> String {
-        json!({
-            "listening": self.addr.to_string(),
-            "kv_events": self.kv_events,
-            "kv_replay": self.kv_replay,
-        })
-        .to_string()
+        // Written by hand to keep the documented key order (serde_json sorts object keys).
+        let opt = |v: &Option<String>| serde_json::to_string(v).expect("string or null");
+        format!(
+            "{{\"listening\":{},\"kv_events\":{},\"kv_replay\":{}}}",
+            serde_json::to_string(&self.addr.to_string()).expect("string"),
+            opt(&self.kv_events),
+            opt(&self.kv_replay)
+        )
     }
 
     /// A copy of the metrics state (counters, gauges, histograms).
@@ -395,15 +397,14 @@ async fn handle(
         ),
         (Method::GET, "/v1/models") => json_response(StatusCode::OK, models_json(&st)),
         (Method::GET, "/metrics") => {
-            let text = {
-                let m = st.metrics.lock().expect("metrics lock");
-                metrics::render(
-                    &m,
-                    &st.served[0],
-                    st.engine_cfg.block_size,
-                    st.engine_cfg.num_gpu_blocks,
-                )
-            };
+            // Copy under the lock, render outside it: the engine thread takes this lock per step.
+            let snapshot = st.metrics.lock().expect("metrics lock").clone();
+            let text = metrics::render(
+                &snapshot,
+                &st.served[0],
+                st.engine_cfg.block_size,
+                st.engine_cfg.num_gpu_blocks,
+            );
             full(
                 StatusCode::OK,
                 "text/plain; version=0.0.4; charset=utf-8",
@@ -571,7 +572,7 @@ async fn generate(
         .cmd
         .send(Command::Add {
             id,
-            prompt: g.prompt.clone(),
+            prompt: g.prompt,
             params: g.params,
             arrival_us,
             tx,

@@ -53,7 +53,9 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let addr = listener.local_addr().expect("bound listener has an address");
+    let addr = listener
+        .local_addr()
+        .expect("bound listener has an address");
     if mode == "silent" {
         loop {
             std::thread::park();

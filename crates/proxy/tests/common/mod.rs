@@ -50,6 +50,7 @@ impl Default for Script {
             cached_tokens: Some(16),
             hold: false,
             pad_bytes: 0,
+            fail_status: None,
         }
     }
 }
@@ -293,7 +294,10 @@ async fn handle(
             let pad = script.pad_bytes;
             if let Some(code) = script.fail_status {
                 let status = StatusCode::from_u16(code).unwrap();
-                return plain(json(status, serde_json::json!({"error":{"message":"This model's maximum context length is 8192 tokens","type":"BadRequestError","param":null,"code":code}})));
+                return plain(json(
+                    status,
+                    serde_json::json!({"error":{"message":"This model's maximum context length is 8192 tokens","type":"BadRequestError","param":null,"code":code}}),
+                ));
             }
             let text = move |i: usize| format!("t{i}{}", "x".repeat(pad));
             if !v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false) {

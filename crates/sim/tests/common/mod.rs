@@ -1,0 +1,73 @@
+//! Shared helpers: small plans and scratch directories removed on drop.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use workload::{ArrivalSpec, Plan, Sizing, WorkloadSpec};
+
+/// A directory under the target dir's tmp, removed when dropped (even when a test fails).
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("sim-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        Scratch(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A closed-loop plan sized against `capacity_tokens`.
+pub fn closed_plan(
+    capacity_tokens: u64,
+    ratio: f64,
+    zipf_s: f64,
+    users: u32,
+    per_user: u32,
+    seed: u64,
+) -> Plan {
+    let spec = WorkloadSpec {
+        seed,
+        sizing: Sizing::WorkingSet {
+            capacity_tokens,
+            ratio,
+        },
+        zipf_s,
+        ..WorkloadSpec::default()
+    };
+    let arrival = ArrivalSpec::Closed {
+        users,
+        think_mean_s: 1.0,
+        requests_per_user: per_user,
+    };
+    Plan::build(&spec, &arrival).expect("plan")
+}
+
+/// A small open-loop plan with a fixed number of conversations.
+pub fn open_plan(conversations: u32, rate_rps: f64, duration_s: f64, seed: u64) -> Plan {
+    let spec = WorkloadSpec {
+        seed,
+        sizing: Sizing::Conversations(conversations),
+        turns: 4,
+        prefix_tokens: 300,
+        user_tokens: 60,
+        output_tokens: 24,
+        ..WorkloadSpec::default()
+    };
+    let arrival = ArrivalSpec::Open {
+        rate_rps,
+        duration_s,
+    };
+    Plan::build(&spec, &arrival).expect("plan")
+}

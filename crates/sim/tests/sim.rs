@@ -1,0 +1,384 @@
+//! The simulator against the live contracts: prompts, row schema, determinism, timing fidelity,
+//! the router model, and the expected direction of a policy comparison.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{Scratch, closed_plan, open_plan};
+use engine::{Engine, SamplingParams};
+use sim::prompts::{PromptBook, canonical_bytes, engine_tokens};
+use sim::{CellMeta, SimConfig, SimError, run_cell, simulate};
+use workload::Schedule;
+
+/// Small replicas keep debug-mode runs fast while still filling caches.
+fn small(replicas: u32, policy: &str) -> SimConfig {
+    let mut cfg = SimConfig::new(replicas, policy);
+    cfg.engine.num_gpu_blocks = 1024;
+    cfg
+}
+
+/// The columns of a row file as docs/CONTRACTS.md lists them (the line after `name` (…):).
+fn contract_columns(file: &str) -> Vec<String> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/CONTRACTS.md");
+    let text = std::fs::read_to_string(path).expect("docs/CONTRACTS.md");
+    let mut lines = text.lines();
+    lines
+        .find(|l| l.starts_with(&format!("`{file}`")))
+        .expect("the file's section");
+    let cols = lines.next().expect("the column line").trim().trim_matches('`');
+    cols.split(',').map(str::to_string).collect()
+}
+
+fn read_csv(path: &std::path::Path) -> (Vec<String>, Vec<HashMap<String, String>>) {
+    let mut r = csv::Reader::from_path(path).expect("csv");
+    let header: Vec<String> = r.headers().expect("header").iter().map(str::to_string).collect();
+    let rows = r
+        .records()
+        .map(|rec| {
+            let rec = rec.expect("record");
+            assert_eq!(rec.len(), header.len(), "every record has every column");
+            header
+                .iter()
+                .cloned()
+                .zip(rec.iter().map(str::to_string))
+                .collect()
+        })
+        .collect();
+    (header, rows)
+}
+
+fn num(row: &HashMap<String, String>, col: &str) -> f64 {
+    row[col]
+        .parse()
+        .unwrap_or_else(|_| panic!("{col} = {:?} is not a number", row[col]))
+}
+
+#[test]
+fn prompts_match_the_live_renderings() {
+    let plan = closed_plan(100_000, 0.5, 0.0, 2, 4, 3);
+    let book = PromptBook::new(&plan, "m", 64, true).expect("book");
+    for c in 0..plan.conversations.len() as u32 {
+        for turn in 1..=plan.spec.turns {
+            let msgs = plan.messages(c, turn).expect("messages");
+            let mut got = Vec::new();
+            book.prompt_into(c, turn, &mut got).expect("prompt");
+            assert_eq!(got, engine_tokens(&msgs), "tokens of conversation {c} turn {turn}");
+            let mut bytes = Vec::new();
+            canonical_bytes(&msgs, &mut bytes);
+            let keys = kv_index::hash::byte_block_keys(b"m", &bytes, 64);
+            assert_eq!(book.belief_keys(c, turn).expect("keys"), &keys[..]);
+        }
+    }
+    assert!(book.prompt_into(0, 0, &mut Vec::new()).is_err());
+    assert!(book.belief_keys(plan.conversations.len() as u32, 1).is_err());
+}
+
+#[test]
+fn canonical_bytes_follow_the_documented_form() {
+    let msgs = [
+        workload::Message {
+            role: workload::Role::System,
+            content: "ctx",
+        },
+        workload::Message {
+            role: workload::Role::User,
+            content: "hi",
+        },
+    ];
+    let mut out = Vec::new();
+    canonical_bytes(&msgs, &mut out);
+    assert_eq!(out, b"<|system|>\nctx\n<|user|>\nhi\n");
+}
+
+#[test]
+fn rows_and_meta_follow_the_contract() {
+    let dir = Scratch::new("schema");
+    let cfg = {
+        let mut c = small(2, "exact-residency");
+        c.driver.warmup_s = 5.0;
+        c
+    };
+    let plan = closed_plan(cfg.capacity_tokens(), 1.0, 1.0, 6, 8, 5);
+    let meta = CellMeta {
+        sweep: "s".into(),
+        point: "p".into(),
+        rep: 2,
+        ..CellMeta::default()
+    };
+    let summary = run_cell(&cfg, &plan, dir.path(), &meta).expect("cell");
+    assert_eq!(summary.requests, plan.request_count());
+    assert_eq!(summary.ok, summary.requests);
+
+    let (client_header, client) = read_csv(&dir.path().join("client.csv"));
+    assert_eq!(client_header, contract_columns("client.csv"));
+    let (router_header, router) = read_csv(&dir.path().join("router.csv"));
+    assert_eq!(router_header, contract_columns("router.csv"));
+    assert_eq!(client.len(), plan.request_count());
+    assert_eq!(router.len(), plan.request_count());
+
+    let by_id: HashMap<&str, &HashMap<String, String>> =
+        router.iter().map(|r| (r["request_id"].as_str(), r)).collect();
+    for c in &client {
+        let (sent, first, last) = (num(c, "sent_s"), num(c, "first_token_s"), num(c, "last_s"));
+        assert!(num(c, "scheduled_s") <= sent && sent < first && first <= last);
+        let ttft = num(c, "ttft_ms");
+        assert!((ttft - (first - sent) * 1e3).abs() < 1e-3, "ttft is first − sent");
+        // Exact residency pays the tokenize round trip and the engine's frontend cost first.
+        assert!(ttft > 26.0 + 38.0, "ttft {ttft} ms");
+        assert_eq!(c["status"], "200");
+        assert_eq!(c["error"], "");
+        assert_eq!(num(c, "output_tokens"), f64::from(plan.spec.output_tokens));
+        assert_eq!(c["chunks"], c["output_tokens"]);
+        assert_eq!(c["warmup"], if sent < 5.0 { "1" } else { "0" });
+        let r = by_id[c["request_id"].as_str()];
+        assert_eq!(r["session_id"], c["session_id"]);
+        assert_eq!(r["arrival_s"], c["sent_s"]);
+        assert_eq!(r["policy"], "exact-residency");
+        assert_eq!(r["prompt_tokens"], c["prompt_tokens"]);
+        assert_eq!(r["cached_tokens"], c["cached_tokens"]);
+        assert_eq!(r["tokenize_ms"], "26.000");
+        assert_eq!(r["decide_ns"], "5000");
+        assert_eq!(r["overhead_us"], "105");
+        assert_eq!(r["attempts"], "1");
+        assert!(num(r, "replica") < 2.0);
+        let branches = ["match", "tie", "miss", "spill-load", "spill-residency"];
+        assert!(branches.contains(&r["branch"].as_str()), "{}", r["branch"]);
+    }
+    // Later turns of a conversation hit the cache.
+    assert!(client.iter().any(|c| num(c, "turn") > 1.0 && !c["cached_tokens"].is_empty()));
+
+    let meta: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join("meta.json")).expect("meta.json"),
+    )
+    .expect("json");
+    for field in [
+        "sweep",
+        "point",
+        "policy",
+        "rep",
+        "workload_name",
+        "workload_fingerprint",
+        "plan_fingerprint",
+        "fleet",
+        "slo",
+        "window",
+        "git_rev",
+        "versions",
+        "virtual",
+        "complete",
+        "accepted",
+        "set_aside_reason",
+    ] {
+        assert!(meta.get(field).is_some(), "meta.json lacks {field}");
+    }
+    assert_eq!(meta["virtual"], true);
+    assert_eq!(meta["complete"], true);
+    assert_eq!(meta["policy"], "exact-residency");
+    assert_eq!(meta["rep"], 2);
+    assert_eq!(meta["fleet"]["replicas"], 2);
+    assert_eq!(meta["fleet"]["capacity_tokens"], cfg.capacity_tokens());
+    assert_eq!(meta["plan_fingerprint"], plan.fingerprint_hex().expect("fp"));
+    assert_eq!(meta["window"]["warmup_s"], 5.0);
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("dir")
+        .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
+        .collect();
+    assert!(names.iter().all(|n| !n.ends_with(".tmp")), "no temp files left: {names:?}");
+}
+
+#[test]
+fn the_same_seed_gives_byte_identical_rows() {
+    let dir = Scratch::new("determinism");
+    for policy in ["prefix-affinity", "exact-residency-spec", "least-outstanding"] {
+        let mut cfg = small(3, policy);
+        cfg.engine.model.jitter = 0.05;
+        let plan = closed_plan(cfg.capacity_tokens(), 2.0, 1.0, 12, 8, 11);
+        let mut files = Vec::new();
+        for k in 0..2 {
+            let out = dir.path().join(format!("{policy}-{k}"));
+            run_cell(&cfg, &plan, &out, &CellMeta::default()).expect("cell");
+            files.push((
+                std::fs::read(out.join("client.csv")).expect("client"),
+                std::fs::read(out.join("router.csv")).expect("router"),
+            ));
+        }
+        assert!(files[0] == files[1], "{policy}: rows differ between identical runs");
+        // Another seed moves the jittered step times, so the rows change.
+        cfg.engine.seed += 1;
+        let out = dir.path().join(format!("{policy}-other"));
+        run_cell(&cfg, &plan, &out, &CellMeta::default()).expect("cell");
+        let other = std::fs::read(out.join("client.csv")).expect("client");
+        assert!(other != files[0].0, "{policy}: the seed changed nothing");
+    }
+}
+
+#[test]
+fn ttft_is_the_engine_cores_own_timing_plus_the_router_model() {
+    let cfg = small(1, "round-robin");
+    let plan = closed_plan(cfg.capacity_tokens(), 0.5, 0.0, 1, 1, 1);
+    let Schedule::Closed { users } = &plan.schedule else {
+        panic!("closed plan");
+    };
+    let step = users[0][0];
+    let out = simulate(&cfg, &plan).expect("simulate");
+    let o = &out.outcomes[0];
+    assert_eq!(o.sent_us, step.think_us);
+
+    // The same request straight into an engine core, stepped as the server's loop steps it.
+    let mut engine = Engine::new(cfg.engine.clone()).expect("engine");
+    let prompt = engine_tokens(&plan.messages(step.conversation, step.turn).expect("messages"));
+    let dispatch = step.think_us + cfg.router.forward_overhead_us + cfg.router.decide_cost_us;
+    let params = SamplingParams {
+        max_tokens: plan.spec.output_tokens,
+        ignore_eos: true,
+    };
+    engine.add_request(7, prompt, params, dispatch).expect("add");
+    let mut t = engine.next_wakeup_us(0).expect("work");
+    let mut first = None;
+    let mut last = 0;
+    while let Some(w) = engine.next_wakeup_us(t) {
+        let s = engine.step(w.max(t));
+        t = s.end_us();
+        if s.tokens.iter().any(|k| k.output_index == 0) {
+            first.get_or_insert(t);
+        }
+        if !s.tokens.is_empty() {
+            last = t;
+        }
+    }
+    assert_eq!(o.first_us, first, "first token");
+    assert_eq!(o.last_us, Some(last), "last token");
+    let frontend_us = cfg.engine.model.frontend_us();
+    assert!(o.ttft_ms().expect("ttft") * 1e3 > (frontend_us + 105) as f64);
+}
+
+#[test]
+fn events_reach_the_router_only_after_their_delay() {
+    let plan = closed_plan(200_000, 0.5, 0.0, 4, 12, 2);
+    let matched = |transport_us: u64| {
+        let mut cfg = small(2, "exact-residency");
+        cfg.router.event_transport_us = transport_us;
+        let out = simulate(&cfg, &plan).expect("simulate");
+        assert!(out.engine.event_batches > 0);
+        assert_eq!(out.index_event_errors, 0, "every event applies to the index");
+        out.outcomes
+            .iter()
+            .filter(|o| o.decision.is_some_and(|d| d.predicted_match_tokens > 0))
+            .count()
+    };
+    assert!(matched(200) > 20, "prompts match what earlier turns stored");
+    // Events that arrive after the run ended teach the index nothing.
+    assert_eq!(matched(10_000_000_000), 0);
+}
+
+#[test]
+fn open_loop_keeps_a_conversations_turns_in_order() {
+    let plan = open_plan(6, 8.0, 20.0, 4);
+    let Schedule::Open { arrivals } = &plan.schedule else {
+        panic!("open plan");
+    };
+    let cfg = small(2, "session-affinity");
+    let out = simulate(&cfg, &plan).expect("simulate");
+    assert_eq!(out.outcomes.len(), arrivals.len());
+    let mut by_conv: HashMap<u32, Vec<&sim::rows::Outcome>> = HashMap::new();
+    for o in &out.outcomes {
+        let sim::rows::Origin::Open { index } = o.origin else {
+            panic!("open origin");
+        };
+        assert_eq!(o.scheduled_us, arrivals[index as usize].at_us);
+        assert!(o.sent_us >= o.scheduled_us);
+        by_conv.entry(o.conversation).or_default().push(o);
+    }
+    let mut waited = 0;
+    for list in by_conv.values_mut() {
+        list.sort_by_key(|o| o.scheduled_us);
+        for w in list.windows(2) {
+            assert!(w[1].sent_us >= w[0].end_us, "a turn overlapped its predecessor");
+            if w[1].sent_us > w[1].scheduled_us {
+                waited += 1;
+            }
+        }
+    }
+    assert!(waited > 0, "at 8 req/s over 6 conversations some turns must wait");
+}
+
+#[test]
+fn duration_and_timeout_bound_the_run() {
+    let mut cfg = small(2, "round-robin");
+    cfg.driver.duration_s = Some(20.0);
+    let plan = closed_plan(cfg.capacity_tokens(), 1.0, 0.0, 4, 50, 9);
+    let out = simulate(&cfg, &plan).expect("simulate");
+    assert!(!out.outcomes.is_empty() && out.outcomes.len() < plan.request_count());
+    assert!(out.outcomes.iter().all(|o| o.scheduled_us < 20_000_000));
+
+    cfg.driver.duration_s = None;
+    cfg.driver.timeout_s = 0.02; // below the 38 ms frontend cost: nothing can finish
+    let plan = closed_plan(cfg.capacity_tokens(), 1.0, 0.0, 2, 3, 9);
+    let out = simulate(&cfg, &plan).expect("simulate");
+    assert_eq!(out.outcomes.len(), plan.request_count(), "timeouts are rows too");
+    for o in &out.outcomes {
+        assert!(o.error.starts_with("timeout:"), "{}", o.error);
+        assert_eq!(o.status, 0);
+        assert_eq!(o.end_us - o.sent_us, 20_000);
+    }
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    let plan = open_plan(2, 1.0, 5.0, 1);
+    let mut cfg = small(0, "round-robin");
+    assert!(matches!(simulate(&cfg, &plan), Err(SimError::Config(_))));
+    cfg.replicas = 2;
+    cfg.policy = policies::PolicySpec::named("no-such-policy");
+    assert!(matches!(simulate(&cfg, &plan), Err(SimError::Config(_))));
+    cfg.policy = policies::PolicySpec::named("round-robin");
+    cfg.slowdowns = vec![1.0, -1.0];
+    assert!(matches!(simulate(&cfg, &plan), Err(SimError::Config(_))));
+    cfg.slowdowns.clear();
+    cfg.driver.warmup_s = 100.0;
+    let dir = Scratch::new("bad");
+    let e = run_cell(&cfg, &plan, dir.path(), &CellMeta::default()).unwrap_err();
+    assert!(matches!(e, SimError::Window(_)), "{e}");
+    assert!(!dir.path().join("meta.json").exists());
+    // A book built for another salt is refused.
+    let book = PromptBook::new(&plan, "other", 64, true).expect("book");
+    assert!(sim::simulate_with(&small(2, "prefix-affinity"), &plan, &book).is_err());
+}
+
+#[test]
+fn policy_names_match_the_policies_crate() {
+    let plan = open_plan(3, 2.0, 5.0, 1);
+    for name in policies::POLICY_NAMES {
+        let out = simulate(&small(2, name), &plan).expect("simulate");
+        let built = policies::build(&policies::PolicySpec::named(name)).expect("build");
+        assert_eq!(out.policy, built.name());
+    }
+}
+
+/// Under capacity pressure (working set 3× the fleet's KV) session affinity's hash places
+/// conversations unevenly, so its busiest replica's cache thrashes; prefix affinity places each
+/// new conversation on the least-loaded replica and then keeps it there, so it keeps more of the
+/// prefix cache's hits. The hit rate is the engines' own (`cached_tokens ÷ prompt_tokens`).
+#[test]
+fn prefix_affinity_keeps_more_hits_than_session_affinity_under_pressure() {
+    let base = SimConfig::new(4, "session-affinity");
+    let plan = closed_plan(base.capacity_tokens(), 3.0, 0.0, 48, 16, 7);
+    let hit_rate = |policy: &str| {
+        let mut cfg = base.clone();
+        cfg.policy = policies::PolicySpec::named(policy);
+        let out = simulate(&cfg, &plan).expect("simulate");
+        let (c, p) = out.outcomes.iter().fold((0u64, 0u64), |(c, p), o| {
+            (c + u64::from(o.cached_tokens), p + u64::from(o.prompt_tokens.unwrap_or(0)))
+        });
+        c as f64 / p as f64
+    };
+    let session = hit_rate("session-affinity");
+    let prefix = hit_rate("prefix-affinity");
+    let round_robin = hit_rate("round-robin");
+    assert!(
+        prefix > session + 0.05,
+        "prefix-affinity {prefix:.3} vs session-affinity {session:.3}"
+    );
+    assert!(session > round_robin, "stickiness beats spraying: {session:.3} vs {round_robin:.3}");
+}
