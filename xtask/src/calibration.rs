@@ -48,7 +48,7 @@ pub struct CalibrateArgs {
     /// Mean think time of the reference load, s of model time (wall = think ÷ speed).
     #[arg(long, default_value_t = 1.0)]
     pub think_s: f64,
-    /// Warm-up of the reference run, wall s (default 10, or 3 with --quick).
+    /// Warm-up of the reference run, wall s (default 20, or 6 with --quick).
     #[arg(long)]
     pub warmup_s: Option<f64>,
     /// Measured window of the reference run, wall s (default 40, or 10 with --quick).
@@ -64,11 +64,12 @@ pub struct CalibrateArgs {
 
 impl CalibrateArgs {
     fn warmup(&self) -> f64 {
-        self.warmup_s.unwrap_or(if self.quick { 3.0 } else { 10.0 })
+        self.warmup_s
+            .unwrap_or_else(|| crate::fleetargs::default_warmup_s(self.quick))
     }
     fn measure(&self) -> f64 {
         self.measure_s
-            .unwrap_or(if self.quick { 10.0 } else { 40.0 })
+            .unwrap_or_else(|| crate::fleetargs::default_measure_s(self.quick))
     }
 }
 

@@ -58,6 +58,12 @@ pub const DEFAULT_POLICIES: &[&str] = &[
 /// fault: the time the kill itself takes to land (signal delivery, socket teardown).
 const FAULT_SLACK_S: f64 = 0.005;
 
+/// Buckets (s) over which SLO attainment after the restart is compared with before the fault.
+const RECOVERY_BUCKETS: usize = 3;
+
+/// Share of the attainment before the fault that counts as recovered.
+const RECOVERED_SHARE: f64 = 0.95;
+
 /// Which fault.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -381,8 +387,11 @@ pub struct RepOutcome {
     pub goodput_outage_rps: Option<f64>,
     /// After the restart.
     pub goodput_after_rps: Option<f64>,
-    /// Seconds from the restart until goodput is back to 90% of its level before the fault
-    /// (3-s trailing mean); `None`: not within the run.
+    /// SLO attainment (good ÷ sent) before the fault, during the outage, after the restart.
+    pub attainment: [Option<f64>; 3],
+    /// Seconds from the restart to the start of the first 3-s span whose SLO attainment (good ÷
+    /// sent) is back to 95% of its level before the fault; `None`: not within the run. Counted
+    /// in whole buckets, so it is at least the gap to the next bucket start.
     pub recovery_s: Option<f64>,
     /// The fault's instants on the driver's clock.
     pub driver: Instants,
@@ -428,12 +437,8 @@ pub fn fault(args: &FaultArgs, bins: &Bins) -> Result<PathBuf> {
         bail!("a fault needs at least 2 replicas: the others carry the load during the outage");
     }
     let speed = args.fleet.effective_speed();
-    let rate = args.rate.unwrap_or(0.8 * n as f64);
-    if !(rate.is_finite() && rate > 0.0) {
-        bail!("--rate must be positive, got {rate}");
-    }
-    let rate = (rate * 1000.0).round() / 1000.0;
-    let point = format!("ws1-s0-rate{rate}");
+    let rate = model_rate(args, n)?;
+    let point = point_name(rate);
     let plan = run::ensure_plan(
         &dir.join(&point),
         &WorkloadSpec {
@@ -528,7 +533,7 @@ pub fn fault(args: &FaultArgs, bins: &Bins) -> Result<PathBuf> {
         }
     }
     fleet.stop();
-    let summary = summarize(&dir)?;
+    let summary = summarize(&dir, &point)?;
     println!("{}", std::fs::read_to_string(dir.join("summary.md"))?);
     if !summary.violations.is_empty() {
         bail!(
@@ -539,6 +544,22 @@ pub fn fault(args: &FaultArgs, bins: &Bins) -> Result<PathBuf> {
         );
     }
     Ok(dir)
+}
+
+/// The open-loop rate in requests per second of model time: `--rate`, else 0.8 per replica
+/// (the middle of the `load` sweep), rounded to 1/1000.
+fn model_rate(args: &FaultArgs, replicas: usize) -> Result<f64> {
+    let rate = args.rate.unwrap_or(0.8 * replicas as f64);
+    if !(rate.is_finite() && rate > 0.0) {
+        bail!("--rate must be positive, got {rate}");
+    }
+    Ok((rate * 1000.0).round() / 1000.0)
+}
+
+/// The point directory: the frozen point (working set 1, skew 0) at `rate`, named like the
+/// `load` sweep's points.
+pub fn point_name(model_rate_rps: f64) -> String {
+    format!("ws1-s0-rate{model_rate_rps}")
 }
 
 /// The SLO, capacity and index settings: from the SLO flags (capacity read from the replicas),
@@ -999,7 +1020,7 @@ fn run_rep(fleet: &mut Fleet, c: &RepContext<'_>) -> Result<String> {
         fmt_opt(outcome.goodput_after_rps, 1),
         outcome.recovery_s.map_or_else(
             || "not within the run".to_string(),
-            |s| format!("{s:.0} s after the restart")
+            |s| format!("{s:.1} s after the restart")
         ),
     ))
 }
@@ -1172,15 +1193,37 @@ pub fn analyse_rep(
     let goodput_before_rps = mean_in(before_start, d_ev.fault_s);
     let goodput_outage_rps = mean_in(d_ev.down_s, d_ev.up_s);
     let goodput_after_rps = mean_in(d_ev.up_s, end_d);
-    let recovery_s = goodput_before_rps.and_then(|level| {
+    // Recovery is judged on SLO attainment (good ÷ sent), not on goodput itself: the open-loop
+    // plan's arrivals per second are Poisson, and their noise alone would move goodput by more
+    // than any threshold worth setting.
+    let attainment = |buckets: &[&GoodputBucket]| {
+        let sent: u64 = buckets.iter().map(|g| g.requests).sum();
+        let good: u64 = buckets.iter().map(|g| g.good).sum();
+        (sent > 0).then(|| good as f64 / sent as f64)
+    };
+    let before_buckets: Vec<&GoodputBucket> = goodput
+        .iter()
+        .filter(|g| g.start_s >= before_start && g.start_s + 1.0 <= d_ev.fault_s)
+        .collect();
+    let within = |a: f64, b: f64| -> Vec<&GoodputBucket> {
+        goodput
+            .iter()
+            .filter(|g| g.start_s >= a && g.start_s + 1.0 <= b)
+            .collect()
+    };
+    let attainments = [
+        attainment(&before_buckets),
+        attainment(&within(d_ev.down_s, d_ev.up_s)),
+        attainment(&within(d_ev.up_s, end_d)),
+    ];
+    let recovery_s = attainment(&before_buckets).and_then(|level| {
         let after: Vec<&GoodputBucket> =
             goodput.iter().filter(|g| g.start_s >= d_ev.up_s).collect();
-        // A trailing mean over up to 3 buckets: one bucket of Poisson arrivals is noisy, and
-        // near the end of the run fewer remain.
         (0..after.len()).find_map(|i| {
-            let w = &after[i..(i + 3).min(after.len())];
-            let m = w.iter().map(|g| g.goodput_rps).sum::<f64>() / w.len() as f64;
-            (m >= 0.9 * level).then(|| (w[0].start_s - d_ev.up_s).max(0.0))
+            let w = &after[i..(i + RECOVERY_BUCKETS).min(after.len())];
+            attainment(w)
+                .is_some_and(|a| a >= RECOVERED_SHARE * level)
+                .then(|| (w[0].start_s - d_ev.up_s).max(0.0))
         })
     });
     RepOutcome {
@@ -1196,6 +1239,7 @@ pub fn analyse_rep(
         goodput_before_rps,
         goodput_outage_rps,
         goodput_after_rps,
+        attainment: attainments,
         recovery_s,
         driver: d_ev,
     }
@@ -1303,47 +1347,41 @@ pub fn timeline_csv(rows: &[TimelineRow]) -> String {
     s
 }
 
-/// Reads every complete repetition of a fault directory, checks the loss bounds and writes
-/// `timeline.csv`, `summary.json` and `summary.md` into it.
-pub fn summarize(dir: &Path) -> Result<Summary> {
+/// Reads every complete repetition of `point` in a fault directory, checks the loss bounds and
+/// writes `timeline.csv`, `summary.json` and `summary.md` into the directory.
+pub fn summarize(dir: &Path, point: &str) -> Result<Summary> {
+    let point_dir = dir.join(point);
+    if !point_dir.is_dir() {
+        bail!("{} holds no point `{point}`", dir.display());
+    }
     let mut reps = Vec::new();
-    let mut point_name = String::new();
     let mut kind = None;
-    for point in sorted_dirs(dir)? {
-        let name = file_name(&point);
-        if name.starts_with('_') || name == "logs" {
-            continue;
-        }
-        for policy_dir in sorted_dirs(&point)? {
-            for rep_dir in sorted_dirs(&policy_dir)? {
-                let Some(rep) = analysis::load::rep_number(&file_name(&rep_dir)) else {
-                    continue;
-                };
-                if !CellState::of(&rep_dir).is_done() || !rep_dir.join("fault.json").exists() {
-                    continue;
-                }
-                let events: FaultEvents =
-                    serde_json::from_str(&std::fs::read_to_string(rep_dir.join("fault.json"))?)
-                        .with_context(|| {
-                            format!("parsing {}", rep_dir.join("fault.json").display())
-                        })?;
-                let meta =
-                    analysis::read_meta(&rep_dir.join("meta.json")).map_err(|e| anyhow!("{e}"))?;
-                let client = analysis::read_client_csv(&rep_dir.join("client.csv"))
-                    .map_err(|e| anyhow!("{e}"))?;
-                let router = analysis::read_router_csv(&rep_dir.join("router.csv"))
-                    .map_err(|e| anyhow!("{e}"))?;
-                let policy = file_name(&policy_dir);
-                reps.push(analyse_rep(
-                    &policy, rep, &events, &client, &router, &meta.slo,
-                ));
-                point_name = file_name(&point);
-                kind = Some(events.kind);
+    for policy_dir in sorted_dirs(&point_dir)? {
+        for rep_dir in sorted_dirs(&policy_dir)? {
+            let Some(rep) = analysis::load::rep_number(&file_name(&rep_dir)) else {
+                continue;
+            };
+            if !CellState::of(&rep_dir).is_done() || !rep_dir.join("fault.json").exists() {
+                continue;
             }
+            let events: FaultEvents =
+                serde_json::from_str(&std::fs::read_to_string(rep_dir.join("fault.json"))?)
+                    .with_context(|| format!("parsing {}", rep_dir.join("fault.json").display()))?;
+            let meta =
+                analysis::read_meta(&rep_dir.join("meta.json")).map_err(|e| anyhow!("{e}"))?;
+            let client = analysis::read_client_csv(&rep_dir.join("client.csv"))
+                .map_err(|e| anyhow!("{e}"))?;
+            let router = analysis::read_router_csv(&rep_dir.join("router.csv"))
+                .map_err(|e| anyhow!("{e}"))?;
+            let policy = file_name(&policy_dir);
+            reps.push(analyse_rep(
+                &policy, rep, &events, &client, &router, &meta.slo,
+            ));
+            kind = Some(events.kind);
         }
     }
     let Some(kind) = kind else {
-        bail!("{} holds no complete fault repetition", dir.display());
+        bail!("{} holds no complete fault repetition", point_dir.display());
     };
     // Policy order as the run listed them, when known.
     if let Ok(text) = std::fs::read_to_string(dir.join("sweep.json"))
@@ -1371,7 +1409,7 @@ pub fn summarize(dir: &Path) -> Result<Summary> {
         .collect();
     let summary = Summary {
         kind,
-        point: point_name,
+        point: point.to_string(),
         reps,
         violations,
     };
@@ -1405,6 +1443,13 @@ fn file_name(p: &Path) -> String {
 
 fn fmt_opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "–".to_string(), |x| format!("{x:.digits$}"))
+}
+
+fn with_attainment(goodput: Option<f64>, attainment: Option<f64>) -> String {
+    match attainment {
+        Some(a) => format!("{} ({:.0}%)", fmt_opt(goodput, 2), a * 100.0),
+        None => fmt_opt(goodput, 2),
+    }
 }
 
 /// The human summary.
@@ -1442,17 +1487,17 @@ pub fn markdown(s: &Summary) -> String {
                 .map_or_else(|| "–".into(), |o| o.to_string()),
         ));
     }
-    md.push_str("\n## Goodput (req/s, mean of 1-s buckets)\n\n| policy | rep | before | outage | after restart | recovered (s after restart) |\n|---|---|---|---|---|---|\n");
+    md.push_str("\n## Goodput (req/s, mean of 1-s buckets; SLO attainment = good ÷ sent)\n\n| policy | rep | before | outage | after restart | recovered (s after restart) |\n|---|---|---|---|---|---|\n");
     for r in &s.reps {
         md.push_str(&format!(
             "| {} | {} | {} | {} | {} | {} |\n",
             r.policy,
             r.rep,
-            fmt_opt(r.goodput_before_rps, 2),
-            fmt_opt(r.goodput_outage_rps, 2),
-            fmt_opt(r.goodput_after_rps, 2),
+            with_attainment(r.goodput_before_rps, r.attainment[0]),
+            with_attainment(r.goodput_outage_rps, r.attainment[1]),
+            with_attainment(r.goodput_after_rps, r.attainment[2]),
             r.recovery_s
-                .map_or_else(|| "not within the run".into(), |x| format!("{x:.0}")),
+                .map_or_else(|| "not within the run".into(), |x| format!("{x:.1}")),
         ));
     }
     md.push_str("\n## Share of requests per replica\n\n| policy | rep | window | requests | shares (replica 0, 1, …) |\n|---|---|---|---|---|\n");
@@ -1659,7 +1704,11 @@ mod tests {
         let out = analyse_rep("p", 1, &e, &c2, &r2, &slo());
         assert_eq!(out.lost.len(), 6);
         assert_eq!(out.violations.len(), 5, "{:?}", out.violations);
-        assert!(out.violations.iter().any(|v| v.starts_with("gave-up:") && v.contains("502")));
+        assert!(
+            out.violations
+                .iter()
+                .any(|v| v.starts_with("gave-up:") && v.contains("502"))
+        );
         assert!(
             out.violations
                 .iter()
@@ -1730,6 +1779,7 @@ mod tests {
         assert_eq!(out.goodput_before_rps, Some(4.0));
         assert_eq!(out.goodput_outage_rps, Some(0.0));
         assert_eq!(out.recovery_s, Some(0.0));
+        assert_eq!(out.attainment, [Some(1.0), Some(0.0), Some(1.0)]);
 
         let tl = timeline(&[
             out.clone(),
@@ -1762,20 +1812,51 @@ mod tests {
         let out = root.to_string_lossy().into_owned();
         let bins = Bins::release();
         bins.check().unwrap();
-        for (kind, policies) in [("kill", "session-affinity,prefix-affinity"), ("drain", "prefix-affinity")] {
+        for (kind, policies) in [
+            ("kill", "session-affinity,prefix-affinity"),
+            ("drain", "prefix-affinity"),
+        ] {
             let argv = [
-                "fault", kind, "--out", &out, "--sweep-dir-name", kind, "--replicas", "3",
-                "--speed", "30", "--num-gpu-blocks", "256", "--slo-ttft-ms", "10000",
-                "--slo-itl-ms", "1000", "--policies", policies, "--rate", "0.5", "--warmup-s",
-                "0.5", "--before-s", "2", "--after-s", "2.5", "--request-timeout-s", "20",
+                "fault",
+                kind,
+                "--out",
+                &out,
+                "--sweep-dir-name",
+                kind,
+                "--replicas",
+                "3",
+                "--speed",
+                "30",
+                "--num-gpu-blocks",
+                "256",
+                "--slo-ttft-ms",
+                "10000",
+                "--slo-itl-ms",
+                "1000",
+                "--policies",
+                policies,
+                "--rate",
+                "0.5",
+                "--warmup-s",
+                "0.5",
+                "--before-s",
+                "2",
+                "--after-s",
+                "2.5",
+                "--request-timeout-s",
+                "20",
             ];
             let args = <Cli as clap::Parser>::try_parse_from(argv).unwrap().args;
             let dir = fault(&args, &bins).unwrap();
-            let summary = summarize(&dir).unwrap();
+            let point = point_name(model_rate(&args, 3).unwrap());
+            let summary = summarize(&dir, &point).unwrap();
             assert!(summary.violations.is_empty(), "{:?}", summary.violations);
             for rep in &summary.reps {
                 assert!(rep.lost.iter().all(|l| l.allowed && l.replica == Some(0)));
-                assert!(rep.outstanding_at_fault.unwrap() >= 1, "faulted mid-request");
+                assert!(
+                    rep.outstanding_at_fault.unwrap() >= 1,
+                    "faulted mid-request"
+                );
                 if kind == "drain" {
                     assert!(rep.lost.is_empty());
                 }
@@ -1786,7 +1867,10 @@ mod tests {
             for rep in &summary.reps {
                 eprintln!("{} driver instants {:?}", rep.policy, rep.driver);
             }
-            eprintln!("{}", std::fs::read_to_string(dir.join("timeline.csv")).unwrap());
+            eprintln!(
+                "{}",
+                std::fs::read_to_string(dir.join("timeline.csv")).unwrap()
+            );
         }
         let _ = std::fs::remove_dir_all(&root);
     }

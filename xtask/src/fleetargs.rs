@@ -13,6 +13,38 @@ use fleet::{CommandSpec, EmulatedSpec, FleetOptions, Source, StaticSpec};
 /// machine's 20-minute budget while engine lateness stays within its bound (see README).
 pub const DEFAULT_SPEED: f64 = 6.0;
 
+/// KV blocks per emulated replica: about a 3090's pool for a 4-bit 8B model (REFERENCE.md §1:
+/// ~16 GB of KV at 128 KiB per token ≈ 125k tokens ≈ 7,800 blocks), so that even working set
+/// 0.25 holds many more conversations than the 32 users (a closed-loop user waits while
+/// another holds the same conversation's turn).
+pub const FULL_BLOCKS: u64 = 8192;
+/// KV blocks per replica with `--quick`: half the pool, so the cache fills within the short
+/// warm-up, while working set 1 still holds ~70 conversations for 32 users.
+pub const QUICK_BLOCKS: u64 = 4096;
+/// Warm-up per cell, wall s: long enough for the caches to fill and the users' turns to fall out
+/// of step after their simultaneous start.
+pub const FULL_WARMUP_S: f64 = 20.0;
+/// Measured window per cell, wall s.
+pub const FULL_MEASURE_S: f64 = 40.0;
+/// Warm-up per cell with `--quick`, wall s.
+pub const QUICK_WARMUP_S: f64 = 6.0;
+/// Measured window per cell with `--quick`, wall s.
+pub const QUICK_MEASURE_S: f64 = 10.0;
+
+/// Default warm-up, wall s.
+pub fn default_warmup_s(quick: bool) -> f64 {
+    if quick { QUICK_WARMUP_S } else { FULL_WARMUP_S }
+}
+
+/// Default measured window, wall s.
+pub fn default_measure_s(quick: bool) -> f64 {
+    if quick {
+        QUICK_MEASURE_S
+    } else {
+        FULL_MEASURE_S
+    }
+}
+
 /// Where replicas come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -40,7 +72,7 @@ pub struct FleetArgs {
     /// Per-replica emulated slowdown factors, e.g. `1,1,1,1,1.5` (a throttled card).
     #[arg(long, value_delimiter = ',')]
     pub slowdowns: Vec<f64>,
-    /// KV blocks per emulated replica (`--num-gpu-blocks`). Default: 2048, or 1024 with --quick.
+    /// KV blocks per emulated replica (`--num-gpu-blocks`). Default: 8192, or 4096 with --quick.
     #[arg(long)]
     pub num_gpu_blocks: Option<u64>,
     /// Model name (served by the replicas; the router's salt).
@@ -108,7 +140,7 @@ impl FleetArgs {
     /// KV blocks per emulated replica.
     pub fn blocks(&self, quick: bool) -> u64 {
         self.num_gpu_blocks
-            .unwrap_or(if quick { 1024 } else { 2048 })
+            .unwrap_or(if quick { QUICK_BLOCKS } else { FULL_BLOCKS })
     }
 
     /// The speed the timings run at (real engines: 1).

@@ -238,7 +238,6 @@ pub struct Haproxy {
     guard: ChildGuard,
     url: String,
     stats_socket: PathBuf,
-    config: PathBuf,
 }
 
 static SOCKETS: AtomicU32 = AtomicU32::new(0);
@@ -292,7 +291,6 @@ impl Haproxy {
                 guard,
                 url: format!("http://127.0.0.1:{port}"),
                 stats_socket: stats_socket.clone(),
-                config: config.clone(),
             };
             match h.wait_ready(Duration::from_secs(10)) {
                 Ok(()) => return Ok(h),
@@ -346,18 +344,13 @@ impl Haproxy {
         &self.url
     }
 
-    /// The config file it runs.
-    pub fn config_path(&self) -> &Path {
-        &self.config
-    }
-
     /// Its log (stdout and stderr).
     pub fn log_path(&self) -> &Path {
         self.guard.log_path()
     }
 
     /// A raw command on the stats socket (`show stat`, `show info`, …).
-    pub fn command(&self, command: &str) -> Result<String> {
+    fn command(&self, command: &str) -> Result<String> {
         let mut s = UnixStream::connect(&self.stats_socket)
             .with_context(|| format!("connecting to {}", self.stats_socket.display()))?;
         s.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -656,9 +649,17 @@ replicas,BACKEND,0,0,1,2,2000,9,0,0,0,0,,0,0,0,0,UP\n\n";
         }
         let bins = crate::env::Bins::release();
         bins.check().unwrap();
-        let dir = Scratch(std::env::temp_dir().join(format!("xtask-haproxy-fleet-{}", std::process::id())));
+        let dir = Scratch(
+            std::env::temp_dir().join(format!("xtask-haproxy-fleet-{}", std::process::id())),
+        );
         let args = <Cli as clap::Parser>::try_parse_from([
-            "x", "--replicas", "3", "--speed", "10", "--num-gpu-blocks", "256",
+            "x",
+            "--replicas",
+            "3",
+            "--speed",
+            "10",
+            "--num-gpu-blocks",
+            "256",
         ])
         .unwrap()
         .fleet;
@@ -695,7 +696,8 @@ replicas,BACKEND,0,0,1,2,2000,9,0,0,0,0,,0,0,0,0,UP\n\n";
             &dir.0.join("driver.log"),
         )
         .unwrap();
-        crate::run::wait_driver(&mut driver, &mut fleet, Duration::from_secs(60), |_| Ok(())).unwrap();
+        crate::run::wait_driver(&mut driver, &mut fleet, Duration::from_secs(60), |_| Ok(()))
+            .unwrap();
         let stats = h.write_stats(&dir.0.join("haproxy-stats.json")).unwrap();
         assert!(h.terminate(Duration::from_secs(5)).is_some());
         // The same plan through kvroute's session-bounded router on a fresh fleet, side by side.
@@ -729,7 +731,8 @@ replicas,BACKEND,0,0,1,2,2000,9,0,0,0,0,,0,0,0,0,UP\n\n";
             &dir.0.join("driver-router.log"),
         )
         .unwrap();
-        crate::run::wait_driver(&mut driver, &mut fleet, Duration::from_secs(60), |_| Ok(())).unwrap();
+        crate::run::wait_driver(&mut driver, &mut fleet, Duration::from_secs(60), |_| Ok(()))
+            .unwrap();
         router.terminate(Duration::from_secs(5));
         fleet.stop();
         let via_router = analysis::read_client_csv(&router_csv).unwrap();
@@ -741,9 +744,15 @@ replicas,BACKEND,0,0,1,2,2000,9,0,0,0,0,,0,0,0,0,UP\n\n";
         );
         let rows = analysis::read_client_csv(&client_csv).unwrap();
         assert!(rows.len() > 40, "{} rows", rows.len());
-        let failed: Vec<_> = rows.iter().filter(|r| r.error.is_some() || r.status != 200).collect();
+        let failed: Vec<_> = rows
+            .iter()
+            .filter(|r| r.error.is_some() || r.status != 200)
+            .collect();
         assert!(failed.is_empty(), "{failed:?}");
-        assert!(rows.iter().all(|r| r.ttft_ms.is_some() && r.itl_p50_ms.is_some()));
+        assert!(
+            rows.iter()
+                .all(|r| r.ttft_ms.is_some() && r.itl_p50_ms.is_some())
+        );
         // Every request, plus the driver's preflight `GET /v1/models`.
         assert_eq!(
             stats.iter().map(|s| s.stot).sum::<u64>(),
@@ -757,7 +766,10 @@ replicas,BACKEND,0,0,1,2,2000,9,0,0,0,0,,0,0,0,0,UP\n\n";
             rows.len(),
             analysis::stats::median(&ttft).unwrap(),
             analysis::stats::median(&itl).unwrap(),
-            stats.iter().map(|s| (s.name.as_str(), s.stot)).collect::<Vec<_>>()
+            stats
+                .iter()
+                .map(|s| (s.name.as_str(), s.stot))
+                .collect::<Vec<_>>()
         );
     }
 }

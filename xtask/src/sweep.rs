@@ -53,7 +53,7 @@ pub struct SweepArgs {
     /// Mean think time of closed-loop users, s of model time (wall = think ÷ speed).
     #[arg(long, default_value_t = 1.0)]
     pub think_s: f64,
-    /// Warm-up per cell, wall s (discarded; default 10, or 3 with --quick).
+    /// Warm-up per cell, wall s (discarded; default 20, or 6 with --quick).
     #[arg(long)]
     pub warmup_s: Option<f64>,
     /// Measured window per cell, wall s (default 40, or 10 with --quick).
@@ -102,11 +102,12 @@ pub struct SweepArgs {
 
 impl SweepArgs {
     fn warmup(&self) -> f64 {
-        self.warmup_s.unwrap_or(if self.quick { 3.0 } else { 10.0 })
+        self.warmup_s
+            .unwrap_or_else(|| crate::fleetargs::default_warmup_s(self.quick))
     }
     fn measure(&self) -> f64 {
         self.measure_s
-            .unwrap_or(if self.quick { 10.0 } else { 40.0 })
+            .unwrap_or_else(|| crate::fleetargs::default_measure_s(self.quick))
     }
     fn dir(&self) -> PathBuf {
         let name = self.sweep_dir_name.clone().unwrap_or_else(|| {

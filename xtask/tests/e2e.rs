@@ -106,7 +106,7 @@ fn tiny_sweep_then_report_then_resume() {
     let cal = json(&sweep.join("calibration.json"));
     assert_eq!(cal["used_replicas"].as_array().unwrap().len(), 3);
     assert!(cal["slo"]["ttft_ms"].as_f64().unwrap() > 0.0);
-    assert_eq!(cal["capacity_tokens"].as_u64(), Some(3 * 1024 * 16));
+    assert_eq!(cal["capacity_tokens"].as_u64(), Some(3 * 4096 * 16));
 
     let mut plan_fingerprints = Vec::new();
     for policy in ["round-robin", "prefix-affinity"] {

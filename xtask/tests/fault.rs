@@ -24,7 +24,9 @@ struct XtaskChild(Option<Child>);
 
 impl Drop for XtaskChild {
     fn drop(&mut self) {
-        let Some(mut child) = self.0.take() else { return };
+        let Some(mut child) = self.0.take() else {
+            return;
+        };
         if matches!(child.try_wait(), Ok(None)) {
             let pid = child.id().to_string();
             for _ in 0..2 {
@@ -48,7 +50,16 @@ fn build_bins() {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = Command::new(cargo)
         .current_dir(workspace_root())
-        .args(["build", "--release", "-p", "engine-bin", "-p", "router-bin", "-p", "driver-bin"])
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "engine-bin",
+            "-p",
+            "router-bin",
+            "-p",
+            "driver-bin",
+        ])
         .status()
         .expect("cargo runs");
     assert!(status.success(), "building the experiment binaries failed");
@@ -82,7 +93,10 @@ fn xtask(args: &[&str], log: &Path, limit: Duration) -> (bool, String) {
         std::thread::sleep(Duration::from_millis(100));
     };
     guard.0 = None;
-    (status.success(), std::fs::read_to_string(log).unwrap_or_default())
+    (
+        status.success(),
+        std::fs::read_to_string(log).unwrap_or_default(),
+    )
 }
 
 fn json(path: &Path) -> serde_json::Value {
@@ -94,19 +108,46 @@ fn json(path: &Path) -> serde_json::Value {
 /// a light load (15 req/s wall), a generous SLO (calibration is not what is tested here).
 fn args<'a>(kind: &'a str, out: &'a str, policies: &'a str) -> Vec<&'a str> {
     vec![
-        "fault", kind, "--no-build", "--out", out, "--sweep-dir-name", kind,
-        "--replicas", "3", "--speed", "30", "--num-gpu-blocks", "256",
-        "--slo-ttft-ms", "10000", "--slo-itl-ms", "1000",
-        "--policies", policies, "--rate", "0.5",
-        "--warmup-s", "0.5", "--before-s", "2", "--after-s", "2.5",
-        "--request-timeout-s", "20",
+        "fault",
+        kind,
+        "--no-build",
+        "--out",
+        out,
+        "--sweep-dir-name",
+        kind,
+        "--replicas",
+        "3",
+        "--speed",
+        "30",
+        "--num-gpu-blocks",
+        "256",
+        "--slo-ttft-ms",
+        "10000",
+        "--slo-itl-ms",
+        "1000",
+        "--policies",
+        policies,
+        "--rate",
+        "0.5",
+        "--warmup-s",
+        "0.5",
+        "--before-s",
+        "2",
+        "--after-s",
+        "2.5",
+        "--request-timeout-s",
+        "20",
     ]
 }
 
 /// Checks the files and bounds of one finished fault directory; returns its summary.
 fn check_dir(dir: &Path, policies: &[&str]) -> serde_json::Value {
     let summary = json(&dir.join("summary.json"));
-    assert_eq!(summary["violations"].as_array().unwrap().len(), 0, "{summary:#}");
+    assert_eq!(
+        summary["violations"].as_array().unwrap().len(),
+        0,
+        "{summary:#}"
+    );
     let point = summary["point"].as_str().unwrap().to_string();
     for policy in policies {
         let rep = dir.join(&point).join(policy).join("rep-1");
@@ -126,10 +167,20 @@ fn check_dir(dir: &Path, policies: &[&str]) -> serde_json::Value {
         let mine: Vec<&Vec<&str>> = rows.iter().filter(|r| r[0] == *policy).collect();
         assert!(mine.len() >= 6, "{policy} has a series: {timeline}");
         assert_eq!(mine[0][3], "1", "the replica is up when the load starts");
-        assert!(mine.iter().any(|r| r[3] == "0"), "{policy}'s series shows the replica down");
-        assert!(mine.iter().any(|r| r[2].parse::<f64>().unwrap() > 0.0), "goodput somewhere");
+        assert!(
+            mine.iter().any(|r| r[3] == "0"),
+            "{policy}'s series shows the replica down"
+        );
+        assert!(
+            mine.iter().any(|r| r[2].parse::<f64>().unwrap() > 0.0),
+            "goodput somewhere"
+        );
     }
-    assert!(std::fs::read_to_string(dir.join("summary.md")).unwrap().contains("Loss bounds hold"));
+    assert!(
+        std::fs::read_to_string(dir.join("summary.md"))
+            .unwrap()
+            .contains("Loss bounds hold")
+    );
     summary
 }
 
@@ -140,11 +191,28 @@ fn share(rep: &serde_json::Value, window: &str, replica: usize) -> (u64, f64) {
         .iter()
         .find(|w| w["window"] == window)
         .unwrap_or_else(|| panic!("no {window} window"));
-    (w["requests"].as_u64().unwrap(), w["share"][replica].as_f64().unwrap())
+    (
+        w["requests"].as_u64().unwrap(),
+        w["share"][replica].as_f64().unwrap(),
+    )
+}
+
+/// Fails with a clear message while `fault` is not yet a subcommand of the xtask binary.
+fn require_fault_subcommand() {
+    let out = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["fault", "--help"])
+        .output()
+        .expect("xtask runs");
+    assert!(
+        out.status.success(),
+        "xtask has no `fault` subcommand: wire `fault::FaultArgs` / `fault::fault` into xtask/src/main.rs\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
 fn kill_and_drain_keep_the_loss_bounds() {
+    require_fault_subcommand();
     build_bins();
     let root = std::env::temp_dir().join(format!("xtask-fault-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
@@ -153,7 +221,11 @@ fn kill_and_drain_keep_the_loss_bounds() {
     let out = scratch.0.to_string_lossy().into_owned();
     let limit = Duration::from_secs(90);
 
-    let (ok, log) = xtask(&args("kill", &out, "session-affinity,prefix-affinity"), &root.join("kill.log"), limit);
+    let (ok, log) = xtask(
+        &args("kill", &out, "session-affinity,prefix-affinity"),
+        &root.join("kill.log"),
+        limit,
+    );
     assert!(ok, "fault kill failed:\n{log}");
     let summary = check_dir(&root.join("kill"), &["session-affinity", "prefix-affinity"]);
     for rep in summary["reps"].as_array().unwrap() {
@@ -164,20 +236,37 @@ fn kill_and_drain_keep_the_loss_bounds() {
         );
         for lost in rep["lost"].as_array().unwrap() {
             assert_eq!(lost["allowed"], true, "{policy}: {lost}");
-            assert_eq!(lost["replica"], 0, "{policy}: only the victim's requests are lost");
+            assert_eq!(
+                lost["replica"], 0,
+                "{policy}: only the victim's requests are lost"
+            );
         }
         let (n, victim) = share(rep, "outage", 0);
         assert!(n > 0, "{policy}: load continued during the outage");
-        assert_eq!(victim, 0.0, "{policy}: nothing was served by the dead replica");
+        assert_eq!(
+            victim, 0.0,
+            "{policy}: nothing was served by the dead replica"
+        );
         let (_, victim_after) = share(rep, "after", 0);
-        assert!(victim_after > 0.0, "{policy}: the restarted replica serves again");
+        assert!(
+            victim_after > 0.0,
+            "{policy}: the restarted replica serves again"
+        );
     }
 
-    let (ok, log) = xtask(&args("drain", &out, "prefix-affinity"), &root.join("drain.log"), limit);
+    let (ok, log) = xtask(
+        &args("drain", &out, "prefix-affinity"),
+        &root.join("drain.log"),
+        limit,
+    );
     assert!(ok, "fault drain failed:\n{log}");
     let summary = check_dir(&root.join("drain"), &["prefix-affinity"]);
     let rep = &summary["reps"][0];
-    assert_eq!(rep["lost"].as_array().unwrap().len(), 0, "a drain loses nothing: {rep:#}");
+    assert_eq!(
+        rep["lost"].as_array().unwrap().len(),
+        0,
+        "a drain loses nothing: {rep:#}"
+    );
     assert!(
         rep["outstanding_at_fault"].as_u64().unwrap() >= 1,
         "the drain began with requests in flight on the victim, which finished"

@@ -167,3 +167,48 @@ fn bad_flags_are_refused_with_a_message() {
         assert!(!out.stderr.is_empty(), "{args:?}: no message");
     }
 }
+
+#[test]
+fn replicas_come_from_a_config_file() {
+    let dir = std::env::temp_dir().join(format!("router-cli-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("replicas.json");
+    std::fs::write(&cfg, r#"{"replicas":[{"url":"http://127.0.0.1:9"},{"url":"http://127.0.0.1:10","kv_events":null}]}"#).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_router"))
+        .args([
+            "--port",
+            "0",
+            "--policy",
+            "round-robin",
+            "--health-interval-ms",
+            "60000",
+        ])
+        .arg("--config")
+        .arg(&cfg)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut guard = Guard(child);
+    let mut line = String::new();
+    BufReader::new(guard.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let mut s = TcpStream::connect(ready["listening"].as_str().unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /admin/replicas HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let body = resp.split("\r\n\r\n").nth(1).unwrap();
+    let list: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(list[0]["url"], "http://127.0.0.1:9");
+    assert_eq!(list[1]["id"], 1);
+    let status = Command::new("kill")
+        .args(["-INT", &guard.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(guard.0.wait().unwrap().success(), "SIGINT exits cleanly");
+}

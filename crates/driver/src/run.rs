@@ -730,6 +730,35 @@ mod tests {
     }
 
     #[test]
+    fn summary_warns_when_the_schedule_slipped() {
+        let on_time = RunSummary {
+            send_lag_ms: Some(Quantiles {
+                p50: 0.4,
+                p90: 0.9,
+                p99: 2.0,
+            }),
+            ..RunSummary::default()
+        };
+        let text = on_time.to_string();
+        assert!(
+            text.contains("send lag") && !text.contains("warning"),
+            "{text}"
+        );
+        let late = RunSummary {
+            send_lag_ms: Some(Quantiles {
+                p50: 1.0,
+                p90: 450.0,
+                p99: 1_300.0,
+            }),
+            ..RunSummary::default()
+        };
+        assert!(
+            late.to_string()
+                .contains("warning   10% of sends were ≥ 450 ms")
+        );
+    }
+
+    #[test]
     fn quantiles_use_nearest_rank() {
         let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
         let q = Quantiles::of(&mut v).unwrap();

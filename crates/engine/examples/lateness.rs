@@ -263,9 +263,15 @@ fn spawn_engine(bin: &str, speed: f64) -> (Child, SocketAddr) {
     let out = c.stdout.take().expect("stdout");
     let child = Child(c);
     let mut line = String::new();
-    std::io::BufReader::new(out).read_line(&mut line).expect("readiness line");
+    std::io::BufReader::new(out)
+        .read_line(&mut line)
+        .expect("readiness line");
     let v: Value = serde_json::from_str(&line).expect("readiness JSON");
-    let addr = v["listening"].as_str().expect("listening").parse().expect("addr");
+    let addr = v["listening"]
+        .as_str()
+        .expect("listening")
+        .parse()
+        .expect("addr");
     (child, addr)
 }
 
@@ -277,8 +283,13 @@ async fn scrape(addr: SocketAddr) -> (Vec<(f64, u64)>, u64) {
         .header("host", "127.0.0.1")
         .body(http_body_util::Full::new(Bytes::new()))
         .expect("request");
-    let body = sender.send_request(req).await.expect("response").into_body();
-    let text = String::from_utf8(body.collect().await.expect("body").to_bytes().to_vec()).expect("utf-8");
+    let body = sender
+        .send_request(req)
+        .await
+        .expect("response")
+        .into_body();
+    let text =
+        String::from_utf8(body.collect().await.expect("body").to_bytes().to_vec()).expect("utf-8");
     let mut buckets = Vec::new();
     let mut tokens = 0;
     for line in text.lines() {
@@ -289,14 +300,20 @@ async fn scrape(addr: SocketAddr) -> (Vec<(f64, u64)>, u64) {
             buckets.push((le.parse().unwrap_or(f64::INFINITY), n));
         }
         if line.starts_with("vllm:generation_tokens_total{") {
-            tokens = line.rsplit(' ').next().and_then(|x| x.parse().ok()).unwrap_or(0);
+            tokens = line
+                .rsplit(' ')
+                .next()
+                .and_then(|x| x.parse().ok())
+                .unwrap_or(0);
         }
     }
     (buckets, tokens)
 }
 
 async fn fleet_procs(bin: &str, secs: u64) {
-    println!("| speed | steps (5 replicas) | tokens/s | worst replica: share of steps ≤ 1 ms | p99 bucket | p99 < 1 ms |");
+    println!(
+        "| speed | steps (5 replicas) | tokens/s | worst replica: share of steps ≤ 1 ms | p99 bucket | p99 < 1 ms |"
+    );
     println!("|---:|---:|---:|---:|---:|:---:|");
     for speed in [1.0, 2.0, 4.0, 8.0, 16.0, 32.0] {
         let procs: Vec<_> = (0..5).map(|_| spawn_engine(bin, speed)).collect();
@@ -356,7 +373,10 @@ fn main() {
         Some("streams") => rt.block_on(streams(secs)),
         Some("fleet") => rt.block_on(fleet(secs)),
         Some("fleet-procs") => {
-            let bin = args.get(2).cloned().unwrap_or_else(|| "target/release/engine".into());
+            let bin = args
+                .get(2)
+                .cloned()
+                .unwrap_or_else(|| "target/release/engine".into());
             let secs = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(5);
             rt.block_on(fleet_procs(&bin, secs));
         }

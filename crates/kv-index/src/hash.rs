@@ -81,7 +81,7 @@ pub fn token_block_keys_into(
 /// This is how an event-fed index re-derives its own keys for a `BlockStored` event that extends
 /// an earlier chain.
 pub fn chain_token_keys(parent: u64, tokens: &[u32], block_tokens: usize, out: &mut Vec<BlockKey>) {
-    if block_tokens == 0 {
+    if block_tokens == 0 || tokens.len() < block_tokens {
         return;
     }
     out.reserve(tokens.len() / block_tokens);

@@ -65,6 +65,8 @@ impl Default for IndexConfig {
 pub enum IndexError {
     /// `node_cap` is 0 or above [`PrefixIndex::MAX_NODE_CAP`].
     BadNodeCap(usize),
+    /// `tokens_per_block` is 0 or above [`PrefixIndex::MAX_TOKENS_PER_BLOCK`].
+    BadTokensPerBlock(u32),
     /// More than [`PrefixIndex::MAX_REPLICAS`] replicas at once.
     TooManyReplicas,
     /// An event's block size differs from [`IndexConfig::tokens_per_block`].
@@ -93,6 +95,11 @@ impl fmt::Display for IndexError {
                 f,
                 "node cap {c} is out of range 1..={}",
                 PrefixIndex::MAX_NODE_CAP
+            ),
+            IndexError::BadTokensPerBlock(t) => write!(
+                f,
+                "tokens per block {t} is out of range 1..={}",
+                PrefixIndex::MAX_TOKENS_PER_BLOCK
             ),
             IndexError::TooManyReplicas => write!(
                 f,
@@ -185,8 +192,6 @@ const SLOT_MASK: u64 = 0xFFFF;
 const SPEC_BIT: u64 = 1 << 16;
 const TIME_SHIFT: u32 = 17;
 const TIME_MAX: u64 = (1 << 47) - 1;
-const CHUNK_BITS: u32 = 10;
-const CHUNK: usize = 1 << CHUNK_BITS;
 const EMPTY_BUCKET: u64 = u64::MAX;
 /// Keys whose buckets and nodes are loaded together ahead of the descent.
 const WARM_AHEAD: usize = 16;
@@ -226,31 +231,37 @@ impl Node {
     }
 }
 
-/// Chunked node storage: growth allocates one more chunk and never moves nodes.
+/// Node storage: one vector whose capacity (`node_cap` nodes) is reserved up front, so it never
+/// reallocates or moves nodes. The reservation is address space only: the operating system
+/// commits pages as nodes are first written, so resident memory follows the high-water mark of
+/// live nodes, and indexing is a single bounds-checked access.
 #[derive(Default)]
 struct Slab {
-    /// Fixed-size chunks: indexing within one needs no bounds check.
-    chunks: Vec<Box<[Node; CHUNK]>>,
+    nodes: Vec<Node>,
 }
 
 impl Slab {
+    fn with_capacity(cap: usize) -> Option<Self> {
+        let mut nodes = Vec::new();
+        nodes.try_reserve_exact(cap).ok()?;
+        Some(Slab { nodes })
+    }
     #[inline]
     fn get(&self, i: u32) -> &Node {
-        &self.chunks[(i >> CHUNK_BITS) as usize][i as usize & (CHUNK - 1)]
+        &self.nodes[i as usize]
     }
     #[inline]
     fn get_mut(&mut self, i: u32) -> &mut Node {
-        &mut self.chunks[(i >> CHUNK_BITS) as usize][i as usize & (CHUNK - 1)]
+        &mut self.nodes[i as usize]
     }
-    fn capacity(&self) -> usize {
-        self.chunks.len() * CHUNK
+    /// Nodes ever handed out (the committed part).
+    fn high_water(&self) -> usize {
+        self.nodes.len()
     }
-    fn grow(&mut self) {
-        let chunk: Box<[Node; CHUNK]> = vec![Node::FREE; CHUNK]
-            .into_boxed_slice()
-            .try_into()
-            .unwrap_or_else(|_| unreachable!("the vector has CHUNK nodes"));
-        self.chunks.push(chunk);
+    /// A fresh slot past the high-water mark (within the reservation).
+    fn push(&mut self) -> u32 {
+        self.nodes.push(Node::FREE);
+        (self.nodes.len() - 1) as u32
     }
 }
 
@@ -447,6 +458,8 @@ impl fmt::Debug for PrefixIndex {
 impl PrefixIndex {
     /// Largest accepted node cap (16,777,214 nodes, about 1 GiB).
     pub const MAX_NODE_CAP: usize = (1 << 24) - 2;
+    /// Largest accepted block size in tokens.
+    pub const MAX_TOKENS_PER_BLOCK: u32 = 1 << 16;
     /// Most replicas one index tracks at once (ids are free-form; slots are reused).
     pub const MAX_REPLICAS: usize = 0xFFFE;
 
@@ -455,10 +468,14 @@ impl PrefixIndex {
         if cfg.node_cap == 0 || cfg.node_cap > Self::MAX_NODE_CAP {
             return Err(IndexError::BadNodeCap(cfg.node_cap));
         }
+        if cfg.tokens_per_block == 0 || cfg.tokens_per_block > Self::MAX_TOKENS_PER_BLOCK {
+            return Err(IndexError::BadTokensPerBlock(cfg.tokens_per_block));
+        }
         let table = Table::with_buckets((cfg.node_cap.min(4096) * 4).div_ceil(3));
+        let slab = Slab::with_capacity(cfg.node_cap).ok_or(IndexError::BadNodeCap(cfg.node_cap))?;
         Ok(PrefixIndex {
             cfg,
-            slab: Slab::default(),
+            slab,
             table,
             free: Vec::new(),
             len: 0,
@@ -776,8 +793,9 @@ impl PrefixIndex {
             .iter()
             .map(|m| m.capacity() * (std::mem::size_of::<(u64, (BlockKey, u32))>() + 1))
             .sum();
-        let bytes = self.slab.capacity() * std::mem::size_of::<Node>()
-            + self.slab.chunks.capacity() * std::mem::size_of::<Box<[Node; CHUNK]>>()
+        // Committed node memory: the slab's reservation beyond its high-water mark is address
+        // space the operating system has not backed.
+        let bytes = self.slab.high_water() * std::mem::size_of::<Node>()
             + self.table.buckets.capacity() * 8
             + self.free.capacity() * 4
             + overflow_bytes
@@ -840,6 +858,8 @@ impl PrefixIndex {
         record: bool,
     ) {
         let now = now_us.min(TIME_MAX);
+        let ttl = self.cfg.ttl_us.unwrap_or(u64::MAX);
+        let spec_ttl = self.cfg.speculative_ttl_us;
         let nslots = self.slot_replica.len();
         out.clear();
         out.depth.clear();
@@ -863,17 +883,26 @@ impl PrefixIndex {
                     let node = self.slab.get(i);
                     let mut visit = |e: u64| {
                         let s = (e & SLOT_MASK) as usize;
-                        if s < nslots && out.depth[s] == d && self.alive(e, now) {
+                        let ttl = if e & SPEC_BIT != 0 { spec_ttl } else { ttl };
+                        if s < nslots
+                            && out.depth[s] == d
+                            && now.saturating_sub(e >> TIME_SHIFT) <= ttl
+                        {
                             out.depth[s] = d + 1;
                             advanced = true;
                         }
                     };
-                    match node.overflow() {
-                        None => node.entries.iter().for_each(|&e| visit(e)),
-                        Some(o) => {
-                            visit(node.entries[0]);
-                            visit(node.entries[1]);
-                            self.overflow[o].iter().for_each(|&e| visit(e));
+                    // Entries are packed: stop at the first empty one.
+                    let [e0, e1, e2] = node.entries;
+                    if e0 != EMPTY_ENTRY {
+                        visit(e0);
+                        if e1 != EMPTY_ENTRY {
+                            visit(e1);
+                            match node.overflow() {
+                                Some(o) => self.overflow[o].iter().for_each(|&e| visit(e)),
+                                None if e2 != EMPTY_ENTRY => visit(e2),
+                                None => {}
+                            }
                         }
                     }
                     if !advanced {
@@ -899,40 +928,40 @@ impl PrefixIndex {
     /// found (all existing); entries are written on `keys[write_from..]`.
     fn place_chain(&mut self, keys: &[BlockKey], path: &mut Vec<u32>, write_from: usize, w: Write) {
         let limit = keys.len().min(self.cfg.node_cap);
-        // 1. The known part: mark it (stopping at a repeated node) and fix its parent links now,
-        //    before any eviction: a linked node must never be the parent of a detached one, or
-        //    the LRU tail might not be a leaf.
+        // 1. The known part, in one pass: mark it (stopping at a repeated node), fix its parent
+        //    links before any eviction (a linked node must never be the parent of a detached
+        //    one, or the LRU tail might not be a leaf), and detach it run by run: nodes already
+        //    consecutive in the LRU list in chain order (a chain touched before) move as one.
         let known = path.len().min(limit);
         let mut n = 0;
-        while n < known {
-            let i = path[n];
-            let want = if n == 0 { NONE } else { path[n - 1] };
+        let (mut run_first, mut run_last, mut last_next) = (NONE, NONE, NONE);
+        for &i in &path[..known] {
             let node = self.slab.get_mut(i);
             if node.children & IN_CHAIN != 0 {
                 break;
             }
             node.children |= IN_CHAIN;
-            if node.parent != want {
-                self.set_parent(i, want);
+            let next = node.next;
+            // `run_last` is the node before this one in the chain: its parent.
+            if node.parent != run_last {
+                self.set_parent(i, run_last);
             }
+            if run_first == NONE {
+                run_first = i;
+            } else if last_next != i {
+                self.unlink_run(run_first, run_last);
+                run_first = i;
+            }
+            run_last = i;
+            last_next = next;
             n += 1;
+        }
+        if run_first != NONE {
+            self.unlink_run(run_first, run_last);
         }
         let repeated = n < known;
         path.truncate(n);
-        // 2. Detach it run by run: nodes already consecutive in the LRU list in chain order
-        //    (a chain touched before) move as one piece.
-        let mut j = 0;
-        while j < n {
-            let first = path[j];
-            let mut last = first;
-            while j + 1 < n && self.slab.get(last).next == path[j + 1] {
-                j += 1;
-                last = path[j];
-            }
-            self.unlink_run(first, last);
-            j += 1;
-        }
-        // 3. The rest of the chain: existing nodes are detached, missing ones created (which may
+        // 2. The rest of the chain: existing nodes are detached, missing ones created (which may
         //    evict the least recent node outside the chain).
         if !repeated {
             while n < limit {
@@ -954,7 +983,7 @@ impl PrefixIndex {
         if n == 0 {
             return;
         }
-        // 4. Entries, unmark, and link the chain at the recent end in chain order (head most
+        // 3. Entries, unmark, and link the chain at the recent end in chain order (head most
         //    recent), writing links only where a run ends.
         for (j, &i) in path.iter().enumerate() {
             if j >= write_from {
@@ -1022,13 +1051,7 @@ impl PrefixIndex {
         }
         let i = match self.free.pop() {
             Some(i) => i,
-            None => {
-                if self.len >= self.slab.capacity() {
-                    self.slab.grow();
-                }
-                // Slots are handed out densely before the free list is used.
-                self.len as u32
-            }
+            None => self.slab.push(),
         };
         *self.slab.get_mut(i) = Node { key, ..Node::FREE };
         self.table.insert(key, i);

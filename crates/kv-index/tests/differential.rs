@@ -41,6 +41,7 @@ enum Op {
         prompt: usize,
         blocks: usize,
         pick: usize,
+        speculative: bool,
     },
     Lookup {
         prompt: usize,
@@ -136,6 +137,7 @@ fn gen_ops(rng: &mut Pcg64Mcg, world: &World, n: usize) -> Vec<Op> {
                     prompt,
                     blocks,
                     pick: rng.random_range(0..6),
+                    speculative: rng.random_bool(0.2),
                 },
                 30..=44 => Op::Lookup { prompt, blocks },
                 45..=49 => Op::Forget {
@@ -503,6 +505,7 @@ fn run<B: Backend>(case: &Case, ops: &[Op]) -> Result<Coverage, String> {
                 prompt,
                 blocks,
                 pick,
+                speculative,
             } => {
                 let keys = &w.own[prompt][..blocks];
                 let want = reference.lookup(keys, now);
@@ -514,7 +517,7 @@ fn run<B: Backend>(case: &Case, ops: &[Op]) -> Result<Coverage, String> {
                 let mut seen = Vec::new();
                 let got = sut.index().lookup_insert(keys, now, &mut m, |mm| {
                     seen = mm.hits().to_vec();
-                    Some((choice, false))
+                    Some((choice, speculative))
                 });
                 if got != Ok(Some(choice)) {
                     return fail(format!("lookup_insert returned {got:?}"));
@@ -522,7 +525,7 @@ fn run<B: Backend>(case: &Case, ops: &[Op]) -> Result<Coverage, String> {
                 if seen != want {
                     return fail(format!("lookup_insert saw {seen:?}, reference {want:?}"));
                 }
-                reference.place(keys, 0, choice, false, now);
+                reference.place(keys, 0, choice, speculative, now);
             }
             Op::Lookup { prompt, blocks } => {
                 let keys = &w.own[prompt][..blocks];

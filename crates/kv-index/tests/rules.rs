@@ -420,4 +420,13 @@ fn bad_config_is_an_error() {
         .unwrap_err();
         assert_eq!(e, IndexError::BadNodeCap(cap));
     }
+    for t in [0, PrefixIndex::MAX_TOKENS_PER_BLOCK + 1] {
+        let e = PrefixIndex::new(IndexConfig {
+            tokens_per_block: t,
+            ..IndexConfig::default()
+        })
+        .unwrap_err();
+        assert_eq!(e, IndexError::BadTokensPerBlock(t));
+        assert!(e.to_string().contains("tokens per block"));
+    }
 }

@@ -136,8 +136,14 @@ impl PolicySpec {
         if self.index_ttl_us == 0 {
             return Err("index TTL must be > 0".to_string());
         }
-        if self.tokens_per_block == 0 {
-            return Err("tokens per block must be ≥ 1".to_string());
+        if self.tokens_per_block == 0
+            || self.tokens_per_block > kv_index::PrefixIndex::MAX_TOKENS_PER_BLOCK
+        {
+            return Err(format!(
+                "tokens per block must be in 1..={}, got {}",
+                kv_index::PrefixIndex::MAX_TOKENS_PER_BLOCK,
+                self.tokens_per_block
+            ));
         }
         Ok(())
     }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body_util::Full;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
@@ -34,9 +34,20 @@ pub(crate) struct Finish {
     pub client_first_ns: Option<u64>,
 }
 
+/// Largest write the router assembles from upstream frames that are already waiting.
+const COALESCE_MAX_BYTES: usize = 64 << 10;
+
+/// An upstream poll result held over to the next `poll_frame` (after coalescing stopped at it).
+enum Stashed {
+    Frame(Frame<Bytes>),
+    End,
+    Err(hyper::Error),
+}
+
 /// A proxied upstream response body.
 pub struct ProxyBody {
     inner: Incoming,
+    stash: Option<Stashed>,
     scanner: UsageScanner,
     finish: Option<Finish>,
     injected: Option<Bytes>,
@@ -47,11 +58,42 @@ impl ProxyBody {
     pub(crate) fn new(inner: Incoming, kind: BodyKind, finish: Finish) -> Self {
         ProxyBody {
             inner,
+            stash: None,
             scanner: UsageScanner::new(kind),
             finish: Some(finish),
             injected: None,
             done: false,
         }
+    }
+
+    /// Appends upstream frames that are already waiting to `first`, so a backlog goes out in one
+    /// write instead of one syscall per frame; never waits for more (frames still go out as they
+    /// arrive). Whatever stopped the merge (end, error, trailers) is stashed for the next poll.
+    fn coalesce(&mut self, first: Bytes, cx: &mut Context<'_>) -> Bytes {
+        let mut merged: Option<BytesMut> = None;
+        while merged.as_ref().map_or(first.len(), BytesMut::len) < COALESCE_MAX_BYTES {
+            match Pin::new(&mut self.inner).poll_frame(cx) {
+                Poll::Pending => break,
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(more) => merged
+                        .get_or_insert_with(|| BytesMut::from(&first[..]))
+                        .extend_from_slice(&more),
+                    Err(trailers) => {
+                        self.stash = Some(Stashed::Frame(trailers));
+                        break;
+                    }
+                },
+                Poll::Ready(None) => {
+                    self.stash = Some(Stashed::End);
+                    break;
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    self.stash = Some(Stashed::Err(e));
+                    break;
+                }
+            }
+        }
+        merged.map_or(first, BytesMut::freeze)
     }
 
     fn complete(&mut self, error: Option<String>) {
@@ -122,20 +164,30 @@ impl Body for ProxyBody {
         if this.done {
             return Poll::Ready(None);
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(d) = frame.data_ref() {
-                    this.scanner.feed(d);
+        let next = match this.stash.take() {
+            Some(s) => s,
+            None => match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(frame))) => Stashed::Frame(frame),
+                Poll::Ready(None) => Stashed::End,
+                Poll::Ready(Some(Err(e))) => Stashed::Err(e),
+            },
+        };
+        match next {
+            Stashed::Frame(frame) => match frame.into_data() {
+                Ok(data) => {
+                    let data = this.coalesce(data, cx);
+                    this.scanner.feed(&data);
+                    Poll::Ready(Some(Ok(Frame::data(data))))
                 }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(None) => {
+                Err(trailers) => Poll::Ready(Some(Ok(trailers))),
+            },
+            Stashed::End => {
                 this.done = true;
                 this.complete(None);
                 Poll::Ready(None)
             }
-            Poll::Ready(Some(Err(e))) => {
+            Stashed::Err(e) => {
                 this.done = true;
                 let msg = format!("replica failed mid-stream: {e}");
                 if let Some(f) = &this.finish {
@@ -161,7 +213,7 @@ impl Body for ProxyBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done && self.injected.is_none()
+        self.done && self.injected.is_none() && self.stash.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

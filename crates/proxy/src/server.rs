@@ -302,6 +302,9 @@ pub fn parse_kv_usage(text: &str) -> Option<f32> {
 /// the readiness line (`{"listening":"HOST:PORT"}`) on stdout, then shuts down gracefully and
 /// flushes the rows.
 pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
+    // A multi-thread runtime even with one worker: measured against a current-thread runtime,
+    // CPU per request was the same but `overhead_us` p50 rose from ~10 µs to 160–770 µs at 50–200
+    // streams (the I/O driver is polled less often there).
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.workers.max(1))
         .enable_all()

@@ -380,11 +380,19 @@ fn build_upstream_request(
     shared: &Shared,
 ) -> Result<Request<TimedBody>, http::Error> {
     let uri = join_uri(&replica.scheme, &replica.authority, path_and_query)?;
-    let mut b = Request::builder().method(parts.method.clone()).uri(uri);
-    let headers = b.headers_mut().expect("fresh builder has headers");
+    let len = body.len();
+    let mut req = Request::new(TimedBody::timed(body, written, shared.clock));
+    *req.method_mut() = parts.method.clone();
+    *req.uri_mut() = uri;
+    let headers = req.headers_mut();
     headers.reserve(parts.headers.len() + 2);
     for (k, v) in &parts.headers {
-        if is_hop_by_hop(k) || *k == header::HOST || *k == header::CONTENT_LENGTH {
+        // The body is already whole, so `expect: 100-continue` has nothing left to negotiate.
+        if is_hop_by_hop(k)
+            || *k == header::HOST
+            || *k == header::CONTENT_LENGTH
+            || *k == header::EXPECT
+        {
             continue;
         }
         headers.append(k.clone(), v.clone());
@@ -392,13 +400,13 @@ fn build_upstream_request(
     if let Ok(h) = HeaderValue::from_str(replica.authority.as_str()) {
         headers.insert(header::HOST, h);
     }
-    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
     if !headers.contains_key(REQUEST_ID_HEADER)
         && let Ok(v) = HeaderValue::from_str(request_id)
     {
         headers.insert(REQUEST_ID_HEADER, v);
     }
-    b.body(TimedBody::timed(body, written, shared.clock))
+    Ok(req)
 }
 
 fn response(

@@ -1135,3 +1135,95 @@ async fn upstream_errors_pass_through_and_are_recorded() {
     assert_eq!(rows[0]["error"], "http: upstream status 400");
     assert_eq!(rows[0]["attempts"], "1");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_and_load_are_atomic_under_concurrency() {
+    // 40 requests race into least-outstanding over 4 held replicas. Only if every decision sees
+    // every earlier increment does each replica end up with exactly 10.
+    let held = Script {
+        hold: true,
+        ..Script::default()
+    };
+    let reps = [
+        MockReplica::start(held.clone()).await,
+        MockReplica::start(held.clone()).await,
+        MockReplica::start(held.clone()).await,
+        MockReplica::start(held).await,
+    ];
+    let router = start_router(router_config(
+        &[&reps[0], &reps[1], &reps[2], &reps[3]],
+        "least-outstanding",
+    ))
+    .await;
+    let url = format!("http://{}", router.local_addr());
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            post(&url, "/v1/completions", completion(&format!("c{i}")), &[])
+                .await
+                .finish()
+                .await
+        }));
+    }
+    for r in &reps {
+        r.state.wait_requests(10).await;
+    }
+    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
+    for r in list.as_array().unwrap() {
+        assert_eq!(r["outstanding"], 10, "{list}");
+    }
+    for r in &reps {
+        assert_eq!(r.state.count(), 10);
+        r.state.release(100);
+    }
+    for t in tasks {
+        assert!(t.await.unwrap().done);
+    }
+    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
+    assert!(
+        list.as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["outstanding"] == 0),
+        "{list}"
+    );
+    router.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_hanging_up_releases_its_load() {
+    let a = MockReplica::start(Script {
+        hold: true,
+        ..Script::default()
+    })
+    .await;
+    let dir = temp_dir("hangup");
+    let mut cfg = router_config(&[&a], "least-outstanding");
+    cfg.rows = Some(dir.join("router.csv"));
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let mut s = post(
+        &url,
+        "/v1/completions",
+        completion("bye"),
+        &[("x-request-id", "gone")],
+    )
+    .await;
+    assert!(s.next_event().await.is_some());
+    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
+    assert_eq!(list[0]["outstanding"], 1);
+    drop(s);
+    // The router notices the closed client connection and drops the response body.
+    eventually(|| {
+        let url = url.clone();
+        async move { admin(&url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
+    })
+    .await;
+    a.state.release(10);
+    router.shutdown(Duration::from_secs(5)).await;
+    let rows = read_rows(&dir.join("router.csv"));
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["request_id"], "gone");
+    assert!(rows[0]["error"].starts_with("client:"), "{:?}", rows[0]);
+}

@@ -4,6 +4,7 @@
 //! cargo run --release -p sim --example bench -- throughput [policy]  # simulated requests/min, one core
 //! cargo run --release -p sim --example bench -- grid [threads] # the full pressure grid, wall time
 //! cargo run --release -p sim --example bench -- scale [requests_per_user]  # 8 / 64 / 512 replicas
+//! cargo run --release -p sim --example bench -- calibrate    # virtual TTFT/ITL floors and SLO
 //! ```
 
 use std::sync::Arc;
@@ -54,7 +55,9 @@ fn throughput(only: Option<&str>) {
         p.request_count(),
         p.conversations.len()
     );
-    println!("| policy | simulate s | rows s | events | requests/min (simulate) | requests/min (with rows) |");
+    println!(
+        "| policy | simulate s | rows s | events | requests/min (simulate) | requests/min (with rows) |"
+    );
     println!("|---|---:|---:|---:|---:|---:|");
     let mut total_req = 0usize;
     let mut total_s = 0.0;
@@ -140,7 +143,9 @@ fn grid(threads: usize) {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    println!("| cells | threads | requests | min requests/cell | plans s | cells s (sim + rows + meta) | total s | failed |");
+    println!(
+        "| cells | threads | requests | min requests/cell | plans s | cells s (sim + rows + meta) | total s | failed |"
+    );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     println!(
         "| {cells} | {threads} | {requests} | {min_req} | {plans_s:.1} | {run_s:.1} | {:.1} | {failed} |",
@@ -157,7 +162,9 @@ fn scale(per_user: u32) {
         "prefix-affinity",
         "exact-residency",
     ];
-    println!("| replicas | users | conversations | policy | goodput req/s | margin vs session-affinity | hit rate | busiest share | index nodes | index MiB | decide p50 ns | decide p99 ns | wall s |");
+    println!(
+        "| replicas | users | conversations | policy | goodput req/s | margin vs session-affinity | hit rate | busiest share | index nodes | index MiB | decide p50 ns | decide p99 ns | wall s |"
+    );
     println!("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for replicas in [8u32, 64, 512] {
         let base = SimConfig::new(replicas, "session-affinity");
@@ -189,8 +196,10 @@ fn scale(per_user: u32) {
                 s.hit_rate,
                 s.busiest_share,
                 s.index_nodes.map_or("-".into(), |n| n.to_string()),
-                s.index_bytes
-                    .map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64)),
+                s.index_bytes.map_or("-".into(), |b| format!(
+                    "{:.1}",
+                    b as f64 / (1 << 20) as f64
+                )),
                 opt(s.decide_wall_ns_p50),
                 opt(s.decide_wall_ns_p99),
             );
@@ -205,8 +214,15 @@ fn main() {
         Some("throughput") => throughput(args.get(1).map(String::as_str)),
         Some("grid") => grid(arg(1).unwrap_or(2)),
         Some("scale") => scale(arg(1).unwrap_or(24) as u32),
+        Some("calibrate") => {
+            let cfg = SimConfig::new(5, "round-robin");
+            let c = sim::calibrate(&cfg, &WorkloadSpec::default(), 50).expect("calibrate");
+            println!("{}", serde_json::to_string_pretty(&c).unwrap_or_default());
+        }
         _ => {
-            eprintln!("usage: bench throughput | grid [threads] | scale [requests_per_user]");
+            eprintln!(
+                "usage: bench throughput [policy] | grid [threads] | scale [requests_per_user] | calibrate"
+            );
             std::process::exit(2);
         }
     }

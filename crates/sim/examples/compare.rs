@@ -42,7 +42,16 @@ fn main() {
     );
     println!(
         "{:<28}{:>9}{:>9}{:>9}{:>10}{:>9}{:>8}{:>8}{:>9}{:>8}",
-        "policy", "goodput", "ttft50", "itl50", "hit", "busiest", "spill", "preempt", "wall_s", "virt_s"
+        "policy",
+        "goodput",
+        "ttft50",
+        "itl50",
+        "hit",
+        "busiest",
+        "spill",
+        "preempt",
+        "wall_s",
+        "virt_s"
     );
     for name in policies::POLICY_NAMES {
         let mut cfg = base.clone();
@@ -58,14 +67,60 @@ fn main() {
         };
         let wall = t.elapsed().as_secs_f64();
         if std::env::var("SIM_DEBUG").is_ok() {
+            let mut ttft: Vec<u64> = out
+                .outcomes
+                .iter()
+                .filter_map(|o| o.first_us.map(|f| f - o.sent_us))
+                .collect();
+            ttft.sort_unstable();
+            let q = |p: f64| ttft[((ttft.len() as f64 * p) as usize).min(ttft.len() - 1)];
+            let mut oc: Vec<u32> = out
+                .outcomes
+                .iter()
+                .filter_map(|o| o.decision.map(|d| d.outstanding_chosen))
+                .collect();
+            oc.sort_unstable();
+            let pr = &out.per_replica_requests;
+            eprintln!(
+                "  ttft p10 {} p50 {} p90 {}; outstanding_chosen p50 {} p90 {} max {}; per-replica min {} max {}",
+                q(0.1),
+                q(0.5),
+                q(0.9),
+                oc[oc.len() / 2],
+                oc[oc.len() * 9 / 10],
+                oc[oc.len() - 1],
+                pr.iter().min().unwrap_or(&0),
+                pr.iter().max().unwrap_or(&0)
+            );
             let mut e2e: Vec<u64> = out.outcomes.iter().map(|o| o.end_us - o.sent_us).collect();
-            let mut lag: Vec<u64> = out.outcomes.iter().map(|o| o.sent_us - o.scheduled_us).collect();
+            let mut lag: Vec<u64> = out
+                .outcomes
+                .iter()
+                .map(|o| o.sent_us - o.scheduled_us)
+                .collect();
             e2e.sort();
             lag.sort();
             let errs = out.outcomes.iter().filter(|o| !o.is_ok()).count();
-            let think: Vec<u64> = match &plan.schedule { workload::Schedule::Closed { users } => users[0].iter().map(|s| s.think_us).collect(), _ => vec![] };
-            eprintln!("  user0 think sum {} last end {} max sent {}", think.iter().sum::<u64>(), out.end_us, out.outcomes.iter().map(|o| o.sent_us).max().unwrap_or(0));
-            eprintln!("  e2e p50 {} p99 {} lag p50 {} p99 {} errors {errs} {:?}", e2e[e2e.len()/2], e2e[e2e.len()*99/100], lag[lag.len()/2], lag[lag.len()*99/100], out.engine);
+            let think: Vec<u64> = match &plan.schedule {
+                workload::Schedule::Closed { users } => {
+                    users[0].iter().map(|s| s.think_us).collect()
+                }
+                _ => vec![],
+            };
+            eprintln!(
+                "  user0 think sum {} last end {} max sent {}",
+                think.iter().sum::<u64>(),
+                out.end_us,
+                out.outcomes.iter().map(|o| o.sent_us).max().unwrap_or(0)
+            );
+            eprintln!(
+                "  e2e p50 {} p99 {} lag p50 {} p99 {} errors {errs} {:?}",
+                e2e[e2e.len() / 2],
+                e2e[e2e.len() * 99 / 100],
+                lag[lag.len() / 2],
+                lag[lag.len() * 99 / 100],
+                out.engine
+            );
         }
         match summarize(&cfg, &plan, &out, &CellMeta::default(), wall) {
             Ok(s) => println!(

@@ -202,7 +202,11 @@ pub fn summarize(
     meta: &CellMeta,
     wall_s: f64,
 ) -> Result<CellSummary, SimError> {
-    let sent: Vec<f64> = out.outcomes.iter().map(|o| o.sent_us as f64 / 1e6).collect();
+    let sent: Vec<f64> = out
+        .outcomes
+        .iter()
+        .map(|o| o.sent_us as f64 / 1e6)
+        .collect();
     let window = measured_window(
         &sent,
         cfg.driver.warmup_s,
@@ -337,8 +341,11 @@ fn meta_json(
     meta: &CellMeta,
     summary: &CellSummary,
 ) -> Result<serde_json::Value, SimError> {
-    let fp = |r: Result<String, workload::WorkloadError>| r.map_err(|e| SimError::Plan(e.to_string()));
-    let slowdowns: Vec<f64> = (0..cfg.replicas as usize).map(|i| cfg.slowdown(i)).collect();
+    let fp =
+        |r: Result<String, workload::WorkloadError>| r.map_err(|e| SimError::Plan(e.to_string()));
+    let slowdowns: Vec<f64> = (0..cfg.replicas as usize)
+        .map(|i| cfg.slowdown(i))
+        .collect();
     let r = &cfg.router;
     Ok(serde_json::json!({
         "sweep": meta.sweep,
@@ -406,6 +413,22 @@ pub fn run_cell_with(
     out_dir: &Path,
     meta: &CellMeta,
 ) -> Result<CellSummary, SimError> {
+    let (summary, meta_value) = write_cell_rows(cfg, plan, book, out_dir, meta)?;
+    write_meta(out_dir, &meta_value)?;
+    Ok(summary)
+}
+
+/// Simulates one repetition and writes everything but `meta.json`: `client.csv`, `router.csv`
+/// and `evidence.jsonl`. Returns the summary and the `meta.json` value (`complete: true`,
+/// `accepted: true`), so a sweep can run its drift check on the rows first, set `accepted` /
+/// `set_aside_reason`, and then call [`write_meta`].
+pub fn write_cell_rows(
+    cfg: &SimConfig,
+    plan: &Plan,
+    book: &PromptBook,
+    out_dir: &Path,
+    meta: &CellMeta,
+) -> Result<(CellSummary, serde_json::Value), SimError> {
     let started = Instant::now();
     let out = simulate_with(cfg, plan, book)?;
     let wall_s = started.elapsed().as_secs_f64();
@@ -433,9 +456,13 @@ pub fn run_cell_with(
         format!("{evidence}\n").as_bytes(),
     )?;
     let meta_value = meta_json(cfg, plan, meta, &summary)?;
-    let text = serde_json::to_vec_pretty(&meta_value).map_err(|e| SimError::Io(e.to_string()))?;
-    write_atomic(&meta_path, &text)?;
-    Ok(summary)
+    Ok((summary, meta_value))
+}
+
+/// Writes `meta.json` into `dir` atomically: the last file of a repetition.
+pub fn write_meta(dir: &Path, meta: &serde_json::Value) -> Result<(), SimError> {
+    let text = serde_json::to_vec_pretty(meta).map_err(|e| SimError::Io(e.to_string()))?;
+    write_atomic(&dir.join("meta.json"), &text)
 }
 
 /// One cell of a grid.
@@ -462,7 +489,11 @@ pub fn run_grid(mut jobs: Vec<GridJob>, threads: usize) -> Vec<Result<CellSummar
         if job.book.is_some() {
             continue;
         }
-        let key = (Arc::as_ptr(&job.plan), job.cfg.model.clone(), job.cfg.router.block_bytes);
+        let key = (
+            Arc::as_ptr(&job.plan),
+            job.cfg.model.clone(),
+            job.cfg.router.block_bytes,
+        );
         if let Some(b) = books
             .iter()
             .find(|b| (b.0, &b.1, b.2) == (key.0, &key.1, key.2))
@@ -480,8 +511,9 @@ pub fn run_grid(mut jobs: Vec<GridJob>, threads: usize) -> Vec<Result<CellSummar
         }
     }
     let next = AtomicUsize::new(0);
-    let results: Vec<std::sync::Mutex<Option<Result<CellSummary, SimError>>>> =
-        (0..jobs.len()).map(|_| std::sync::Mutex::new(None)).collect();
+    let results: Vec<std::sync::Mutex<Option<Result<CellSummary, SimError>>>> = (0..jobs.len())
+        .map(|_| std::sync::Mutex::new(None))
+        .collect();
     let jobs = &jobs;
     let early = &early;
     std::thread::scope(|s| {

@@ -32,8 +32,8 @@ pub struct RouterModel {
 impl Default for RouterModel {
     fn default() -> Self {
         Self {
-            decide_cost_us: 5,
-            forward_overhead_us: 100,
+            decide_cost_us: 10,
+            forward_overhead_us: 70,
             tokenize_us: None,
             event_transport_us: 200,
             block_bytes: 64,
@@ -144,7 +144,11 @@ impl SimConfig {
                 self.replicas
             ));
         }
-        if let Some(s) = self.slowdowns.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+        if let Some(s) = self
+            .slowdowns
+            .iter()
+            .find(|s| !(s.is_finite() && **s > 0.0))
+        {
             return bad(format!("slowdowns must be finite and > 0, got {s}"));
         }
         if let Err(e) = self.policy.validate() {

@@ -11,20 +11,23 @@
 //! - [`prompts`]: [`PromptBook`] — every turn's engine tokens and router belief keys, once per plan.
 //! - [`sim`]: the event loop; [`simulate`] returns every request's [`rows::Outcome`].
 //! - [`rows`]: rendering outcomes as `client.csv` / `router.csv` records.
+//! - [`calibrate`]: [`calibrate()`] — TTFT/ITL floors and the SLO, as `xtask calibrate` measures them.
 //! - [`cell`]: [`run_cell`] (rows + meta on disk, atomically), [`run_grid`] (cells in parallel),
 //!   [`CellSummary`].
 
 #![forbid(unsafe_code)]
 
+pub mod calibrate;
 pub mod cell;
 pub mod config;
 pub mod prompts;
 pub mod rows;
 pub mod sim;
 
+pub use calibrate::{Calibration, calibrate};
 pub use cell::{
     CellMeta, CellSummary, GridJob, Slo, Window, measured_window, run_cell, run_cell_with,
-    run_grid, summarize,
+    run_grid, summarize, write_cell_rows, write_meta,
 };
 pub use config::{DEFAULT_MODEL, DriverModel, RouterModel, SimConfig};
 pub use prompts::PromptBook;

@@ -73,7 +73,12 @@ pub fn engine_tokens(messages: &[workload::Message<'_>]) -> Vec<u32> {
 impl PromptBook {
     /// Tokenizes every conversation of `plan`; with `belief` also keys its canonical bytes in
     /// `block_bytes` blocks salted by `model`.
-    pub fn new(plan: &Plan, model: &str, block_bytes: usize, belief: bool) -> Result<Self, SimError> {
+    pub fn new(
+        plan: &Plan,
+        model: &str,
+        block_bytes: usize,
+        belief: bool,
+    ) -> Result<Self, SimError> {
         if block_bytes == 0 {
             return Err(SimError::Config("block_bytes must be at least 1".into()));
         }
@@ -152,7 +157,12 @@ impl PromptBook {
     }
 
     /// Appends the engine prompt tokens of `turn` (1-based) of `conversation` to `out`.
-    pub fn prompt_into(&self, conversation: u32, turn: u32, out: &mut Vec<u32>) -> Result<(), SimError> {
+    pub fn prompt_into(
+        &self,
+        conversation: u32,
+        turn: u32,
+        out: &mut Vec<u32>,
+    ) -> Result<(), SimError> {
         let c = self.conv(conversation, turn)?;
         let end = c.user_ends[turn as usize - 1] as usize;
         out.reserve(end + self.tail.len());

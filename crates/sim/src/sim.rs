@@ -63,7 +63,9 @@ impl Routing {
                 spec.spill,
                 "exact-residency-spec",
             ),
-            _ => Ok(Routing::Other(policies::build(spec).map_err(SimError::Config)?)),
+            _ => Ok(Routing::Other(
+                policies::build(spec).map_err(SimError::Config)?,
+            )),
         }
     }
 
@@ -250,7 +252,11 @@ pub fn simulate(cfg: &SimConfig, plan: &Plan) -> Result<SimOutput, SimError> {
 
 /// Simulates `plan` under `cfg` with a prompt book built for this plan (shared across the
 /// policies of one grid point). The book must hold belief keys when the policy needs them.
-pub fn simulate_with(cfg: &SimConfig, plan: &Plan, book: &PromptBook) -> Result<SimOutput, SimError> {
+pub fn simulate_with(
+    cfg: &SimConfig,
+    plan: &Plan,
+    book: &PromptBook,
+) -> Result<SimOutput, SimError> {
     cfg.validate()?;
     plan.check().map_err(|e| SimError::Plan(e.to_string()))?;
     if book.len() != plan.conversations.len() {
@@ -352,7 +358,8 @@ pub fn simulate_with(cfg: &SimConfig, plan: &Plan, book: &PromptBook) -> Result<
         decide_wall_ns: sim.decide_wall_ns,
         events: sim.events,
         outcomes: {
-            let mut reqs: Vec<Option<Outcome>> = sim.reqs.into_iter().map(|l| Some(l.out)).collect();
+            let mut reqs: Vec<Option<Outcome>> =
+                sim.reqs.into_iter().map(|l| Some(l.out)).collect();
             sim.finished
                 .iter()
                 .filter_map(|&r| reqs[r as usize].take())
@@ -711,6 +718,12 @@ impl Sim<'_> {
             rep.logical_us = t;
         }
         self.take_events(i, t);
+        if self.cfg.policy.residency_branch {
+            // The live router polls `vllm:kv_cache_usage_perc`; here the view is as of the last
+            // step end.
+            self.fleet[i as usize].kv_usage =
+                Some(self.replicas[i as usize].engine.kv_usage() as f32);
+        }
         let tokens = std::mem::take(&mut self.replicas[i as usize].out.tokens);
         for tok in &tokens {
             let live = &mut self.reqs[tok.id as usize];
@@ -747,18 +760,7 @@ impl Sim<'_> {
         let live = &mut self.reqs[r as usize];
         live.done = true;
         live.out.end_us = t;
-        let gaps = &mut live.gaps;
-        if !gaps.is_empty() {
-            let n = gaps.len();
-            let (_, &mut hi, _) = gaps.select_nth_unstable(n / 2);
-            let x2 = if n % 2 == 1 {
-                2 * u64::from(hi)
-            } else {
-                let lo = *gaps[..n / 2].iter().max().expect("n ≥ 2");
-                u64::from(lo) + u64::from(hi)
-            };
-            live.out.itl_p50_x2_us = Some(x2);
-        }
+        live.out.itl_p50_x2_us = median_x2(&mut live.gaps);
         self.finish(r, t);
     }
 
@@ -770,7 +772,10 @@ impl Sim<'_> {
             self.replicas[i as usize].engine.abort(u64::from(r));
         }
         let status = self.reqs[r as usize].out.status;
-        let msg = format!("timeout: no complete response within {} s", self.cfg.driver.timeout_s);
+        let msg = format!(
+            "timeout: no complete response within {} s",
+            self.cfg.driver.timeout_s
+        );
         self.fail(r, t, status, msg);
     }
 
@@ -806,5 +811,50 @@ impl Sim<'_> {
         if let Origin::Closed { user, .. } = origin {
             self.schedule_user(user, t);
         }
+    }
+}
+
+/// Twice the median of `gaps` (an even count takes the mean of the two middle values, as the
+/// driver does; doubling keeps it an integer). `None` when empty.
+fn median_x2(gaps: &mut [u32]) -> Option<u64> {
+    let n = gaps.len();
+    if n == 0 {
+        return None;
+    }
+    let (below, &mut hi, _) = gaps.select_nth_unstable(n / 2);
+    Some(if n % 2 == 1 {
+        2 * u64::from(hi)
+    } else {
+        let lo = below.iter().copied().max().unwrap_or(hi);
+        u64::from(lo) + u64::from(hi)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_matches_the_drivers_definition() {
+        assert_eq!(median_x2(&mut []), None);
+        assert_eq!(median_x2(&mut [7]), Some(14));
+        assert_eq!(median_x2(&mut [30, 10, 20]), Some(40));
+        assert_eq!(median_x2(&mut [40, 10, 30, 20]), Some(50));
+        assert_eq!(median_x2(&mut [5, 5, 9, 1]), Some(10));
+    }
+
+    #[test]
+    fn events_pop_in_time_then_creation_order() {
+        let mut heap = BinaryHeap::new();
+        for (t, seq) in [(5, 1), (3, 2), (5, 0), (3, 3)] {
+            heap.push(Item {
+                t,
+                seq,
+                ev: Ev::Wake(0),
+            });
+        }
+        let order: Vec<(u64, u64)> =
+            std::iter::from_fn(|| heap.pop().map(|i| (i.t, i.seq))).collect();
+        assert_eq!(order, [(3, 2), (3, 3), (5, 0), (5, 1)]);
     }
 }

@@ -72,7 +72,7 @@ impl Clock {
     }
 }
 
-/// Longest time before a deadline the thread stops sleeping and starts yield-spinning, µs.
+/// Longest time before a deadline the thread stops sleeping and starts spinning, µs.
 const SPIN_US: u64 = 100;
 
 struct Live {
@@ -118,7 +118,7 @@ pub fn run(
                 };
                 if now + spin_us < t {
                     // Sleep until just before the deadline (the futex timeout has ~50 µs of
-                    // slack), then yield-spin the rest so emission lands on time.
+                    // slack), then spin the rest so emission lands on time.
                     match rx.recv_timeout(Duration::from_micros(t - now - spin_us)) {
                         Ok(c) => Some(c),
                         Err(RecvTimeoutError::Timeout) => continue,
@@ -128,7 +128,9 @@ pub fn run(
                     match rx.try_recv() {
                         Ok(c) => Some(c),
                         Err(_) => {
-                            std::thread::yield_now();
+                            // Busy-wait, not yield: on a contended machine a yield hands the
+                            // core to a CPU hog for a whole scheduler slice (~2 ms late).
+                            std::hint::spin_loop();
                             continue;
                         }
                     }

@@ -116,7 +116,10 @@ impl Default for MetricsState {
             e2e: Histogram::new(REQUEST_BUCKETS),
             queue: Histogram::new(REQUEST_BUCKETS),
             lateness: Histogram::new(LATENESS_BUCKETS),
-            lateness_us: hdrhistogram::Histogram::new(3).expect("3 significant figures is valid"),
+            // Bounded so saturating_record clamps only past 60 s (an auto-resizing histogram clamps
+            // at its initial 2 ms range).
+            lateness_us: hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 3)
+                .expect("valid bounds"),
             finished_stop: 0,
             finished_length: 0,
             aborted: 0,
@@ -266,6 +269,15 @@ pub fn render(m: &MetricsState, model_name: &str, block_size: u32, num_gpu_block
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exact_lateness_quantiles_are_not_clamped() {
+        let mut m = MetricsState::default();
+        for us in [100, 5_000, 17_000] {
+            m.lateness_us.saturating_record(us);
+        }
+        assert!(m.lateness_us.max() >= 16_990, "{}", m.lateness_us.max());
+    }
 
     #[test]
     fn renders_cache_config_and_cumulative_buckets() {

@@ -37,6 +37,19 @@ pub fn closed_plan(
     per_user: u32,
     seed: u64,
 ) -> Plan {
+    closed_plan_think(capacity_tokens, ratio, zipf_s, users, per_user, seed, 1.0)
+}
+
+/// [`closed_plan`] with a mean think time.
+pub fn closed_plan_think(
+    capacity_tokens: u64,
+    ratio: f64,
+    zipf_s: f64,
+    users: u32,
+    per_user: u32,
+    seed: u64,
+    think_mean_s: f64,
+) -> Plan {
     let spec = WorkloadSpec {
         seed,
         sizing: Sizing::WorkingSet {
@@ -48,7 +61,7 @@ pub fn closed_plan(
     };
     let arrival = ArrivalSpec::Closed {
         users,
-        think_mean_s: 1.0,
+        think_mean_s,
         requests_per_user: per_user,
     };
     Plan::build(&spec, &arrival).expect("plan")
