@@ -399,9 +399,12 @@ pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
         itl_ms: median(&used_reps.iter().map(|r| r.itl_p50_ms).collect::<Vec<_>>())
             .ok_or_else(|| anyhow!("no replica floors"))?,
     };
+    // Microsecond precision is all a millisecond bound can use; rounding keeps the recorded
+    // SLO free of binary-fraction noise (207.78150000000002).
+    let round_us = |ms: f64| (ms * 1e3).round() / 1e3;
     let slo = Slo {
-        ttft_ms: floors.ttft_ms * SLO_FACTOR,
-        itl_ms: floors.itl_ms * SLO_FACTOR,
+        ttft_ms: round_us(floors.ttft_ms * SLO_FACTOR),
+        itl_ms: round_us(floors.itl_ms * SLO_FACTOR),
     };
     let capacity_tokens: u64 = used_reps
         .iter()
@@ -529,6 +532,8 @@ fn reference_run(
                 interval: Duration::from_secs(1),
             },
             sample_lateness: matches!(args.fleet.fleet, crate::fleetargs::FleetKind::Emulated),
+            ingress: crate::haproxy::Ingress::Router,
+            haproxy: crate::haproxy::HaproxySettings::default(),
             limit: Duration::from_secs_f64(run_s * 3.0 + 60.0),
         },
     )?;

@@ -274,7 +274,7 @@ pub struct FaultEvents {
 /// Instants of one fault, all on one clock.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Instants {
-    /// Kill: SIGKILL about to be sent. Drain: drain requested.
+    /// Kill: SIGKILL about to be sent. Drain: the router has acknowledged the drain.
     pub fault_s: f64,
     /// Drain: the victim's outstanding count reached 0.
     pub drained_s: Option<f64>,
@@ -849,8 +849,10 @@ fn run_rep(fleet: &mut Fleet, c: &RepContext<'_>) -> Result<String> {
             (fault_s, None, t0.elapsed().as_secs_f64())
         }
         FaultKind::Drain => {
-            let fault_s = t0.elapsed().as_secs_f64();
             let answer = admin_post(&url, victim_id, "drain")?;
+            // The drain is in force once the router has answered; a request arriving before
+            // that may still be routed to the victim (and is then one to finish, not to lose).
+            let fault_s = t0.elapsed().as_secs_f64();
             if !answer.draining {
                 bail!("the router did not mark replica {victim} draining");
             }
@@ -1842,7 +1844,7 @@ mod tests {
                 "--before-s",
                 "2",
                 "--after-s",
-                "2.5",
+                "3.5",
                 "--request-timeout-s",
                 "20",
             ];

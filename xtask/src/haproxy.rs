@@ -404,6 +404,73 @@ pub fn start_ingress(fleet: &Fleet, s: &HaproxySettings, dir: &Path) -> Result<(
     Ok((h, url))
 }
 
+/// The process in front of the fleet during one cell: kvroute's router or HAProxy. The sweep
+/// starts it where it started the router and finishes it where it stopped the router.
+#[derive(Debug)]
+pub enum IngressProcess {
+    /// The router (`router.csv` in the cell).
+    Router(ChildGuard),
+    /// HAProxy (no `router.csv`; `haproxy-stats.json` instead).
+    Haproxy(Haproxy),
+}
+
+impl IngressProcess {
+    /// Starts `ingress` in front of `fleet` for the cell in `dir`: the router through
+    /// [`crate::run::start_router`] with `router` (rows into `dir/router.csv`, log
+    /// `dir/router.log`), or HAProxy with `haproxy` (config and log in `dir`). Returns it and the
+    /// URL to point the driver at.
+    pub fn start(
+        ingress: Ingress,
+        bins: &crate::env::Bins,
+        fleet: &Fleet,
+        router: &crate::run::RouterSettings,
+        haproxy: &HaproxySettings,
+        dir: &Path,
+    ) -> Result<(IngressProcess, String)> {
+        Ok(match ingress {
+            Ingress::Router => {
+                let (guard, url) = crate::run::start_router(
+                    bins,
+                    fleet,
+                    router,
+                    &dir.join("router.csv"),
+                    &dir.join("router.log"),
+                )?;
+                (IngressProcess::Router(guard), url)
+            }
+            Ingress::Haproxy => {
+                let (h, url) = start_ingress(fleet, haproxy, dir)?;
+                (IngressProcess::Haproxy(h), url)
+            }
+        })
+    }
+
+    /// Stops it once the driver is done: the router on SIGTERM (it flushes its rows first);
+    /// HAProxy after its per-server counts are written to `dir/haproxy-stats.json`. Either is
+    /// killed when it has not exited within `grace`, with a warning: its output may be cut.
+    pub fn finish(self, dir: &Path, grace: Duration) -> Result<()> {
+        let (name, log, status) = match self {
+            IngressProcess::Router(mut guard) => {
+                let status = guard.terminate(grace);
+                ("router", guard.log_path().to_path_buf(), status)
+            }
+            IngressProcess::Haproxy(mut h) => {
+                h.write_stats(&dir.join("haproxy-stats.json"))?;
+                let status = h.terminate(grace);
+                ("HAProxy", h.log_path().to_path_buf(), status)
+            }
+        };
+        if status.is_none() {
+            eprintln!(
+                "xtask: the {name} did not exit within {:.0} s and was killed; its output may be cut (log {})",
+                grace.as_secs_f64(),
+                log.display()
+            );
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -630,9 +697,11 @@ replicas,BACKEND,0,0,1,2,2000,9,0,0,0,0,,0,0,0,0,UP\n\n";
         );
     }
 
-    /// HAProxy in front of three emulated engines, driven by the open-loop driver for a few
-    /// seconds: every request streams through whole, and its rows read like a router cell's.
-    /// Needs the release binaries (`cargo build --release -p engine-bin -p driver-bin`).
+    /// Two cells through [`IngressProcess`] on three emulated engines, one with HAProxy and one
+    /// with the router (session-bounded), the same open-loop plan for a few seconds: every
+    /// request streams through HAProxy whole, its cell has HAProxy's counts and no router rows,
+    /// and the two TTFTs are printed side by side. Needs the release binaries (`cargo build
+    /// --release -p engine-bin -p router-bin -p driver-bin`); run with `-- --ignored haproxy::`.
     #[test]
     #[ignore = "needs the release binaries; about 10 s"]
     fn the_driver_streams_through_haproxy_to_emulated_engines() {
@@ -665,7 +734,6 @@ replicas,BACKEND,0,0,1,2,2000,9,0,0,0,0,,0,0,0,0,UP\n\n";
         .fleet;
         let source = args.source(&bins.engine, false, false, None).unwrap();
         let mut fleet = Fleet::new(source, args.options(&dir.0.join("logs"))).unwrap();
-        fleet.start(&fleet::fleet::never).unwrap();
         let plan = crate::run::ensure_plan(
             &dir.0,
             &workload::WorkloadSpec {
@@ -679,70 +747,67 @@ replicas,BACKEND,0,0,1,2,2000,9,0,0,0,0,,0,0,0,0,UP\n\n";
             },
         )
         .unwrap();
-        let (mut h, url) = start_ingress(&fleet, &HaproxySettings::default(), &dir.0).unwrap();
-        let client_csv = dir.0.join("client.csv");
-        let mut driver = crate::run::start_driver(
-            &bins,
-            &url,
-            &plan.path,
-            &client_csv,
-            &crate::run::DriverSettings {
-                mode: "open",
-                warmup_s: 0.5,
-                duration_s: Some(4.0),
-                timeout_s: 20.0,
-                model: args.model.clone(),
-            },
-            &dir.0.join("driver.log"),
-        )
-        .unwrap();
-        crate::run::wait_driver(&mut driver, &mut fleet, Duration::from_secs(60), |_| Ok(()))
+        let router_settings = crate::run::RouterSettings {
+            policy: "session-bounded".into(),
+            model: args.model.clone(),
+            seed: 1,
+            ..crate::run::RouterSettings::default()
+        };
+        let mut rows_by_ingress = Vec::new();
+        for ingress in [Ingress::Haproxy, Ingress::Router] {
+            // Each pass on a fresh fleet, as a sweep cycles it per cell.
+            fleet.cycle(&fleet::fleet::never).unwrap();
+            let cell = dir.0.join(format!("{ingress:?}"));
+            std::fs::create_dir_all(&cell).unwrap();
+            let (process, url) = IngressProcess::start(
+                ingress,
+                &bins,
+                &fleet,
+                &router_settings,
+                &HaproxySettings::default(),
+                &cell,
+            )
             .unwrap();
-        let stats = h.write_stats(&dir.0.join("haproxy-stats.json")).unwrap();
-        assert!(h.terminate(Duration::from_secs(5)).is_some());
-        // The same plan through kvroute's session-bounded router on a fresh fleet, side by side.
-        fleet.cycle(&fleet::fleet::never).unwrap();
-        let (mut router, router_url) = crate::run::start_router(
-            &bins,
-            &fleet,
-            &crate::run::RouterSettings {
-                policy: "session-bounded".into(),
-                model: args.model.clone(),
-                seed: 1,
-                ..crate::run::RouterSettings::default()
-            },
-            &dir.0.join("router.csv"),
-            &dir.0.join("router.log"),
-        )
-        .unwrap();
-        let router_csv = dir.0.join("client-router.csv");
-        let mut driver = crate::run::start_driver(
-            &bins,
-            &router_url,
-            &plan.path,
-            &router_csv,
-            &crate::run::DriverSettings {
-                mode: "open",
-                warmup_s: 0.5,
-                duration_s: Some(4.0),
-                timeout_s: 20.0,
-                model: args.model.clone(),
-            },
-            &dir.0.join("driver-router.log"),
-        )
-        .unwrap();
-        crate::run::wait_driver(&mut driver, &mut fleet, Duration::from_secs(60), |_| Ok(()))
+            let client_csv = cell.join("client.csv");
+            let mut driver = crate::run::start_driver(
+                &bins,
+                &url,
+                &plan.path,
+                &client_csv,
+                &crate::run::DriverSettings {
+                    mode: "open",
+                    warmup_s: 0.5,
+                    duration_s: Some(4.0),
+                    timeout_s: 20.0,
+                    model: args.model.clone(),
+                },
+                &cell.join("driver.log"),
+            )
             .unwrap();
-        router.terminate(Duration::from_secs(5));
+            crate::run::wait_driver(&mut driver, &mut fleet, Duration::from_secs(60), |_| Ok(()))
+                .unwrap();
+            process.finish(&cell, Duration::from_secs(5)).unwrap();
+            rows_by_ingress.push(analysis::read_client_csv(&client_csv).unwrap());
+        }
         fleet.stop();
-        let via_router = analysis::read_client_csv(&router_csv).unwrap();
+        let haproxy_cell = dir.0.join("Haproxy");
+        assert!(
+            !haproxy_cell.join("router.csv").exists(),
+            "an HAProxy cell has no router rows"
+        );
+        assert!(dir.0.join("Router").join("router.csv").is_file());
+        let stats: Vec<ServerStat> = serde_json::from_str(
+            &std::fs::read_to_string(haproxy_cell.join("haproxy-stats.json")).unwrap(),
+        )
+        .unwrap();
+        let via_router = rows_by_ingress.pop().unwrap();
+        let rows = rows_by_ingress.pop().unwrap();
         let ttft_router: Vec<f64> = via_router.iter().filter_map(|r| r.ttft_ms).collect();
         eprintln!(
             "through the router (session-bounded): {} requests, TTFT p50 {:.2} ms",
             via_router.len(),
             analysis::stats::median(&ttft_router).unwrap_or(f64::NAN)
         );
-        let rows = analysis::read_client_csv(&client_csv).unwrap();
         assert!(rows.len() > 40, "{} rows", rows.len());
         let failed: Vec<_> = rows
             .iter()

@@ -35,6 +35,8 @@ enum Cmd {
     Calibrate(Box<calibration::CalibrateArgs>),
     /// Run a sweep (pressure-grid, load, turns, prompt-length), resumably, then report.
     Sweep(Box<sweep::SweepArgs>),
+    /// Fault a replica under steady load (`kill` or `drain`) and check the loss bounds.
+    Fault(Box<fault::FaultArgs>),
     /// Print the report of a sweep directory (and write report.md / report.json into it).
     Report {
         /// The sweep directory, e.g. measurements/pressure-grid-quick.
@@ -52,6 +54,7 @@ fn main() {
             bins(args.no_build).and_then(|b| calibration::calibrate(&args, &b).map(|_| ()))
         }
         Cmd::Sweep(args) => bins(args.no_build).and_then(|b| sweep::sweep(&args, &b).map(|_| ())),
+        Cmd::Fault(args) => bins(args.no_build).and_then(|b| fault::fault(&args, &b).map(|_| ())),
         Cmd::Report { dir } => report::write(&dir),
         Cmd::Ci => ci(),
     };

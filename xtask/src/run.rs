@@ -240,6 +240,10 @@ pub struct Attempt<'a> {
     pub evidence: EvidenceConfig,
     /// Scrape each replica's lateness histogram (emulated fleets).
     pub sample_lateness: bool,
+    /// What sits in front of the fleet: the router (with `router`) or HAProxy.
+    pub ingress: crate::haproxy::Ingress,
+    /// HAProxy's settings, when it is the ingress.
+    pub haproxy: crate::haproxy::HaproxySettings,
     /// Hard limit on the driver's run.
     pub limit: Duration,
 }
@@ -268,12 +272,8 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
         evidence_base.lateness_urls = fleet.urls();
     }
     evidence_base.fleet_process_groups = fleet.process_groups();
-    let (mut router, url) = start_router(
-        a.bins,
-        fleet,
-        &a.router,
-        &a.dir.join("router.csv"),
-        &a.dir.join("router.log"),
+    let (mut ingress, url) = crate::haproxy::IngressProcess::start(
+        a.ingress, a.bins, fleet, &a.router, &a.haproxy, a.dir,
     )?;
     let client_csv = a.dir.join("client.csv");
     let mut driver = start_driver(
@@ -302,18 +302,16 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
         None => EvidenceSampler::start(evidence_base, &evidence_path)?,
     };
     let evidence = sampler.finish()?;
-    if let Some(status) = router.try_wait()? {
+    if let crate::haproxy::IngressProcess::Router(router) = &mut ingress
+        && let Some(status) = router.try_wait()?
+    {
         bail!(
             "the router exited during the run ({status}); see its log {}",
             router.log_path().display()
         );
     }
-    if router.terminate(Duration::from_secs(15)).is_none() {
-        eprintln!(
-            "xtask: the router did not exit on SIGTERM within 15 s and was killed; its rows may be cut (log {})",
-            router.log_path().display()
-        );
-    }
+    // The router flushes its rows on SIGTERM; HAProxy writes its per-server counts first.
+    ingress.finish(a.dir, Duration::from_secs(15))?;
     drop(driver);
     let rows = analysis::read_client_csv(&client_csv)
         .map_err(|e| anyhow!("reading the driver's rows: {e}"))?;

@@ -35,6 +35,14 @@ pub struct SweepArgs {
     /// Policies to compare, comma-separated (default: all nine; three with --quick).
     #[arg(long, value_delimiter = ',')]
     pub policies: Vec<String>,
+    /// What sits in front of the replicas: kvroute's router (policies from `--policies`) or
+    /// HAProxy with bounded-load consistent hashing on `x-session-id` (one policy,
+    /// `haproxy-session-bounded`).
+    #[arg(long, value_enum, default_value_t = crate::haproxy::Ingress::Router)]
+    pub ingress: crate::haproxy::Ingress,
+    /// HAProxy's load bound c (`hash-balance-factor` = c × 100), with `--ingress haproxy`.
+    #[arg(long, default_value_t = 1.25)]
+    pub balance_factor: f64,
     /// Closed-loop users (the reference load).
     #[arg(long, default_value_t = 32)]
     pub users: u32,
@@ -272,7 +280,18 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
     }
     let cal = calibration_for(args, bins, &sweep_dir)?;
     cal.write(&sweep_dir.join("calibration.json"))?;
-    let policies = grid::policies(&args.policies, args.quick)?;
+    let policies = match args.ingress {
+        crate::haproxy::Ingress::Router => grid::policies(&args.policies, args.quick)?,
+        crate::haproxy::Ingress::Haproxy => {
+            if !args.policies.is_empty() {
+                bail!(
+                    "--policies chooses the router's policies; with --ingress haproxy the only policy is {}",
+                    crate::haproxy::POLICY
+                );
+            }
+            vec![crate::haproxy::POLICY.to_string()]
+        }
+    };
     let points = grid::points(
         args.name,
         &GridParams {
@@ -449,6 +468,11 @@ fn run_cell(
                     interval: Duration::from_secs_f64(args.evidence_interval_s.max(0.05)),
                 },
                 sample_lateness: emulated,
+                ingress: args.ingress,
+                haproxy: crate::haproxy::HaproxySettings {
+                    balance_factor: args.balance_factor,
+                    ..crate::haproxy::HaproxySettings::default()
+                },
                 limit: Duration::from_secs_f64(run_s * 3.0 + args.request_timeout_s + 30.0),
             },
         );

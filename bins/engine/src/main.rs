@@ -176,7 +176,7 @@ fn main() -> std::process::ExitCode {
                 return std::process::ExitCode::FAILURE;
             }
         };
-        println!("{}", server.readiness_line());
+        // Handlers go in before the readiness line: a supervisor may signal as soon as it reads it.
         let mut term =
             match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
                 Ok(s) => s,
@@ -185,9 +185,18 @@ fn main() -> std::process::ExitCode {
                     return std::process::ExitCode::FAILURE;
                 }
             };
+        let mut int = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("engine: cannot install SIGINT handler: {e}");
+                return std::process::ExitCode::FAILURE;
+            }
+        };
+        println!("{}", server.readiness_line());
         tokio::select! {
             _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
+            _ = int.recv() => {}
         }
         server.shutdown().await;
         std::process::ExitCode::SUCCESS

@@ -30,16 +30,23 @@ pub const EOS_ONE_IN: u64 = 256;
 
 /// Chained hash of one full block: H(parent, token ids as little-endian u32).
 pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
-    let mut h = Xxh3::with_seed(BLOCK_HASH_SEED);
-    h.update(&parent.to_le_bytes());
-    let mut buf = [0u8; 256];
-    for chunk in tokens.chunks(64) {
-        for (i, t) in chunk.iter().enumerate() {
-            buf[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
+    // One-shot hashing of a stack buffer: the streaming hasher's setup costs more than a
+    // 16-token block.
+    const MAX_STACK_TOKENS: usize = 64;
+    if tokens.len() <= MAX_STACK_TOKENS {
+        let mut buf = [0u8; 8 + 4 * MAX_STACK_TOKENS];
+        buf[..8].copy_from_slice(&parent.to_le_bytes());
+        for (i, t) in tokens.iter().enumerate() {
+            buf[8 + i * 4..12 + i * 4].copy_from_slice(&t.to_le_bytes());
         }
-        h.update(&buf[..chunk.len() * 4]);
+        return xxh3_64_with_seed(&buf[..8 + tokens.len() * 4], BLOCK_HASH_SEED);
     }
-    h.digest()
+    let mut buf = Vec::with_capacity(8 + tokens.len() * 4);
+    buf.extend_from_slice(&parent.to_le_bytes());
+    for t in tokens {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(&buf, BLOCK_HASH_SEED)
 }
 
 /// Chained hashes of every full block of `tokens`.

@@ -2,16 +2,20 @@
 //!
 //! # Layout
 //!
-//! - Nodes live in a chunked slab (fixed 1,024-node chunks, so growth never copies and never
-//!   over-allocates by more than one chunk). A node is 48 bytes: its key, its parent's slot, two
-//!   LRU links, a child count and three inline entries. A fourth replica moves the entries to a
-//!   side vector (rare: a prefix held by more than three replicas).
+//! - Nodes live in one vector whose capacity (`node_cap`) is reserved up front as address space
+//!   and committed by the OS as it fills: nodes never move, indexing is one bounds check. A node
+//!   is 48 bytes: its key, its parent's slot, two LRU links, a child count and three inline
+//!   entries. A fourth replica moves the entries to a side vector (a prefix held by more than
+//!   three replicas).
 //! - Keys are found through an open-addressing table of `u64` buckets (slot and 32 hash bits;
 //!   linear probing, backward-shift deletion, load 0.6–0.75, growth 1.25×): 11–13 bytes per node,
 //!   and neither a mismatching probe nor a deletion touches a node.
 //! - One intrusive LRU list over all nodes. Every operation that touches a chain links it at the
 //!   recent end tail-first, so a node's parent is always more recent than the node. The least
 //!   recent node is therefore always a leaf, and evicting it drops a chain's tail before its head.
+//!   Chain segments already adjacent in the list move as one piece.
+//! - Lookups hash the next 16 keys and load their buckets and likely nodes together, so the
+//!   cache misses of a long prompt overlap.
 //!
 //! # Rules (the reference model in `tests/differential.rs` restates them)
 //!

@@ -50,6 +50,7 @@ pub struct PrefixPolicy {
     residency_kv_usage: f32,
     index: PrefixIndex,
     matches: Matches,
+    fleet_blocks: FleetBlocks,
     chooser: Chooser,
     recent: Vec<(u64, ReplicaId)>,
     event_errors: u64,
@@ -84,15 +85,11 @@ impl PrefixPolicy {
             residency_kv_usage: spec.residency_kv_usage,
             index: PrefixIndex::new(cfg).map_err(|e| e.to_string())?,
             matches: Matches::new(),
+            fleet_blocks: FleetBlocks::default(),
             chooser: Chooser::new(spec.seed),
             recent: vec![(0, ReplicaId::MAX); RECENT],
             event_errors: 0,
         })
-    }
-
-    /// Overrides the reported name (arms built under their own name).
-    pub fn set_name(&mut self, name: &str) {
-        self.name = name.to_string();
     }
 
     /// The residency index (read-only; for diagnostics and tests).
@@ -120,10 +117,43 @@ impl PrefixPolicy {
     }
 }
 
-/// The decision rule on a lookup result (see the module documentation).
+/// Per fleet position, the blocks the lookup matched: the lookup's hits (sorted by id) merged
+/// with the fleet's ids (sorted once per fleet change), O(fleet + hits) per decision rather
+/// than O(fleet × hits) — a shared system prompt is held by every replica of a large fleet.
+#[derive(Clone, Debug, Default)]
+struct FleetBlocks {
+    ids: Vec<ReplicaId>,
+    sorted: Vec<(ReplicaId, usize)>,
+    blocks: Vec<u32>,
+}
+
+impl FleetBlocks {
+    fn fill(&mut self, m: &Matches, fleet: &[ReplicaView]) -> &[u32] {
+        if self.ids.len() != fleet.len() || self.ids.iter().zip(fleet).any(|(a, r)| *a != r.id) {
+            self.ids = fleet.iter().map(|r| r.id).collect();
+            self.sorted = fleet.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
+            self.sorted.sort_unstable();
+        }
+        self.blocks.clear();
+        self.blocks.resize(fleet.len(), 0);
+        let mut hits = m.hits().iter().peekable();
+        for &(id, pos) in &self.sorted {
+            while hits.next_if(|h| h.0 < id).is_some() {}
+            if let Some(&&(hid, b)) = hits.peek()
+                && hid == id
+            {
+                self.blocks[pos] = b;
+            }
+        }
+        &self.blocks
+    }
+}
+
+/// The decision rule on a lookup result, given per fleet position as `blocks` (see the module
+/// documentation).
 #[allow(clippy::too_many_arguments)]
 fn choose(
-    m: &Matches,
+    blocks: &[u32],
     fleet: &[ReplicaView],
     chooser: &mut Chooser,
     spill: bool,
@@ -133,25 +163,21 @@ fn choose(
     tokens_per_block: u32,
 ) -> Option<Decision> {
     let min_out = min_outstanding(fleet);
-    let blocks_of = |r: &ReplicaView| m.blocks(r.id);
-    let best = m
-        .hits()
+    let best = fleet
         .iter()
-        .filter(|(id, _)| fleet.iter().any(|r| r.id == *id && r.eligible()))
-        .map(|&(_, b)| b)
+        .zip(blocks)
+        .filter(|(r, _)| r.eligible())
+        .map(|(_, &b)| b)
         .max()
         .unwrap_or(0);
-    let decision = |i: usize, branch: Branch, spill: Option<SpillCheck>| {
-        let blocks = blocks_of(&fleet[i]);
-        Decision {
-            replica: fleet[i].id,
-            branch,
-            predicted_match_blocks: blocks,
-            predicted_match_tokens: blocks.saturating_mul(tokens_per_block),
-            outstanding_chosen: fleet[i].outstanding,
-            outstanding_min: min_out,
-            spill,
-        }
+    let decision = |i: usize, branch: Branch, spill: Option<SpillCheck>| Decision {
+        replica: fleet[i].id,
+        branch,
+        predicted_match_blocks: blocks[i],
+        predicted_match_tokens: blocks[i].saturating_mul(tokens_per_block),
+        outstanding_chosen: fleet[i].outstanding,
+        outstanding_min: min_out,
+        spill,
     };
     if best == 0 {
         let i = chooser.least(fleet, |_, _| true)?;
@@ -159,9 +185,10 @@ fn choose(
     }
     let holders = fleet
         .iter()
-        .filter(|r| r.eligible() && blocks_of(r) == best)
+        .zip(blocks)
+        .filter(|(r, b)| r.eligible() && **b == best)
         .count();
-    let matched = chooser.least(fleet, |_, r| blocks_of(r) == best)?;
+    let matched = chooser.least(fleet, |i, _| blocks[i] == best)?;
     let branch = if holders > 1 {
         Branch::Tie
     } else {
@@ -228,6 +255,7 @@ impl Policy for PrefixPolicy {
             residency_kv_usage,
             index,
             matches,
+            fleet_blocks,
             chooser,
             recent,
             ..
@@ -235,7 +263,7 @@ impl Policy for PrefixPolicy {
         let residency = residency_branch.then_some(*residency_kv_usage);
         let mut rule = |m: &Matches| {
             choose(
-                m,
+                fleet_blocks.fill(m, fleet),
                 fleet,
                 chooser,
                 *spill,
@@ -304,5 +332,64 @@ impl Policy for PrefixPolicy {
 
     fn on_replica_removed(&mut self, replica: ReplicaId) {
         self.index.remove_replica(replica);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_index::IndexConfig;
+
+    #[test]
+    fn fleet_blocks_align_hits_with_fleet_positions() {
+        let mut idx = PrefixIndex::new(IndexConfig::default()).unwrap();
+        let keys = [1u64, 2, 3];
+        idx.insert(7, &keys, 0).unwrap();
+        idx.insert(3, &keys[..2], 0).unwrap();
+        idx.insert(99, &keys[..1], 0).unwrap(); // not in the fleet
+        let mut m = Matches::new();
+        idx.lookup(&keys, 0, &mut m);
+        let fleet: Vec<ReplicaView> = [12u32, 7, 0, 3]
+            .into_iter()
+            .map(ReplicaView::idle)
+            .collect();
+        let mut fb = FleetBlocks::default();
+        assert_eq!(fb.fill(&m, &fleet), &[0, 3, 0, 2]);
+        // Reordered and shrunk fleets are re-indexed.
+        let fleet: Vec<ReplicaView> = [3u32, 99].into_iter().map(ReplicaView::idle).collect();
+        assert_eq!(fb.fill(&m, &fleet), &[2, 1]);
+    }
+
+    #[test]
+    fn a_prefix_held_by_a_large_fleet_ties_to_the_least_loaded() {
+        let mut p = PrefixPolicy::new(&PolicySpec::default(), IndexMode::Belief, true).unwrap();
+        let mut fleet: Vec<ReplicaView> = (0..500u32)
+            .map(|id| ReplicaView {
+                outstanding: 3 + id % 7,
+                ..ReplicaView::idle(id)
+            })
+            .collect();
+        fleet[321].outstanding = 0;
+        let keys = [5u64, 6, 7, 8];
+        for r in 0..500 {
+            let req = RouteRequest {
+                session_id: None,
+                block_keys: &keys,
+                tokens_per_block: 16,
+                now_us: 0,
+            };
+            p.on_served(&req, r);
+        }
+        let req = RouteRequest {
+            session_id: None,
+            block_keys: &keys,
+            tokens_per_block: 16,
+            now_us: 1,
+        };
+        let d = p.decide(&req, &fleet).unwrap();
+        assert_eq!(
+            (d.replica, d.branch, d.predicted_match_blocks),
+            (321, Branch::Tie, 4)
+        );
     }
 }

@@ -123,3 +123,50 @@ pub fn bound(fleet: &[ReplicaView], c: f64) -> Option<u32> {
     let b = (c * (total + 1) as f64 / n as f64 - 1e-9).ceil().max(1.0);
     Some(b.min(u32::MAX as f64) as u32)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loads(l: &[u32]) -> Vec<ReplicaView> {
+        l.iter()
+            .enumerate()
+            .map(|(i, &o)| ReplicaView {
+                outstanding: o,
+                ..ReplicaView::idle(i as u32)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bound_is_the_exact_ceiling() {
+        assert_eq!(bound(&loads(&[0; 5]), 1.25), Some(1));
+        // 1.25 × 4 / 5 is 1.0000000000000002 in floating point: still 1.
+        assert_eq!(bound(&loads(&[3, 0, 0, 0, 0]), 1.25), Some(1));
+        assert_eq!(bound(&loads(&[4; 5]), 1.25), Some(6));
+        assert_eq!(bound(&loads(&[10, 0]), 2.0), Some(11));
+        let mut down = loads(&[100, 1]);
+        down[0].healthy = false;
+        assert_eq!(bound(&down, 1.25), Some(3), "only eligible replicas count");
+        down[1].draining = true;
+        assert_eq!(bound(&down, 1.25), None);
+    }
+
+    #[test]
+    fn a_walk_skips_full_and_ineligible_replicas_once_each() {
+        let mut f = loads(&[5, 0, 0]);
+        let mut ring = Ring::new(150);
+        ring.sync(&f);
+        let p = session_point("k");
+        let owner = ring.pick(p, &f, None).unwrap();
+        assert!(owner.owner);
+        f[owner.index].healthy = false;
+        let walked = ring.pick(p, &f, None).unwrap();
+        assert!(!walked.owner && walked.index != owner.index);
+        for r in f.iter_mut() {
+            r.healthy = true;
+            r.outstanding = 9;
+        }
+        assert_eq!(ring.pick(p, &f, Some(9)), None, "everyone is full");
+    }
+}

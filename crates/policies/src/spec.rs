@@ -22,7 +22,8 @@ pub const POLICY_NAMES: [&str; 9] = [
 ///
 /// The arm names set their switches: `prefix-affinity-spill-off` builds prefix-affinity with
 /// `spill = false`, `exact-residency-spec` builds exact-residency with `speculative = true`,
-/// whatever those fields say.
+/// whatever those fields say. Conversely `prefix-affinity` with `spill = false` and
+/// `exact-residency` with `speculative = true` build (and report the name of) those arms.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PolicySpec {
     /// One of [`POLICY_NAMES`].
@@ -158,12 +159,9 @@ pub fn build(spec: &PolicySpec) -> Result<Box<dyn Policy>, String> {
         "session-affinity" => Box::new(SessionAffinity::new(spec, false)),
         "session-bounded" => Box::new(SessionAffinity::new(spec, true)),
         "prefix-hash" => Box::new(PrefixHash::new(spec)),
+        // The arm names force their switch; the policy then reports the arm's name.
         "prefix-affinity" => Box::new(PrefixPolicy::new(spec, IndexMode::Belief, spec.spill)?),
-        "prefix-affinity-spill-off" => {
-            let mut p = PrefixPolicy::new(spec, IndexMode::Belief, false)?;
-            p.set_name("prefix-affinity-spill-off");
-            Box::new(p)
-        }
+        "prefix-affinity-spill-off" => Box::new(PrefixPolicy::new(spec, IndexMode::Belief, false)?),
         "exact-residency" => Box::new(PrefixPolicy::new(
             spec,
             IndexMode::Exact {
@@ -171,12 +169,11 @@ pub fn build(spec: &PolicySpec) -> Result<Box<dyn Policy>, String> {
             },
             spec.spill,
         )?),
-        "exact-residency-spec" => {
-            let mut p =
-                PrefixPolicy::new(spec, IndexMode::Exact { speculative: true }, spec.spill)?;
-            p.set_name("exact-residency-spec");
-            Box::new(p)
-        }
+        "exact-residency-spec" => Box::new(PrefixPolicy::new(
+            spec,
+            IndexMode::Exact { speculative: true },
+            spec.spill,
+        )?),
         other => return Err(format!("unknown policy {other:?}")),
     })
 }

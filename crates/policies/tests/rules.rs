@@ -48,6 +48,19 @@ fn every_name_builds_and_reports_itself() {
         let p = build(&PolicySpec::named(name)).unwrap();
         assert_eq!(p.name(), name);
     }
+    // The switches and the arm names agree.
+    let off = build(&PolicySpec {
+        spill: false,
+        ..PolicySpec::named("prefix-affinity")
+    })
+    .unwrap();
+    assert_eq!(off.name(), "prefix-affinity-spill-off");
+    let spec = build(&PolicySpec {
+        speculative: true,
+        ..PolicySpec::named("exact-residency")
+    })
+    .unwrap();
+    assert_eq!(spec.name(), "exact-residency-spec");
     assert_eq!(policy("round-robin").keying(), Keying::None);
     assert_eq!(policy("prefix-hash").keying(), Keying::BeliefBytes);
     assert_eq!(policy("prefix-affinity").keying(), Keying::BeliefBytes);

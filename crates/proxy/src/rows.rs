@@ -217,7 +217,7 @@ fn writer_loop(mut w: csv::Writer<BufWriter<File>>, rx: Receiver<Msg>, stats: &R
             Ok(()) => stats.written.fetch_add(1, Ordering::Relaxed),
             Err(_) => stats.dropped.fetch_add(1, Ordering::Relaxed),
         };
-    let mut flush = |w: &mut csv::Writer<BufWriter<File>>| {
+    let flush = |w: &mut csv::Writer<BufWriter<File>>| {
         if w.flush().is_err() {
             stats.io_errors.fetch_add(1, Ordering::Relaxed);
         }

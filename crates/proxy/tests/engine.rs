@@ -86,6 +86,14 @@ async fn exact_residency_follows_engine_events_and_rows_join() {
         let mut turns = Vec::new();
         let mut home = None;
         for t in 0..3 {
+            let before = get(&metrics_url).await.1;
+            let applied_before = |r: u32| {
+                metric(
+                    &before,
+                    &format!("kvroute_router_kv_event_batches_total{{replica=\"{r}\"}}"),
+                )
+                .unwrap_or(0.0)
+            };
             turns.push(format!(
                 "Conversation {c}, question {t}: where is my parcel?"
             ));
@@ -106,9 +114,10 @@ async fn exact_residency_follows_engine_events_and_rows_join() {
                 None => home = Some(r.replica()),
                 Some(h) => assert_eq!(r.replica(), h, "conversation {c} turn {t} left its cache"),
             }
-            // The engine publishes its stores as it schedules the prefill; wait until the router
-            // has applied them before the next turn routes on them.
+            // The engine publishes a prompt's stores as it schedules the prefill; wait until the
+            // router has applied this turn's batch before the next turn routes on it.
             let replica = r.replica();
+            let floor = applied_before(replica);
             eventually(|| {
                 let u = metrics_url.clone();
                 async move {
@@ -117,7 +126,7 @@ async fn exact_residency_follows_engine_events_and_rows_join() {
                         &format!("kvroute_router_kv_event_batches_total{{replica=\"{replica}\"}}"),
                     )
                     .unwrap_or(0.0)
-                        > 0.0
+                        > floor
                 }
             })
             .await;

@@ -11,6 +11,23 @@ fn chosen_replicas(results: &[StreamResult]) -> Vec<u32> {
     results.iter().map(StreamResult::replica).collect()
 }
 
+/// Waits until the router counts no request in flight (a client can read `[DONE]` just before
+/// the router sees the upstream's end of body and releases the load).
+async fn wait_idle(url: &str) {
+    eventually(|| {
+        let url = url.to_string();
+        async move {
+            let (_, text) = send("GET", &format!("{url}/admin/replicas"), "").await;
+            let list: serde_json::Value = serde_json::from_str(&text).unwrap();
+            list.as_array()
+                .unwrap()
+                .iter()
+                .all(|r| r["outstanding"] == 0)
+        }
+    })
+    .await;
+}
+
 async fn run(url: &str, body: serde_json::Value, headers: &[(&str, &str)]) -> StreamResult {
     post(url, "/v1/completions", body, headers)
         .await
@@ -72,6 +89,11 @@ async fn least_outstanding_avoids_the_busy_replica() {
     a.state.release(1);
     let done = s_on_a.finish().await;
     assert!(done.done);
+    eventually(|| {
+        let url = url.clone();
+        async move { admin(&url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
+    })
+    .await;
     let s3 = post(&url, "/v1/completions", completion("z"), &[]).await;
     assert_eq!(s3.headers["x-kvroute-replica"], "0");
     a.state.release(1);
@@ -227,6 +249,7 @@ async fn prefix_affinity_follows_belief_and_spills_under_load() {
     // Spill: hold 5 streams of the same conversation on its home replica; the next turn's
     // match is declined for the idle replica (5 − 0 > spill_abs 4, and 5 > 1.5 × 0).
     let home_state = if home == 0 { &a.state } else { &b.state };
+    wait_idle(&url).await;
     home_state.script.lock().hold = true;
     let mut held = Vec::new();
     for _ in 0..5 {
@@ -458,8 +481,12 @@ async fn drain_loses_nothing() {
         );
         assert_eq!(r.events.len(), 5);
     }
+    eventually(|| {
+        let url = url.clone();
+        async move { admin(&url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
+    })
+    .await;
     let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
-    assert_eq!(list[0]["outstanding"], 0);
     assert_eq!(list[0]["draining"], true);
     let (status, _) = admin(&url, "POST", "/admin/replicas/0/undrain", "").await;
     assert_eq!(status, 200);
@@ -970,6 +997,18 @@ async fn admin_add_remove_models_health_metrics() {
         1
     );
 
+    // Rows and the overhead histogram are recorded when the router sees each body end, which
+    // can trail the client's [DONE] slightly.
+    eventually(|| {
+        let u = url.clone();
+        async move {
+            metric(
+                &get(&format!("{u}/metrics")).await.1,
+                "kvroute_router_overhead_us_count",
+            ) == Some(8.0)
+        }
+    })
+    .await;
     let (status, m) = get(&format!("{url}/metrics")).await;
     assert_eq!(status, 200);
     assert_eq!(metric(&m, "kvroute_router_requests_total"), Some(8.0));
@@ -1180,14 +1219,18 @@ async fn decisions_and_load_are_atomic_under_concurrency() {
     for t in tasks {
         assert!(t.await.unwrap().done);
     }
-    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
-    assert!(
-        list.as_array()
-            .unwrap()
-            .iter()
-            .all(|r| r["outstanding"] == 0),
-        "{list}"
-    );
+    // The client may read [DONE] just before the router sees the upstream's end of body.
+    eventually(|| {
+        let url = url.clone();
+        async move {
+            let list = admin(&url, "GET", "/admin/replicas", "").await.1;
+            list.as_array()
+                .unwrap()
+                .iter()
+                .all(|r| r["outstanding"] == 0)
+        }
+    })
+    .await;
     router.shutdown(Duration::from_secs(5)).await;
 }
 
@@ -1226,4 +1269,152 @@ async fn a_client_hanging_up_releases_its_load() {
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["request_id"], "gone");
     assert!(rows[0]["error"].starts_with("client:"), "{:?}", rows[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_residency_spec_trusts_what_it_just_routed() {
+    // No KV events at all: only the speculative layer (fed by on_served with exact keys) can
+    // make the second identical request follow the first.
+    let reps = [
+        MockReplica::start(Script::default()).await,
+        MockReplica::start(Script::default()).await,
+        MockReplica::start(Script::default()).await,
+    ];
+    let dir = temp_dir("spec");
+    let mut cfg = router_config(&[&reps[0], &reps[1], &reps[2]], "exact-residency-spec");
+    cfg.rows = Some(dir.join("router.csv"));
+    cfg.model = Some("mock-model".into());
+    cfg.policy.salt = "mock-model".into();
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let prompt =
+        "A prompt long enough for a few sixteen-token blocks of the mock tokenizer, one byte each.";
+    let first = run(&url, completion(prompt), &[("x-request-id", "s1")])
+        .await
+        .replica();
+    let second = run(&url, completion(prompt), &[("x-request-id", "s2")])
+        .await
+        .replica();
+    assert_eq!(first, second);
+    router.shutdown(Duration::from_secs(5)).await;
+    let rows = read_rows(&dir.join("router.csv"));
+    let by_id: std::collections::HashMap<_, _> =
+        rows.iter().map(|r| (r["request_id"].clone(), r)).collect();
+    assert_eq!(by_id["s1"]["branch"], "miss");
+    assert_eq!(by_id["s2"]["branch"], "match");
+    assert!(
+        by_id["s2"]["predicted_match_tokens"]
+            .parse::<u32>()
+            .unwrap()
+            >= 64
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_added_at_run_time_gets_its_events() {
+    use kv_index::KvEvent;
+    use proxy::events::encode::{Encoding, batch};
+    let a = MockReplica::start(Script::default()).await;
+    let b = MockReplica::start(Script::default()).await;
+    let mut pub_b = MockPublisher::bind().await;
+    let mut cfg = router_config(&[&a], "exact-residency");
+    cfg.model = Some("mock-model".into());
+    cfg.policy.salt = "mock-model".into();
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let body = serde_json::json!({"url": b.url, "kv_events": pub_b.endpoint});
+    let (status, added) = admin(&url, "POST", "/admin/replicas", &body.to_string()).await;
+    assert_eq!(status, 201);
+    assert_eq!(added["kv_events"], pub_b.endpoint.as_str());
+    let metrics_url = format!("{url}/metrics");
+    let seq = wait_subscribed(&mut pub_b, &metrics_url, 1).await;
+    let prompt =
+        "Events from a replica that joined later still steer requests towards its warm cache.";
+    let tokens: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    let stored = KvEvent::Stored {
+        block_hashes: vec![7, 8, 9],
+        parent_block_hash: None,
+        token_ids: tokens[..48].to_vec(),
+        block_size: 16,
+    };
+    pub_b
+        .publish(seq, batch(1.0, &[stored], Encoding::Array))
+        .await;
+    eventually(|| {
+        let u = metrics_url.clone();
+        async move {
+            metric(
+                &get(&u).await.1,
+                "kvroute_router_kv_event_batches_total{replica=\"1\"}",
+            )
+            .unwrap()
+                >= 2.0
+        }
+    })
+    .await;
+    for _ in 0..3 {
+        assert_eq!(run(&url, completion(prompt), &[]).await.replica(), 1);
+    }
+    router.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_retried_on_the_next_choice() {
+    let a = MockReplica::start(Script::default()).await;
+    // A port that refuses connections: bound, then closed.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let dir = temp_dir("refused");
+    let mut cfg = router_config(&[&a], "round-robin");
+    cfg.rows = Some(dir.join("router.csv"));
+    // Health checks far apart, so only the request path can discover the dead replica.
+    cfg.health_interval_ms = 600_000;
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    // Let the health loop's first round finish; the next one is ten minutes away.
+    let st = a.state.clone();
+    eventually(|| {
+        let st = st.clone();
+        async move { st.health_calls.load(Ordering::SeqCst) >= 1 }
+    })
+    .await;
+    let (status, _) = admin(
+        &url,
+        "POST",
+        "/admin/replicas",
+        &format!("{{\"url\":\"{dead}\"}}"),
+    )
+    .await;
+    assert_eq!(status, 201);
+    for i in 0..4 {
+        let r = run(
+            &url,
+            completion(&format!("r{i}")),
+            &[("x-request-id", &format!("r{i}"))],
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert!(r.done && r.errors().is_empty());
+        assert_eq!(r.replica(), 0);
+    }
+    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
+    assert_eq!(
+        list[1]["healthy"], false,
+        "a refused connection takes the replica out"
+    );
+    assert_eq!(list[1]["upstream_errors"], 1);
+    router.shutdown(Duration::from_secs(5)).await;
+    let rows = read_rows(&dir.join("router.csv"));
+    assert_eq!(rows.len(), 4);
+    assert_eq!(
+        rows.iter().filter(|r| r["attempts"] == "2").count(),
+        1,
+        "{rows:?}"
+    );
+    assert!(
+        rows.iter()
+            .all(|r| r["error"].is_empty() && r["replica"] == "0")
+    );
 }

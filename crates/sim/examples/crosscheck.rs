@@ -95,10 +95,13 @@ fn main() {
         Schedule::Open { .. } => None,
     };
     let v = stats(&out, &slo, users);
-    let rows = [("virtual", v)]
-        .into_iter()
-        .chain(a.get(6).map(|live| ("live", stats(Path::new(live), &slo, users))));
-    println!("| run | requests | errors | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | e2e p50 ms | hit rate | goodput req/s | replicas used |");
+    let rows = [("virtual", v)].into_iter().chain(
+        a.get(6)
+            .map(|live| ("live", stats(Path::new(live), &slo, users))),
+    );
+    println!(
+        "| run | requests | errors | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | e2e p50 ms | hit rate | goodput req/s | replicas used |"
+    );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (name, s) in rows {
         println!(

@@ -546,3 +546,48 @@ pub fn run_grid(mut jobs: Vec<GridJob>, threads: usize) -> Vec<Result<CellSummar
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_rules_match_the_sweep() {
+        let sent = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let open = measured_window(&sent, 1.5, 10.0, None).expect("open");
+        assert_eq!((open.measured_start_s, open.measured_end_s), (1.5, 10.0));
+        // Closed loop with 2 users ends at the send that leaves fewer than 2 unsent.
+        let closed = measured_window(&sent, 1.5, 10.0, Some(2)).expect("closed");
+        assert_eq!(closed.measured_end_s, 5.0);
+        assert_eq!(
+            measured_window(&sent, 1.5, 4.5, Some(2))
+                .expect("capped")
+                .measured_end_s,
+            4.5
+        );
+        assert!(measured_window(&sent, 0.0, 10.0, Some(6)).is_err());
+        assert!(measured_window(&sent, 5.0, 10.0, Some(2)).is_err());
+    }
+
+    #[test]
+    fn atomic_write_replaces_the_whole_file_and_leaves_no_temp() {
+        struct Gone(PathBuf);
+        impl Drop for Gone {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+        let dir = std::env::temp_dir().join(format!("sim-atomic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let _gone = Gone(dir.clone());
+        let path = dir.join("x.csv");
+        write_atomic(&path, b"first version, longer").expect("write");
+        write_atomic(&path, b"second").expect("write");
+        assert_eq!(std::fs::read(&path).expect("read"), b"second");
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .expect("list")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+    }
+}

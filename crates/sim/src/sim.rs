@@ -40,29 +40,22 @@ enum Routing {
 impl Routing {
     fn build(spec: &PolicySpec) -> Result<Self, SimError> {
         spec.validate().map_err(SimError::Config)?;
-        let prefix = |mode, spill, name: &str| -> Result<Self, SimError> {
-            let mut p = PrefixPolicy::new(spec, mode, spill).map_err(SimError::Config)?;
-            p.set_name(name);
+        let prefix = |mode, spill| -> Result<Self, SimError> {
+            let p = PrefixPolicy::new(spec, mode, spill).map_err(SimError::Config)?;
             Ok(Routing::Prefix(Box::new(p)))
         };
-        // The same arms as `policies::build`, kept concrete (a test checks the names agree).
+        // The same arms as `policies::build`, kept concrete for their index statistics (a test
+        // checks the names agree).
         match spec.name.as_str() {
-            "prefix-affinity" => prefix(IndexMode::Belief, spec.spill, "prefix-affinity"),
-            "prefix-affinity-spill-off" => {
-                prefix(IndexMode::Belief, false, "prefix-affinity-spill-off")
-            }
+            "prefix-affinity" => prefix(IndexMode::Belief, spec.spill),
+            "prefix-affinity-spill-off" => prefix(IndexMode::Belief, false),
             "exact-residency" => prefix(
                 IndexMode::Exact {
                     speculative: spec.speculative,
                 },
                 spec.spill,
-                "exact-residency",
             ),
-            "exact-residency-spec" => prefix(
-                IndexMode::Exact { speculative: true },
-                spec.spill,
-                "exact-residency-spec",
-            ),
+            "exact-residency-spec" => prefix(IndexMode::Exact { speculative: true }, spec.spill),
             _ => Ok(Routing::Other(
                 policies::build(spec).map_err(SimError::Config)?,
             )),
@@ -245,8 +238,8 @@ struct Sim<'a> {
 
 /// Simulates `plan` under `cfg`, building the prompt book itself.
 pub fn simulate(cfg: &SimConfig, plan: &Plan) -> Result<SimOutput, SimError> {
-    let belief = Routing::build(&cfg.policy)?.keying() == Keying::BeliefBytes;
-    let book = PromptBook::new(plan, &cfg.model, cfg.router.block_bytes, belief)?;
+    cfg.validate()?;
+    let book = PromptBook::new(plan, &cfg.model, cfg.router.block_bytes, true)?;
     simulate_with(cfg, plan, &book)
 }
 

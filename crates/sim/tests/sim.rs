@@ -544,3 +544,22 @@ fn the_residency_branch_sees_the_engines_kv_usage() {
     assert_eq!(branches(false), 0);
     assert!(branches(true) > 0);
 }
+
+#[test]
+fn a_slowed_replica_steps_slower() {
+    let mut cfg = small(2, "round-robin");
+    cfg.slowdowns = vec![1.0, 2.0];
+    let plan = closed_plan(cfg.capacity_tokens(), 0.5, 0.0, 4, 8, 6);
+    let out = simulate(&cfg, &plan).expect("simulate");
+    let mean_itl = |replica: u32| {
+        let v: Vec<f64> = out
+            .outcomes
+            .iter()
+            .filter(|o| o.decision.is_some_and(|d| d.replica == replica))
+            .filter_map(|o| o.itl_p50_ms())
+            .collect();
+        v.iter().sum::<f64>() / v.len() as f64
+    };
+    let ratio = mean_itl(1) / mean_itl(0);
+    assert!((1.8..2.2).contains(&ratio), "ITL ratio {ratio:.2}");
+}

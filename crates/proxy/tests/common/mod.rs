@@ -78,6 +78,8 @@ pub struct MockState {
     pub unhealthy: AtomicBool,
     /// Tokenize calls.
     pub tokenize_calls: AtomicU64,
+    /// Health checks answered.
+    pub health_calls: AtomicU64,
     gate: Semaphore,
     arrived: Notify,
     /// Streams whose first event was sent.
@@ -93,6 +95,7 @@ impl MockState {
             script: Mutex::new(script),
             unhealthy: AtomicBool::new(false),
             tokenize_calls: AtomicU64::new(0),
+            health_calls: AtomicU64::new(0),
             gate: Semaphore::new(0),
             arrived: Notify::new(),
             first_sent: AtomicU64::new(0),
@@ -243,6 +246,7 @@ async fn handle(
     let plain = |r: Response<proxy::body::RouterBody>| Ok(r.map(http_body_util::Either::Right));
     match path.as_str() {
         "/health" => {
+            st.health_calls.fetch_add(1, Ordering::SeqCst);
             let code = if st.unhealthy.load(Ordering::SeqCst) {
                 StatusCode::SERVICE_UNAVAILABLE
             } else {
