@@ -798,7 +798,7 @@ fn render_table(
             } else {
                 let _ = writeln!(
                     out,
-                    "| {} | {k} | +{:.0} / +{:.0} | +{:.0} / +{:.0} | {} | {} | {errors} |",
+                    "| {} | {k} | {:+.0} / {:+.0} | {:+.0} / {:+.0} | {} | {} | {errors} |",
                     t.name,
                     tp50 - base.0,
                     tp99 - base.1,
