@@ -27,9 +27,9 @@ pub const FULL_WARMUP_S: f64 = 20.0;
 /// Measured window per cell, wall s.
 pub const FULL_MEASURE_S: f64 = 40.0;
 /// Warm-up per cell with `--quick`, wall s.
-pub const QUICK_WARMUP_S: f64 = 6.0;
+pub const QUICK_WARMUP_S: f64 = 5.0;
 /// Measured window per cell with `--quick`, wall s.
-pub const QUICK_MEASURE_S: f64 = 10.0;
+pub const QUICK_MEASURE_S: f64 = 8.0;
 
 /// Default warm-up, wall s.
 pub fn default_warmup_s(quick: bool) -> f64 {

@@ -8,13 +8,16 @@ mod calibration;
 mod cell;
 mod env;
 mod fault;
+mod figures_cmd;
 mod fleetargs;
 mod grid;
 mod haproxy;
 mod interrupt;
+mod proxy_bench;
 mod report;
 mod run;
 mod sweep;
+mod virtual_sweep;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -42,6 +45,17 @@ enum Cmd {
         /// The sweep directory, e.g. measurements/pressure-grid-quick.
         dir: PathBuf,
     },
+    /// Render the six figures from published measurements (`figures::render_all`).
+    Figures(figures_cmd::FiguresArgs),
+    /// The router's own cost next to HAProxy and nginx, on in-process SSE upstreams.
+    ProxyBench {
+        /// The benchmark's flags.
+        #[command(flatten)]
+        args: Box<proxy_bench::ProxyBenchArgs>,
+        /// Use the router binary already in target/release.
+        #[arg(long)]
+        no_build: bool,
+    },
     /// fmt check, clippy (-D warnings) and tests over the workspace.
     Ci,
 }
@@ -53,7 +67,12 @@ fn main() {
         Cmd::Calibrate(args) => {
             bins(args.no_build).and_then(|b| calibration::calibrate(&args, &b).map(|_| ()))
         }
+        Cmd::Sweep(args) if args.virtual_time => {
+            to_workspace_root().and_then(|()| virtual_sweep::sweep(&args).map(|_| ()))
+        }
         Cmd::Sweep(args) => bins(args.no_build).and_then(|b| sweep::sweep(&args, &b).map(|_| ())),
+        Cmd::Figures(args) => to_workspace_root().and_then(|()| figures_cmd::run(&args)),
+        Cmd::ProxyBench { args, no_build } => bins(no_build).and_then(|_| proxy_bench::run(&args)),
         Cmd::Fault(args) => bins(args.no_build).and_then(|b| fault::fault(&args, &b).map(|_| ())),
         Cmd::Report { dir } => report::write(&dir),
         Cmd::Ci => ci(),
@@ -65,12 +84,7 @@ fn main() {
 }
 
 fn bins(no_build: bool) -> Result<env::Bins> {
-    // Paths given on the command line (measurements/…) are relative to the workspace root, where
-    // `cargo xtask` is meant to be run from; make that true wherever cargo was invoked.
-    let root = env::workspace_root();
-    if std::env::current_dir().ok().as_deref() != Some(root.as_path()) {
-        std::env::set_current_dir(&root)?;
-    }
+    to_workspace_root()?;
     if no_build {
         let b = env::Bins::release();
         b.check()?;
@@ -78,6 +92,16 @@ fn bins(no_build: bool) -> Result<env::Bins> {
     } else {
         env::build_release_bins()
     }
+}
+
+/// Paths given on the command line (measurements/…) are relative to the workspace root, where
+/// `cargo xtask` is meant to be run from; makes that true wherever cargo was invoked.
+fn to_workspace_root() -> Result<()> {
+    let root = env::workspace_root();
+    if std::env::current_dir().ok().as_deref() != Some(root.as_path()) {
+        std::env::set_current_dir(&root)?;
+    }
+    Ok(())
 }
 
 fn ci() -> Result<()> {

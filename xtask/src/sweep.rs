@@ -40,8 +40,9 @@ pub struct SweepArgs {
     /// `haproxy-session-bounded`).
     #[arg(long, value_enum, default_value_t = crate::haproxy::Ingress::Router)]
     pub ingress: crate::haproxy::Ingress,
-    /// HAProxy's load bound c (`hash-balance-factor` = c × 100), with `--ingress haproxy`.
-    #[arg(long, default_value_t = 1.25)]
+    /// HAProxy's load bound c (`hash-balance-factor` = c × 100), with `--ingress haproxy`
+    /// (alias `--load-factor`, the router's name for session-bounded's bound).
+    #[arg(long, visible_alias = "load-factor", default_value_t = 1.25)]
     pub balance_factor: f64,
     /// Closed-loop users (the reference load).
     #[arg(long, default_value_t = 32)]
@@ -103,17 +104,21 @@ pub struct SweepArgs {
     /// Skip the report at the end.
     #[arg(long)]
     pub no_report: bool,
+    /// Run in virtual time through the simulator (`sim` crate) instead of live processes;
+    /// default directory `<sweep>[-quick]-virtual`.
+    #[arg(long = "virtual")]
+    pub virtual_time: bool,
     /// The fleet.
     #[command(flatten)]
     pub fleet: FleetArgs,
 }
 
 impl SweepArgs {
-    fn warmup(&self) -> f64 {
+    pub(crate) fn warmup(&self) -> f64 {
         self.warmup_s
             .unwrap_or_else(|| crate::fleetargs::default_warmup_s(self.quick))
     }
-    fn measure(&self) -> f64 {
+    pub(crate) fn measure(&self) -> f64 {
         self.measure_s
             .unwrap_or_else(|| crate::fleetargs::default_measure_s(self.quick))
     }
@@ -208,7 +213,7 @@ fn calibration_for(args: &SweepArgs, bins: &Bins, sweep_dir: &Path) -> Result<Ca
 }
 
 /// The plan of one point.
-fn plan_for(
+pub(crate) fn plan_for(
     args: &SweepArgs,
     point: &Point,
     cal: &Calibration,
@@ -250,7 +255,7 @@ fn plan_for(
 }
 
 /// Keeps the points named in `only` (all when empty); an unknown name is an error.
-fn select_points(points: Vec<Point>, only: &[String]) -> Result<Vec<Point>> {
+pub(crate) fn select_points(points: Vec<Point>, only: &[String]) -> Result<Vec<Point>> {
     if only.is_empty() {
         return Ok(points);
     }

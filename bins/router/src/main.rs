@@ -46,6 +46,10 @@ struct Args {
     /// Belief block size in bytes.
     #[arg(long, default_value_t = 64)]
     block_bytes: usize,
+    /// Bytes of the router's rendering per engine token: converts matched belief blocks into
+    /// `predicted_match_tokens` (measured for the emulator's tokenizer; an estimate for real models).
+    #[arg(long, default_value_t = policies::DEFAULT_BELIEF_BYTES_PER_TOKEN)]
+    bytes_per_token: f64,
     /// Engine block size in tokens (exact keys).
     #[arg(long, default_value_t = 16)]
     block_tokens: u32,
@@ -169,6 +173,7 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     cfg.rows = a.rows;
     cfg.model = a.model;
     cfg.block_bytes = a.block_bytes;
+    cfg.bytes_per_token = a.bytes_per_token;
     cfg.max_body_bytes = a.max_body_bytes;
     cfg.health_interval_ms = a.health_interval_ms;
     cfg.workers = a.workers.max(1);

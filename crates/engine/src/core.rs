@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use xxhash_rust::xxh3::{Xxh3, xxh3_64_with_seed};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::block_pool::{BlockId, BlockPool};
 use crate::config::EngineConfig;
@@ -47,6 +47,21 @@ pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
         buf.extend_from_slice(&t.to_le_bytes());
     }
     xxh3_64_with_seed(&buf, BLOCK_HASH_SEED)
+}
+
+/// Seed of a request's generated tokens: xxh3 (seeded) of the prompt's token ids as
+/// little-endian u32, the value a streaming `Xxh3::with_seed(seed)` fed the same bytes digests
+/// to. `scratch` holds the bytes, so a busy engine hashes without allocating.
+pub fn prompt_key(prompt: &[u32], seed: u64, scratch: &mut Vec<u8>) -> u64 {
+    // One contiguous one-shot hash: the streaming hasher's per-update buffering and its final
+    // merge cost more than copying the ids once (xxh3's one-shot and streaming forms are
+    // specified to agree).
+    scratch.clear();
+    scratch.resize(prompt.len() * 4, 0);
+    for (bytes, t) in scratch.chunks_exact_mut(4).zip(prompt) {
+        bytes.copy_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(scratch, seed)
 }
 
 /// Chained hashes of every full block of `tokens`.
@@ -275,6 +290,8 @@ pub struct Engine {
     step_scale: f64,
     sched: Vec<(u32, u32, u32)>,
     hits: Vec<BlockId>,
+    /// Scratch for the prompt's bytes in [`prompt_key`], reused across requests.
+    key_bytes: Vec<u8>,
 }
 
 /// Extends `req.hashes` to cover `num_blocks` full blocks.
@@ -316,6 +333,7 @@ impl Engine {
             counters: Counters::default(),
             sched: Vec::new(),
             hits: Vec::new(),
+            key_bytes: Vec::new(),
             cfg,
         })
     }
@@ -382,17 +400,7 @@ impl Engine {
             return Err(AddError::DuplicateId(id));
         }
         self.check(prompt.len(), params)?;
-        let gen_key = {
-            let mut h = Xxh3::with_seed(self.cfg.seed);
-            let mut buf = [0u8; 256];
-            for chunk in prompt.chunks(64) {
-                for (i, t) in chunk.iter().enumerate() {
-                    buf[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
-                }
-                h.update(&buf[..chunk.len() * 4]);
-            }
-            h.digest()
-        };
+        let gen_key = prompt_key(&prompt, self.cfg.seed, &mut self.key_bytes);
         let req = Request {
             id,
             num_prompt: prompt.len() as u32,

@@ -615,3 +615,42 @@ fn jitter_is_seeded_and_bounded() {
         .is_err()
     );
 }
+
+/// The streaming form `add_request` used before: 64 ids at a time into a seeded `Xxh3`.
+fn streaming_prompt_key(prompt: &[u32], seed: u64) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
+    let mut buf = [0u8; 256];
+    for chunk in prompt.chunks(64) {
+        for (i, t) in chunk.iter().enumerate() {
+            buf[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
+        }
+        h.update(&buf[..chunk.len() * 4]);
+    }
+    h.digest()
+}
+
+#[test]
+fn prompt_key_is_the_streaming_hash_it_replaced() {
+    // Lengths either side of xxh3's short (≤16 B), mid (≤240 B) and long-input paths and of its
+    // 1,024-byte stripes block, so generated tokens (and every seeded run) stay as they were.
+    let mut scratch = Vec::new();
+    for len in [
+        0usize, 1, 3, 4, 15, 59, 60, 61, 64, 255, 256, 257, 1279, 2750, 9000,
+    ] {
+        let prompt: Vec<u32> = (0..len as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761) % 128_256)
+            .collect();
+        for seed in [0u64, 7, u64::MAX] {
+            assert_eq!(
+                prompt_key(&prompt, seed, &mut scratch),
+                streaming_prompt_key(&prompt, seed),
+                "len {len} seed {seed}"
+            );
+        }
+    }
+    // The bytes hashed are the ids' little-endian encoding.
+    assert_eq!(
+        prompt_key(&[1, 2, 3], 0, &mut scratch),
+        xxh3_64_with_seed(&[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0], 0)
+    );
+}

@@ -82,7 +82,7 @@ fn request<'a>(s: &'a Setup, i: usize, now_us: u64) -> RouteRequest<'a> {
     RouteRequest {
         session_id: Some(&s.sessions[i]),
         block_keys: &s.keys[i],
-        tokens_per_block: 16,
+        tokens_per_block: 16.0,
         now_us,
     }
 }
@@ -118,7 +118,7 @@ fn decide_from_bytes(
     let req = RouteRequest {
         session_id: Some(&s.sessions[i]),
         block_keys: buf,
-        tokens_per_block: 16,
+        tokens_per_block: 16.0,
         now_us: now,
     };
     p.decide(&req, &s.fleet).expect("decision").replica

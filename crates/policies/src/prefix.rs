@@ -54,6 +54,8 @@ pub struct PrefixPolicy {
     chooser: Chooser,
     recent: Vec<(u64, ReplicaId)>,
     event_errors: u64,
+    /// Engine block size: predicted tokens are rounded down to whole engine blocks.
+    engine_block_tokens: u32,
 }
 
 impl PrefixPolicy {
@@ -89,6 +91,7 @@ impl PrefixPolicy {
             chooser: Chooser::new(spec.seed),
             recent: vec![(0, ReplicaId::MAX); RECENT],
             event_errors: 0,
+            engine_block_tokens: spec.tokens_per_block,
         })
     }
 
@@ -160,7 +163,8 @@ fn choose(
     spill_abs: u32,
     spill_ratio: f64,
     residency: Option<f32>,
-    tokens_per_block: u32,
+    tokens_per_block: f64,
+    engine_block_tokens: u32,
 ) -> Option<Decision> {
     let min_out = min_outstanding(fleet);
     let best = fleet
@@ -174,7 +178,11 @@ fn choose(
         replica: fleet[i].id,
         branch,
         predicted_match_blocks: blocks[i],
-        predicted_match_tokens: blocks[i].saturating_mul(tokens_per_block),
+        predicted_match_tokens: crate::predicted_tokens(
+            blocks[i],
+            tokens_per_block,
+            engine_block_tokens,
+        ),
         outstanding_chosen: fleet[i].outstanding,
         outstanding_min: min_out,
         spill,
@@ -258,6 +266,7 @@ impl Policy for PrefixPolicy {
             fleet_blocks,
             chooser,
             recent,
+            engine_block_tokens,
             ..
         } = self;
         let residency = residency_branch.then_some(*residency_kv_usage);
@@ -271,6 +280,7 @@ impl Policy for PrefixPolicy {
                 *spill_ratio,
                 residency,
                 req.tokens_per_block,
+                *engine_block_tokens,
             )
         };
         let keys = req.block_keys;
@@ -375,7 +385,7 @@ mod tests {
             let req = RouteRequest {
                 session_id: None,
                 block_keys: &keys,
-                tokens_per_block: 16,
+                tokens_per_block: 16.0,
                 now_us: 0,
             };
             p.on_served(&req, r);
@@ -383,7 +393,7 @@ mod tests {
         let req = RouteRequest {
             session_id: None,
             block_keys: &keys,
-            tokens_per_block: 16,
+            tokens_per_block: 16.0,
             now_us: 1,
         };
         let d = p.decide(&req, &fleet).unwrap();

@@ -21,7 +21,7 @@ fn req<'a>(session: Option<&'a str>, keys: &'a [u64], now_us: u64) -> RouteReque
     RouteRequest {
         session_id: session,
         block_keys: keys,
-        tokens_per_block: 16,
+        tokens_per_block: 16.0,
         now_us,
     }
 }
@@ -427,6 +427,40 @@ fn served(p: &mut dyn Policy, keys: &[u64], f: &[ReplicaView], now: u64) -> Deci
     let d = p.decide(&req(None, keys, now), f).unwrap();
     p.on_served(&req(None, keys, now), d.replica);
     d
+}
+
+#[test]
+fn belief_predictions_convert_bytes_to_engine_tokens() {
+    // The router's 64-byte blocks at ~3.88 canonical bytes per engine token: 10 matched blocks
+    // are 640 bytes ≈ 164.9 tokens, predicted as the 10 whole engine blocks (160) they cover;
+    // 4 bytes/token would have said the same here but 1,248 instead of 1,280 at 78 blocks.
+    let mut p = policy("prefix-affinity");
+    let f = fleet(3);
+    let first = prompt(5, 10);
+    let tpb = policies::belief_tokens_per_block(64, policies::DEFAULT_BELIEF_BYTES_PER_TOKEN);
+    fn at(keys: &[u64], now_us: u64, tpb: f64) -> RouteRequest<'_> {
+        RouteRequest {
+            tokens_per_block: tpb,
+            ..req(None, keys, now_us)
+        }
+    }
+    let d = p.decide(&at(&first, 0, tpb), &f).unwrap();
+    p.on_served(&at(&first, 0, tpb), d.replica);
+    let mut longer = first.clone();
+    longer.extend(prompt(6, 70));
+    let d2 = p.decide(&at(&longer, 1, tpb), &f).unwrap();
+    assert_eq!((d2.replica, d2.branch), (d.replica, Branch::Match));
+    assert_eq!(
+        (d2.predicted_match_blocks, d2.predicted_match_tokens),
+        (10, 160)
+    );
+    p.on_served(&at(&longer, 1, tpb), d2.replica);
+    let d3 = p.decide(&at(&longer, 2, tpb), &f).unwrap();
+    assert_eq!(
+        (d3.predicted_match_blocks, d3.predicted_match_tokens),
+        (80, 1312)
+    );
+    assert_eq!(d3.predicted_match_tokens % 16, 0);
 }
 
 #[test]

@@ -115,7 +115,7 @@ fn simulate(name: &str, arrivals: &[Arrival]) -> Outcome {
         let req = RouteRequest {
             session_id: Some(&sid),
             block_keys: &a.keys,
-            tokens_per_block: 16,
+            tokens_per_block: 16.0,
             now_us: a.at_us,
         };
         let d = policy.decide(&req, &fleet).unwrap();

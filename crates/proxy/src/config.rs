@@ -48,6 +48,11 @@ pub struct RouterConfig {
     pub model: Option<String>,
     /// Belief block size in bytes.
     pub block_bytes: usize,
+    /// Estimated canonical-rendering bytes per engine token, which converts matched belief
+    /// blocks into predicted engine tokens (`predicted_match_tokens`). Default
+    /// [`policies::DEFAULT_BELIEF_BYTES_PER_TOKEN`], measured for the emulator's tokenizer; an
+    /// estimate for real models.
+    pub bytes_per_token: f64,
     /// Largest request body accepted (413 beyond).
     pub max_body_bytes: usize,
     /// Health-check period.
@@ -71,6 +76,7 @@ impl RouterConfig {
             rows: None,
             model: None,
             block_bytes: 64,
+            bytes_per_token: policies::DEFAULT_BELIEF_BYTES_PER_TOKEN,
             max_body_bytes: 8 << 20,
             health_interval_ms: 1000,
             workers: 1,

@@ -81,6 +81,12 @@ impl Router {
     /// a tokio runtime.
     pub async fn start(cfg: RouterConfig) -> Result<Router, RouterError> {
         let policy = policies::build(&cfg.policy).map_err(RouterError::Config)?;
+        if !(cfg.bytes_per_token.is_finite() && cfg.bytes_per_token > 0.0) {
+            return Err(RouterError::Config(format!(
+                "bytes per token must be a positive number, got {}",
+                cfg.bytes_per_token
+            )));
+        }
         let rows = match &cfg.rows {
             Some(p) => RowSink::create(p, cfg.rows_queue)?,
             None => RowSink::disabled(),
@@ -89,6 +95,10 @@ impl Router {
             model: cfg.model.clone(),
             block_bytes: cfg.block_bytes,
             block_tokens: cfg.policy.tokens_per_block,
+            belief_tokens_per_block: policies::belief_tokens_per_block(
+                cfg.block_bytes,
+                cfg.bytes_per_token,
+            ),
             exact_salt: cfg.policy.salt.clone(),
             scrape_kv_usage: cfg.policy.residency_branch,
             max_body_bytes: cfg.max_body_bytes,

@@ -227,7 +227,7 @@ async fn proxy_llm(
     let mut keys = Vec::new();
     let mut tokenize_ns = 0;
     let tokens_per_block = match shared.keying {
-        Keying::None => shared.settings.block_tokens,
+        Keying::None => f64::from(shared.settings.block_tokens),
         Keying::BeliefBytes => {
             let mut rendered = Vec::with_capacity(body.len());
             parsed.render_into(&mut rendered);
@@ -237,8 +237,9 @@ async fn proxy_llm(
                 shared.settings.block_bytes,
                 &mut keys,
             );
-            // 64 bytes ≈ 16 tokens; the policy converts blocks to predicted tokens with this.
-            (shared.settings.block_bytes / 4).max(1) as u32
+            // The router never sees engine tokens: matched bytes become predicted tokens through
+            // the bytes-per-token estimate (a fixed 4 under-predicted ~2.5–10% of every hit).
+            shared.settings.belief_tokens_per_block
         }
         Keying::ExactTokens => {
             let block_tokens = shared.settings.block_tokens;
@@ -269,7 +270,7 @@ async fn proxy_llm(
                     &mut keys,
                 );
             }
-            block_tokens
+            f64::from(block_tokens)
         }
     };
     let session = row.session_id.as_deref();

@@ -174,6 +174,8 @@ pub struct Settings {
     pub block_bytes: usize,
     /// Engine block size, tokens (exact keys).
     pub block_tokens: u32,
+    /// Predicted engine tokens per matched belief block (`block_bytes ÷ bytes_per_token`).
+    pub belief_tokens_per_block: f64,
     /// Block-0 salt of exact keys (the policy's `salt`).
     pub exact_salt: String,
     /// Request body limit.

@@ -249,7 +249,13 @@ async fn prefix_affinity_fronts_an_emulated_fleet() {
         assert_eq!(r["branch"], "match", "{r:?}");
         // The belief came true: the engine reports cache hits on the replica the router chose.
         assert!(r["cached_tokens"].parse::<u64>().unwrap() > 0, "{r:?}");
-        assert!(r["predicted_match_tokens"].parse::<u64>().unwrap() > 0);
+        let predicted = r["predicted_match_tokens"].parse::<u64>().unwrap();
+        assert!(predicted > 0);
+        // …and the belief's size came true too: matched bytes converted at the bytes-per-token
+        // estimate land within one engine block of the engine's block-aligned hit (a fixed
+        // 4 bytes/token under-predicted every later turn, by more as the conversation grew).
+        let cached = r["cached_tokens"].parse::<u64>().unwrap();
+        assert!(predicted.abs_diff(cached) <= 16, "{r:?}");
     }
     for e in engines {
         e.shutdown().await;

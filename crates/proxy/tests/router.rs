@@ -1418,3 +1418,17 @@ async fn a_refused_connection_is_retried_on_the_next_choice() {
             .all(|r| r["error"].is_empty() && r["replica"] == "0")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_bytes_per_token_estimate_is_a_config_error() {
+    let a = MockReplica::start(Script::default()).await;
+    for bad in [0.0, -3.9, f64::NAN, f64::INFINITY] {
+        let mut cfg = router_config(&[&a], "prefix-affinity");
+        cfg.bytes_per_token = bad;
+        match proxy::Router::start(cfg).await {
+            Err(proxy::RouterError::Config(m)) => assert!(m.contains("bytes per token"), "{m}"),
+            Err(e) => panic!("{bad}: wrong error {e}"),
+            Ok(_) => panic!("{bad}: router started"),
+        }
+    }
+}

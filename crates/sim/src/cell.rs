@@ -387,6 +387,7 @@ fn meta_json(
             "tokenize_us": cfg.tokenize_us(),
             "event_transport_us": r.event_transport_us,
             "block_bytes": r.block_bytes,
+            "bytes_per_token": r.bytes_per_token,
             "sweep": meta.run,
         },
         "sim": summary,

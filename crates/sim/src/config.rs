@@ -25,8 +25,12 @@ pub struct RouterModel {
     /// the step: a batch becomes visible at the end of the step that scheduled its blocks plus
     /// this delay.
     pub event_transport_us: u64,
-    /// Router byte-block size for belief keys (`--block-bytes`, 64 ≈ 16 tokens).
+    /// Router byte-block size for belief keys (`--block-bytes`).
     pub block_bytes: usize,
+    /// Estimated canonical bytes per engine token that turns matched belief blocks into
+    /// predicted tokens (the router's `bytes_per_token`; default
+    /// [`policies::DEFAULT_BELIEF_BYTES_PER_TOKEN`]).
+    pub bytes_per_token: f64,
 }
 
 impl Default for RouterModel {
@@ -37,6 +41,7 @@ impl Default for RouterModel {
             tokenize_us: None,
             event_transport_us: 200,
             block_bytes: 64,
+            bytes_per_token: policies::DEFAULT_BELIEF_BYTES_PER_TOKEN,
         }
     }
 }
@@ -156,6 +161,10 @@ impl SimConfig {
         }
         if self.router.block_bytes == 0 {
             return bad("router block_bytes must be at least 1".into());
+        }
+        let bpt = self.router.bytes_per_token;
+        if !(bpt.is_finite() && bpt > 0.0) {
+            return bad(format!("router bytes_per_token must be > 0, got {bpt}"));
         }
         let d = &self.driver;
         if !(d.warmup_s.is_finite() && d.warmup_s >= 0.0) {

@@ -538,16 +538,19 @@ impl Sim<'_> {
         let tokens_per_block;
         let keys: &[u64] = match self.keying {
             Keying::None => {
-                tokens_per_block = self.cfg.engine.block_size;
+                tokens_per_block = f64::from(self.cfg.engine.block_size);
                 &[]
             }
             Keying::BeliefBytes => {
-                tokens_per_block = (self.cfg.router.block_bytes / 4).max(1) as u32;
+                tokens_per_block = policies::belief_tokens_per_block(
+                    self.cfg.router.block_bytes,
+                    self.cfg.router.bytes_per_token,
+                );
                 // In range: `prompt_into` accepted the same conversation and turn.
                 self.book.belief_keys(conversation, turn).unwrap_or(&[])
             }
             Keying::ExactTokens => {
-                tokens_per_block = self.cfg.engine.block_size;
+                tokens_per_block = f64::from(self.cfg.engine.block_size);
                 kv_index::hash::token_block_keys_into(
                     self.cfg.model.as_bytes(),
                     &prompt,

@@ -563,3 +563,66 @@ fn a_slowed_replica_steps_slower() {
     let ratio = mean_itl(1) / mean_itl(0);
     assert!((1.8..2.2).contains(&ratio), "ITL ratio {ratio:.2}");
 }
+
+/// `(predicted − cached)` of every later turn that went to the replica its previous turn used.
+fn belief_errors(bytes_per_token: f64) -> Vec<i64> {
+    // The sweep's chat shape (~1,100-token prefix, 150-token user turns, 128-token scripted
+    // replies, 6 turns) with room to spare, so nothing is evicted and every later turn on its
+    // previous replica finds the whole previous prompt cached.
+    let spec = workload::WorkloadSpec {
+        seed: 7,
+        sizing: workload::Sizing::Conversations(9),
+        ..workload::WorkloadSpec::default()
+    };
+    let arrival = workload::ArrivalSpec::Closed {
+        users: 3,
+        think_mean_s: 0.5,
+        requests_per_user: 18,
+    };
+    let plan = workload::Plan::build(&spec, &arrival).expect("plan");
+    let mut cfg = SimConfig::new(3, "prefix-affinity");
+    cfg.router.bytes_per_token = bytes_per_token;
+    let out = simulate(&cfg, &plan).expect("simulate");
+    let mut by_turn: Vec<_> = out.outcomes.iter().filter(|o| o.is_ok()).collect();
+    by_turn.sort_by_key(|o| (o.conversation, o.turn));
+    let mut errors = Vec::new();
+    for w in by_turn.windows(2) {
+        let (prev, o) = (w[0], w[1]);
+        let (Some(p), Some(d)) = (prev.decision, o.decision) else {
+            continue;
+        };
+        if prev.conversation == o.conversation && o.turn == prev.turn + 1 && p.replica == d.replica
+        {
+            errors.push(i64::from(d.predicted_match_tokens) - i64::from(o.cached_tokens));
+        }
+    }
+    errors
+}
+
+#[test]
+fn belief_predicts_the_engines_hit_for_a_conversation_on_one_replica() {
+    let errors = belief_errors(policies::DEFAULT_BELIEF_BYTES_PER_TOKEN);
+    assert!(errors.len() >= 30, "later turns compared: {}", errors.len());
+    // Byte blocks can only estimate token blocks (the text's bytes per token varies 3.87–3.93 by
+    // conversation): every prediction lies within two engine blocks, and on average within one.
+    let worst = errors.iter().map(|e| e.abs()).max().unwrap();
+    assert!(
+        worst <= 32,
+        "worst |predicted − cached| {worst}: {errors:?}"
+    );
+    let mean_abs = errors.iter().map(|e| e.abs()).sum::<i64>() as f64 / errors.len() as f64;
+    assert!(mean_abs <= 16.0, "mean |error| {mean_abs}: {errors:?}");
+    let signed = errors.iter().sum::<i64>() as f64 / errors.len() as f64;
+    assert!(
+        signed.abs() <= 16.0,
+        "mean signed error {signed}: {errors:?}"
+    );
+    // The former fixed 4 bytes/token under-predicted every one of these requests.
+    let old = belief_errors(4.0);
+    assert!(old.iter().all(|&e| e < 0), "{old:?}");
+    let old_mean = old.iter().map(|e| e.abs()).sum::<i64>() as f64 / old.len() as f64;
+    assert!(
+        old_mean > 2.0 * mean_abs,
+        "old {old_mean} vs new {mean_abs}"
+    );
+}

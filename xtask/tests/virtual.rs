@@ -1,0 +1,172 @@
+//! `cargo xtask sweep … --virtual`: a tiny virtual sweep (1 point × 2 policies × 2 repetitions)
+//! run twice gives byte-identical rows, the live layout with `"virtual": true`, the live sweep's
+//! plan, and a report; another seed changes the rows.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(tag: &str) -> Scratch {
+    let root = std::env::temp_dir().join(format!("xtask-virtual-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    Scratch(root)
+}
+
+fn xtask(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(args)
+        .output()
+        .expect("xtask runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+const POLICIES: [&str; 2] = ["round-robin", "prefix-affinity"];
+
+/// Runs the tiny sweep into `out/<name>` with `seed`; returns the sweep directory.
+fn tiny(out: &Path, name: &str, seed: &str) -> PathBuf {
+    let out_s = out.to_string_lossy().into_owned();
+    let (ok, stderr) = xtask(&[
+        "sweep",
+        "pressure-grid",
+        "--quick",
+        "--virtual",
+        "--out",
+        &out_s,
+        "--sweep-dir-name",
+        name,
+        "--points",
+        "ws1-s0",
+        "--policies",
+        &POLICIES.join(","),
+        "--reps",
+        "2",
+        "--replicas",
+        "2",
+        "--num-gpu-blocks",
+        "1024",
+        "--users",
+        "8",
+        "--warmup-s",
+        "2",
+        "--measure-s",
+        "6",
+        "--seed",
+        seed,
+    ]);
+    assert!(ok, "virtual sweep failed:\n{stderr}");
+    out.join(name)
+}
+
+fn rows(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut all = Vec::new();
+    for policy in POLICIES {
+        for rep in 1..=2 {
+            for file in ["client.csv", "router.csv"] {
+                let p = dir
+                    .join("ws1-s0")
+                    .join(policy)
+                    .join(format!("rep-{rep}"))
+                    .join(file);
+                let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                all.push((format!("{policy}/rep-{rep}/{file}"), bytes));
+            }
+        }
+    }
+    all
+}
+
+#[test]
+fn same_seed_same_bytes_and_the_live_layout() {
+    let s = scratch("det");
+    let a = tiny(&s.0, "a", "7");
+    let b = tiny(&s.0, "b", "7");
+    let (ra, rb) = (rows(&a), rows(&b));
+    for ((name, x), (_, y)) in ra.iter().zip(&rb) {
+        assert!(x == y, "{name} differs between two runs with the same seed");
+    }
+    // Repetitions differ (their own seeds and jitter), and a few hundred requests were run.
+    let rep1 = &ra[0].1;
+    let rep2 = &ra[2].1;
+    assert_ne!(rep1, rep2, "round-robin rep-1 and rep-2 are identical");
+    let requests = String::from_utf8_lossy(rep1).lines().count() - 1;
+    assert!(
+        (100..5_000).contains(&requests),
+        "{requests} requests in a tiny cell"
+    );
+
+    let plan = json(&a.join("ws1-s0").join("plan.json"));
+    for policy in POLICIES {
+        for rep in 1..=2 {
+            let meta = json(
+                &a.join("ws1-s0")
+                    .join(policy)
+                    .join(format!("rep-{rep}"))
+                    .join("meta.json"),
+            );
+            assert_eq!(meta["virtual"], true);
+            assert_eq!(meta["complete"], true);
+            assert_eq!(meta["policy"], policy);
+            assert_eq!(meta["plan_fingerprint"], plan["plan_fingerprint"]);
+            assert!(meta["accepted"].is_boolean());
+            assert!(meta["drift"]["warming"].is_boolean());
+            assert_eq!(meta["fleet"]["replicas"], 2);
+        }
+    }
+    let cal = json(&a.join("calibration.json"));
+    let slo = cal["slo"]["ttft_ms"].as_f64().unwrap();
+    let floor = cal["floors"]["ttft_ms"].as_f64().unwrap();
+    assert!((slo - 3.0 * floor).abs() < 1e-9 && floor > 0.0);
+    assert_eq!(json(&a.join("sweep.json"))["virtual"], true);
+    let report = json(&a.join("report.json"));
+    assert!(report.is_object());
+    assert!(a.join("report.md").exists());
+
+    // Another seed: another plan and other rows.
+    let c = tiny(&s.0, "c", "8");
+    assert_ne!(rows(&c)[0].1, ra[0].1);
+}
+
+#[test]
+fn virtual_refuses_what_it_cannot_simulate() {
+    let s = scratch("bad");
+    let out = s.0.to_string_lossy().into_owned();
+    let (ok, stderr) = xtask(&[
+        "sweep",
+        "pressure-grid",
+        "--virtual",
+        "--out",
+        &out,
+        "--fleet",
+        "static",
+        "--urls",
+        "http://127.0.0.1:1",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("--virtual"), "{stderr}");
+    let (ok, stderr) = xtask(&[
+        "sweep",
+        "pressure-grid",
+        "--virtual",
+        "--out",
+        &out,
+        "--policies",
+        "no-such-policy",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("no-such-policy"), "{stderr}");
+}
