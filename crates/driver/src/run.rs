@@ -1,9 +1,14 @@
 //! Closed-loop and open-loop runs of a plan: scheduling, rows, progress, summary.
 //!
 //! Both drivers honour "one turn of a conversation in flight at a time":
-//! - closed loop: each user follows its script; before sending, it takes the conversation's
-//!   turn lock, so when two users drew the same conversation the later one waits for the
-//!   earlier turn to finish (the wait shows in `send_lag_ms`);
+//! - closed loop: a conversation belongs to one user for a whole walk (turn 1 to its last
+//!   turn, think times included). A user whose next draw is owned by another user skips it
+//!   (drops it) and takes the first free draw among its next `workload::SKIP_WINDOW_DRAWS`
+//!   draws (script draws, then the plan's spare draws). Only when the whole window is owned
+//!   does it wait, FIFO, for the first one (the wait shows in `send_lag_ms`). Slot `k` of a
+//!   user's script keeps its think time, turn and request id `u{user}-{k}`; only the walk's
+//!   conversation may change. The rule lives in `workload::WalkCursor`, which the simulator
+//!   drives too;
 //! - open loop: the arrivals are grouped per conversation and each conversation's arrivals are
 //!   sent by one task, in order: an arrival is sent at its scheduled time, or as soon as the
 //!   conversation's previous turn completes if that is later. Gaps are never rescaled; lateness
@@ -15,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use workload::{Plan, Schedule, closed_request_id, open_request_id};
+use workload::{Pick, Plan, Schedule, WalkCursor, closed_request_id, open_request_id};
 
 use crate::DriverError;
 use crate::client::{ChatRequest, Outcome, Requester, chat_body};
@@ -141,6 +146,9 @@ pub struct RunSummary {
     pub requests: u64,
     /// Planned requests never sent (duration cap reached).
     pub not_sent: u64,
+    /// Closed loop: draws a user passed over because another user owned the conversation
+    /// (`workload::walk`); 0 in the open loop.
+    pub skipped_draws: u64,
     /// Rows without error.
     pub ok: u64,
     /// Rows with an error.
@@ -179,8 +187,13 @@ impl std::fmt::Display for RunSummary {
         writeln!(f, "mode      {}   model {}", self.mode, self.model)?;
         writeln!(
             f,
-            "requests  {} sent, {} ok, {} errors, {} warm-up, {} not sent",
-            self.requests, self.ok, self.errors, self.warmup_requests, self.not_sent
+            "requests  {} sent, {} ok, {} errors, {} warm-up, {} not sent, {} skipped draws",
+            self.requests,
+            self.ok,
+            self.errors,
+            self.warmup_requests,
+            self.not_sent,
+            self.skipped_draws
         )?;
         if !self.errors_by_kind.is_empty() {
             let kinds: Vec<String> = self
@@ -378,16 +391,18 @@ pub fn run_blocking(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, DriverEr
 
 /// Runs a closed-loop plan; writes `cfg.out`.
 pub async fn run_closed(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, DriverError> {
-    let Schedule::Closed { users } = &plan.schedule else {
+    let Schedule::Closed { users, spare_draws } = &plan.schedule else {
         return Err(DriverError::Config(
             "this plan is open-loop; run it with `driver open`".into(),
         ));
     };
     let shared = prepare(plan, cfg).await?;
     let total = plan.request_count() as u64;
-    let turn_locks: Arc<Vec<tokio::sync::Mutex<()>>> = Arc::new(
+    // A conversation's owner: the user walking it, from the decision to start the walk until
+    // the walk's last response (workload::walk). Tokio's mutex hands off in FIFO order.
+    let owners: Arc<Vec<Arc<tokio::sync::Mutex<()>>>> = Arc::new(
         (0..plan.conversations.len())
-            .map(|_| tokio::sync::Mutex::new(()))
+            .map(|_| Arc::new(tokio::sync::Mutex::new(())))
             .collect(),
     );
     let start = shared.requester.clock_start();
@@ -395,30 +410,71 @@ pub async fn run_closed(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driv
     let mut tasks = Vec::with_capacity(users.len());
     for (u, script) in users.iter().enumerate() {
         let shared = shared.clone();
-        let locks = turn_locks.clone();
+        let owners = owners.clone();
         let script = script.clone();
+        let mut cursor = WalkCursor::new(&script, spare_draws.get(u).map_or(&[], Vec::as_slice));
         tasks.push(tokio::spawn(async move {
+            let mut held: Option<tokio::sync::OwnedMutexGuard<()>> = None;
             let mut ready = start;
             let mut sent = 0u64;
-            for (k, step) in script.iter().enumerate() {
+            loop {
+                let pick = cursor.next(|c| {
+                    match owners.get(c as usize).map(|m| m.clone().try_lock_owned()) {
+                        Some(Ok(guard)) => {
+                            held = Some(guard);
+                            true
+                        }
+                        _ => false,
+                    }
+                });
+                let (k, conversation, ends_walk) = match pick {
+                    Pick::Step {
+                        step,
+                        conversation,
+                        ends_walk,
+                    } => (step, conversation, ends_walk),
+                    Pick::Wait { conversation, step } => {
+                        let (Some(owner), Some(first)) =
+                            (owners.get(conversation as usize), script.get(step))
+                        else {
+                            break;
+                        };
+                        // The think time runs while waiting; lateness shows in send_lag_ms.
+                        let scheduled = ready + Duration::from_micros(first.think_us) - start;
+                        if shared.stopped(scheduled) {
+                            break;
+                        }
+                        held = Some(owner.clone().lock_owned().await);
+                        match cursor.start_waited() {
+                            Pick::Step {
+                                step,
+                                conversation,
+                                ends_walk,
+                            } => (step, conversation, ends_walk),
+                            _ => break,
+                        }
+                    }
+                    Pick::Done => break,
+                };
+                let Some(step) = script.get(k) else {
+                    break;
+                };
                 let scheduled_at = ready + Duration::from_micros(step.think_us);
                 let scheduled = scheduled_at - start;
                 if shared.stopped(scheduled) {
                     break;
                 }
                 sleep_until(scheduled_at).await;
-                let Some(lock) = locks.get(step.conversation as usize) else {
-                    break;
-                };
-                let _turn = lock.lock().await;
                 let id = closed_request_id(u, k);
-                shared
-                    .fire(&id, step.conversation, step.turn, scheduled)
-                    .await;
+                shared.fire(&id, conversation, step.turn, scheduled).await;
                 sent += 1;
+                if ends_walk {
+                    held = None;
+                }
                 ready = Instant::now();
             }
-            sent
+            drop(held);
+            (sent, cursor.skipped())
         }));
     }
     finish(shared, tasks, progress, total, "closed").await
@@ -462,7 +518,7 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
                     .await;
                 sent += 1;
             }
-            sent
+            (sent, 0)
         }));
     }
     finish(shared, tasks, progress, total, "open").await
@@ -599,16 +655,20 @@ fn progress_line(s: &Sink, total: u64, elapsed: Duration, plan_end: Option<Durat
 
 async fn finish(
     shared: Arc<Shared>,
-    tasks: Vec<tokio::task::JoinHandle<u64>>,
+    tasks: Vec<tokio::task::JoinHandle<(u64, u64)>>,
     progress: ProgressTask,
     total: u64,
     mode: &str,
 ) -> Result<RunSummary, DriverError> {
     let mut sent = 0u64;
+    let mut skipped_draws = 0u64;
     let mut panicked = None;
     for t in tasks {
         match t.await {
-            Ok(n) => sent += n,
+            Ok((n, skips)) => {
+                sent += n;
+                skipped_draws += skips;
+            }
             Err(e) => panicked = Some(e.to_string()),
         }
     }
@@ -646,6 +706,7 @@ async fn finish(
         out,
         requests: sink.done,
         not_sent: total.saturating_sub(sent),
+        skipped_draws,
         ok: sink.done - sink.errors,
         errors: sink.errors,
         errors_by_kind: sink.errors_by_kind.clone(),

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use driver::testserver::{MODEL, Reply, ScriptUsage, ScriptedServer, StreamScript};
 use driver::{ClientRow, DriverError, ProgressMode, RunConfig, read_rows, run_closed, run_open};
-use workload::{ArrivalSpec, Plan, Schedule, Sizing, WorkloadSpec};
+use workload::{ArrivalSpec, Plan, Schedule, Sizing, Step, WorkloadSpec};
 
 fn ms(v: u64) -> Duration {
     Duration::from_millis(v)
@@ -137,7 +137,7 @@ async fn ttft_and_itl_follow_the_scripted_chunks() {
     // Headers and body as the contract says.
     let seen = server.seen();
     assert_eq!(seen.len(), 2);
-    let Schedule::Closed { users } = &plan.schedule else {
+    let Schedule::Closed { users, .. } = &plan.schedule else {
         unreachable!()
     };
     for (k, s) in seen.iter().enumerate() {
@@ -387,15 +387,84 @@ async fn closed_loop_users_share_conversations_without_overlap() {
         assert_consistent(r);
     }
     assert_no_overlap_per_session(&rows);
-    // Each user's requests went out in script order.
-    for u in 0..4 {
+    // Each user sent every step of its script exactly once, one request at a time.
+    let Schedule::Closed { users, .. } = &plan.schedule else {
+        unreachable!()
+    };
+    for (u, script) in users.iter().enumerate() {
         let mut mine: Vec<&ClientRow> = rows
             .iter()
             .filter(|r| r.request_id.starts_with(&format!("u{u}-")))
             .collect();
-        mine.sort_by_key(|r| r.request_id[3..].parse::<usize>().unwrap());
-        assert!(mine.windows(2).all(|w| w[0].sent_s < w[1].sent_s));
+        let mut ids: Vec<usize> = mine
+            .iter()
+            .map(|r| r.request_id[3..].parse::<usize>().unwrap())
+            .collect();
+        ids.sort_unstable();
+        assert_eq!(ids, (0..script.len()).collect::<Vec<_>>());
+        mine.sort_by(|a, b| a.sent_s.unwrap().total_cmp(&b.sent_s.unwrap()));
+        for w in mine.windows(2) {
+            let end = w[0].sent_s.unwrap() + w[0].e2el_ms.unwrap() / 1e3;
+            assert!(w[1].sent_s.unwrap() >= end - 1e-6, "user {u} overlapped");
+        }
     }
+}
+
+fn step(conversation: u32, turn: u32) -> Step {
+    Step {
+        conversation,
+        turn,
+        think_us: 0,
+    }
+}
+
+#[tokio::test]
+async fn a_user_skips_a_conversation_another_user_is_walking() {
+    // Each response takes ~25 ms, so user 0's three-turn walk lasts ~75 ms.
+    let server =
+        ScriptedServer::start(|_| Reply::Stream(StreamScript::uniform(ms(20), ms(1), 4, 50)))
+            .await
+            .unwrap();
+    let mut plan = closed_plan(2, 2, 0.0, 3);
+    // Both users draw conversation 0 first; user 1's next draws are conversations 1 and 0.
+    plan.schedule = Schedule::Closed {
+        users: vec![
+            vec![step(0, 1), step(0, 2), step(0, 3)],
+            vec![
+                step(0, 1),
+                step(0, 2),
+                step(0, 3),
+                step(1, 1),
+                step(1, 2),
+                step(1, 3),
+            ],
+        ],
+        spare_draws: vec![vec![], vec![0]],
+    };
+    plan.check().unwrap();
+    let out = out_dir("closed-skip").join("client.csv");
+    let summary = run_closed(&plan, &config(server.url(), out.clone()))
+        .await
+        .unwrap();
+    assert_eq!((summary.requests, summary.errors), (9, 0));
+    assert_eq!(summary.skipped_draws, 1);
+    let rows = read_rows(&out).unwrap();
+    assert_no_overlap_per_session(&rows);
+    let row = |id: &str| rows.iter().find(|r| r.request_id == id).unwrap();
+    // User 1 skipped conversation 0 (user 0 owned it) and walked conversation 1 at once
+    // instead of waiting; its slots keep their ids and turns.
+    let c1 = plan.session_id(1);
+    for (k, turn) in [(0, 1), (1, 2), (2, 3)] {
+        let r = row(&format!("u1-{k}"));
+        assert_eq!((r.session_id.as_str(), r.turn), (c1.as_str(), turn));
+    }
+    assert!(row("u1-0").send_lag_ms.unwrap() < 15.0);
+    assert!(row("u1-0").sent_s.unwrap() < row("u0-0").sent_s.unwrap() + 0.015);
+    // Its second walk took its next draw, conversation 0, once user 0 had released it.
+    let c0 = plan.session_id(0);
+    assert_eq!(row("u1-3").session_id, c0);
+    let end = |r: &ClientRow| r.sent_s.unwrap() + r.e2el_ms.unwrap() / 1e3;
+    assert!(row("u1-3").sent_s.unwrap() >= end(row("u0-2")) - 1e-6);
 }
 
 #[tokio::test]

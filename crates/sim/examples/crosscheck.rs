@@ -91,7 +91,7 @@ fn main() {
     let s = run_cell(&cfg, &plan, &out, &meta).expect("virtual cell");
     eprintln!("virtual: {} requests in {:.3} s wall", s.requests, s.wall_s);
     let users = match &plan.schedule {
-        Schedule::Closed { users } => Some(users.len()),
+        Schedule::Closed { users, .. } => Some(users.len()),
         Schedule::Open { .. } => None,
     };
     let v = stats(&out, &slo, users);

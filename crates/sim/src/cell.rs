@@ -152,6 +152,8 @@ pub struct CellSummary {
     pub wall_s: f64,
     /// Events processed.
     pub events: u64,
+    /// Closed loop: draws passed over because another user owned them (`workload::walk`).
+    pub skipped_draws: u64,
 }
 
 fn percentile(sorted: &[u64], p: f64) -> Option<u64> {
@@ -177,7 +179,7 @@ fn median(v: &mut [f64]) -> Option<f64> {
 
 fn closed_users(plan: &Plan) -> Option<usize> {
     match &plan.schedule {
-        Schedule::Closed { users } => Some(users.len()),
+        Schedule::Closed { users, .. } => Some(users.len()),
         Schedule::Open { .. } => None,
     }
 }
@@ -286,6 +288,7 @@ pub fn summarize(
         virtual_s: out.end_us as f64 / 1e6,
         wall_s,
         events: out.events,
+        skipped_draws: out.skipped_draws,
     })
 }
 

@@ -5,8 +5,11 @@
 //! run every time. What each actor does mirrors the live process it stands for:
 //!
 //! - driver: closed-loop users think (the plan's think time), then send; open-loop arrivals fire
-//!   at their scheduled time. A conversation's turns go one at a time (the live drivers hold a
-//!   per-conversation lock), so a turn whose predecessor is still running waits, FIFO.
+//!   at their scheduled time. A closed-loop user owns a conversation for its whole walk and
+//!   picks its next walk with `workload::WalkCursor` exactly as the live driver does: a draw
+//!   owned by another user is dropped for the next free one in the window (script draws, then
+//!   the plan's spare draws), and only a fully owned window waits, FIFO. Open loop: a conversation's turns go one at a time, so a turn
+//!   whose predecessor is still running waits, FIFO.
 //! - router: belief and keyless policies decide on arrival; exact residency first pays the
 //!   tokenize round trip. `decide`, then the chosen replica's outstanding is incremented; it is
 //!   decremented when the response ends. The request reaches the engine after the modelled
@@ -24,7 +27,7 @@ use engine::{Engine, EngineConfig, SamplingParams, StepOutput};
 use kv_index::IndexStats;
 use policies::prefix::{IndexMode, PrefixPolicy};
 use policies::{Keying, Policy, PolicySpec, ReplicaView, RouteRequest};
-use workload::{Plan, Schedule};
+use workload::{Pick, Plan, Schedule, WalkCursor};
 
 use crate::SimError;
 use crate::config::SimConfig;
@@ -195,6 +198,8 @@ pub struct SimOutput {
     pub decide_wall_ns: Vec<u64>,
     /// Events processed.
     pub events: u64,
+    /// Closed loop: draws passed over because another user owned them (`workload::walk`).
+    pub skipped_draws: u64,
 }
 
 struct Sim<'a> {
@@ -213,8 +218,19 @@ struct Sim<'a> {
     reqs: Vec<Live>,
     conv_busy: Vec<bool>,
     conv_queue: Vec<VecDeque<u32>>,
-    /// Closed loop: next script index per user.
-    user_pos: Vec<u32>,
+    /// Closed loop: each user's walk cursor.
+    cursors: Vec<WalkCursor>,
+    /// Closed loop: the script index of each user's next or current request, its
+    /// conversation, and whether it ends the walk.
+    user_step: Vec<(u32, u32, bool)>,
+    /// Closed loop: when that request is scheduled (ready + think), µs.
+    user_sched_us: Vec<u64>,
+    /// Closed loop: the conversation each user owns.
+    user_owns: Vec<Option<u32>>,
+    /// Closed loop: each conversation's owner.
+    conv_owner: Vec<Option<u32>>,
+    /// Closed loop: users waiting for a conversation, FIFO.
+    conv_waiters: Vec<VecDeque<u32>>,
     batches: Vec<Option<(u32, Vec<engine::KvEvent>)>>,
     free_batches: Vec<u32>,
     gap_pool: Vec<Vec<u32>>,
@@ -307,7 +323,12 @@ pub fn simulate_with(
         reqs: Vec::with_capacity(plan.request_count()),
         conv_busy: vec![false; n_conv],
         conv_queue: vec![VecDeque::new(); n_conv],
-        user_pos: Vec::new(),
+        cursors: Vec::new(),
+        user_step: Vec::new(),
+        user_sched_us: Vec::new(),
+        user_owns: Vec::new(),
+        conv_owner: vec![None; n_conv],
+        conv_waiters: vec![VecDeque::new(); n_conv],
         batches: Vec::new(),
         free_batches: Vec::new(),
         gap_pool: Vec::new(),
@@ -350,6 +371,7 @@ pub fn simulate_with(
         index_event_errors: sim.policy.event_errors(),
         decide_wall_ns: sim.decide_wall_ns,
         events: sim.events,
+        skipped_draws: sim.cursors.iter().map(WalkCursor::skipped).sum(),
         outcomes: {
             let mut reqs: Vec<Option<Outcome>> =
                 sim.reqs.into_iter().map(|l| Some(l.out)).collect();
@@ -377,8 +399,15 @@ impl Sim<'_> {
 
     fn start(&mut self) {
         match &self.plan.schedule {
-            Schedule::Closed { users } => {
-                self.user_pos = vec![0; users.len()];
+            Schedule::Closed { users, spare_draws } => {
+                self.cursors = users
+                    .iter()
+                    .enumerate()
+                    .map(|(u, s)| WalkCursor::new(s, spare_draws.get(u).map_or(&[], Vec::as_slice)))
+                    .collect();
+                self.user_step = vec![(0, 0, false); users.len()];
+                self.user_sched_us = vec![0; users.len()];
+                self.user_owns = vec![None; users.len()];
                 for u in 0..users.len() {
                     self.schedule_user(u as u32, 0);
                 }
@@ -393,18 +422,76 @@ impl Sim<'_> {
         }
     }
 
-    /// A closed-loop user became ready at `ready_us`: its next request fires after its think.
+    /// A closed-loop user became ready at `ready_us`: it picks its next step (claiming a
+    /// conversation when a walk starts), which fires after its think.
     fn schedule_user(&mut self, user: u32, ready_us: u64) {
-        let Schedule::Closed { users } = &self.plan.schedule else {
+        let plan = self.plan;
+        let Schedule::Closed { users, .. } = &plan.schedule else {
             return;
         };
-        let k = self.user_pos[user as usize] as usize;
-        let Some(step) = users[user as usize].get(k) else {
+        let u = user as usize;
+        let script = &users[u];
+        let owners = &mut self.conv_owner;
+        let pick = self.cursors[u].next(|c| match owners.get_mut(c as usize) {
+            Some(o @ None) => {
+                *o = Some(user);
+                true
+            }
+            _ => false,
+        });
+        match pick {
+            Pick::Step {
+                step,
+                conversation,
+                ends_walk,
+            } => {
+                self.user_owns[u] = Some(conversation);
+                let at = ready_us + script[step].think_us;
+                if self.stopped(at) {
+                    self.release(user, ready_us);
+                    return;
+                }
+                self.user_step[u] = (step as u32, conversation, ends_walk);
+                self.user_sched_us[u] = at;
+                self.push(at, Ev::Fire(user));
+            }
+            Pick::Wait { conversation, step } => {
+                // The think runs while waiting, as in the live driver.
+                let at = ready_us + script[step].think_us;
+                if self.stopped(at) {
+                    return;
+                }
+                self.user_sched_us[u] = at;
+                self.conv_waiters[conversation as usize].push_back(user);
+            }
+            Pick::Done => {}
+        }
+    }
+
+    /// Ends `user`'s ownership of its conversation at `t`, handing it to the first waiter.
+    fn release(&mut self, user: u32, t: u64) {
+        let Some(c) = self.user_owns[user as usize].take() else {
             return;
         };
-        let at = ready_us + step.think_us;
-        if !self.stopped(at) {
-            self.push(at, Ev::Fire(user));
+        let c = c as usize;
+        let Some(w) = self.conv_waiters[c].pop_front() else {
+            self.conv_owner[c] = None;
+            return;
+        };
+        self.conv_owner[c] = Some(w);
+        self.user_owns[w as usize] = Some(c as u32);
+        match self.cursors[w as usize].start_waited() {
+            Pick::Step {
+                step,
+                conversation,
+                ends_walk,
+            } => {
+                self.user_step[w as usize] = (step as u32, conversation, ends_walk);
+                let at = self.user_sched_us[w as usize].max(t);
+                self.push(at, Ev::Fire(w));
+            }
+            // Unreachable for a waiter, but never leave the conversation owned by nobody.
+            Pick::Wait { .. } | Pick::Done => self.release(w, t),
         }
     }
 
@@ -450,18 +537,18 @@ impl Sim<'_> {
     }
 
     fn fire(&mut self, who: u32, t: u64) {
-        let (origin, conversation, turn) = match &self.plan.schedule {
-            Schedule::Closed { users } => {
-                let k = self.user_pos[who as usize];
-                self.user_pos[who as usize] += 1;
+        let (origin, conversation, turn, scheduled_us) = match &self.plan.schedule {
+            Schedule::Closed { users, .. } => {
+                let (k, conversation, _) = self.user_step[who as usize];
                 let step = users[who as usize][k as usize];
                 (
                     Origin::Closed {
                         user: who,
                         index: k,
                     },
-                    step.conversation,
+                    conversation,
                     step.turn,
+                    self.user_sched_us[who as usize].min(t),
                 )
             }
             Schedule::Open { arrivals } => {
@@ -472,7 +559,7 @@ impl Sim<'_> {
                     let at = next.at_us;
                     self.push(at, Ev::Fire(who + 1));
                 }
-                (Origin::Open { index: who }, a.conversation, a.turn)
+                (Origin::Open { index: who }, a.conversation, a.turn, t)
             }
         };
         let r = self.reqs.len() as u32;
@@ -482,7 +569,7 @@ impl Sim<'_> {
                 origin,
                 conversation,
                 turn,
-                scheduled_us: t,
+                scheduled_us,
                 sent_us: t,
                 first_us: None,
                 last_us: None,
@@ -805,6 +892,9 @@ impl Sim<'_> {
             self.conv_busy[conversation] = false;
         }
         if let Origin::Closed { user, .. } = origin {
+            if self.user_step[user as usize].2 {
+                self.release(user, t);
+            }
             self.schedule_user(user, t);
         }
     }

@@ -12,6 +12,7 @@
 pub mod plan;
 pub mod spec;
 pub mod text;
+pub mod walk;
 pub mod zipf;
 
 pub use plan::{
@@ -19,6 +20,7 @@ pub use plan::{
     open_request_id, prefix_lengths,
 };
 pub use spec::{ArrivalSpec, Sizing, WorkloadSpec};
+pub use walk::{Pick, SKIP_WINDOW_DRAWS, Walk, WalkCursor, walks};
 pub use zipf::Zipf;
 
 /// Why a workload could not be built, encoded or decoded.

@@ -8,10 +8,11 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 use crate::WorkloadError;
 use crate::spec::{ArrivalSpec, MAX_CONVERSATIONS, Sizing, WorkloadSpec};
 use crate::text::english_like;
+use crate::walk::SKIP_WINDOW_DRAWS;
 use crate::zipf::Zipf;
 
 /// Version of the serialized plan layout; bumped whenever [`Plan`]'s fields change.
-pub const PLAN_FORMAT: u32 = 1;
+pub const PLAN_FORMAT: u32 = 2;
 
 /// Decoding refuses inputs that claim more than this many bytes, so a corrupt file fails
 /// with an error instead of a huge allocation.
@@ -89,6 +90,11 @@ pub enum Schedule {
     Closed {
         /// `users[u]` is user `u`'s script.
         users: Vec<Vec<Step>>,
+        /// `spare_draws[u]`: further Zipf draws of user `u`, taken (in order) in place of
+        /// draws skipped because another user owned the conversation (`crate::walk`):
+        /// `SKIP_WINDOW_DRAWS - 1` per walk of the script, enough for every walk to skip a
+        /// full window.
+        spare_draws: Vec<Vec<u32>>,
     },
     /// Arrivals in time order.
     Open {
@@ -119,6 +125,7 @@ mod tag {
     pub const REPLY: u64 = 3;
     pub const CLOSED_USER: u64 = 4;
     pub const OPEN: u64 = 5;
+    pub const CLOSED_SPARE: u64 = 6;
 }
 
 /// A seed for one stream, independent of how many other streams exist, so that (for example)
@@ -227,19 +234,34 @@ impl Plan {
                 users,
                 think_mean_s,
                 requests_per_user,
-            } => Schedule::Closed {
-                users: (0..users)
-                    .map(|u| {
-                        closed_script(
-                            derive_seed(spec.seed, tag::CLOSED_USER, u64::from(u), 0),
-                            &zipf,
-                            spec.turns,
-                            think_mean_s,
-                            requests_per_user,
-                        )
-                    })
-                    .collect(),
-            },
+            } => {
+                // A separate stream, so the scripts are the same draws they would be without
+                // spares.
+                let walks = requests_per_user.div_ceil(spec.turns) as usize;
+                let spare_count = walks * (SKIP_WINDOW_DRAWS - 1);
+                Schedule::Closed {
+                    users: (0..users)
+                        .map(|u| {
+                            closed_script(
+                                derive_seed(spec.seed, tag::CLOSED_USER, u64::from(u), 0),
+                                &zipf,
+                                spec.turns,
+                                think_mean_s,
+                                requests_per_user,
+                            )
+                        })
+                        .collect(),
+                    spare_draws: (0..users)
+                        .map(|u| {
+                            let seed = derive_seed(spec.seed, tag::CLOSED_SPARE, u64::from(u), 0);
+                            let mut rng = Pcg64::seed_from_u64(seed);
+                            (0..spare_count)
+                                .map(|_| zipf.sample(&mut rng) as u32)
+                                .collect()
+                        })
+                        .collect(),
+                }
+            }
             ArrivalSpec::Open {
                 rate_rps,
                 duration_s,
@@ -332,10 +354,22 @@ impl Plan {
             (conv as usize) < self.conversations.len() && turn >= 1 && turn as usize <= turns
         };
         match &self.schedule {
-            Schedule::Closed { users } => {
+            Schedule::Closed { users, spare_draws } => {
                 for (u, script) in users.iter().enumerate() {
                     if let Some(s) = script.iter().find(|s| !in_range(s.conversation, s.turn)) {
                         return bad(format!("user {u}: step {s:?} out of range"));
+                    }
+                }
+                if spare_draws.len() != users.len() {
+                    return bad(format!(
+                        "{} spare-draw lists for {} users",
+                        spare_draws.len(),
+                        users.len()
+                    ));
+                }
+                for (u, spare) in spare_draws.iter().enumerate() {
+                    if let Some(c) = spare.iter().find(|&&c| !in_range(c, 1)) {
+                        return bad(format!("user {u}: spare draw {c} out of range"));
                     }
                 }
             }
@@ -397,7 +431,7 @@ impl Plan {
     /// Number of requests in the schedule.
     pub fn request_count(&self) -> usize {
         match &self.schedule {
-            Schedule::Closed { users } => users.iter().map(Vec::len).sum(),
+            Schedule::Closed { users, .. } => users.iter().map(Vec::len).sum(),
             Schedule::Open { arrivals } => arrivals.len(),
         }
     }

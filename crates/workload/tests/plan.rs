@@ -214,10 +214,24 @@ fn messages_alternate_and_grow_by_whole_turns() {
 #[test]
 fn closed_scripts_walk_each_conversation_in_order() {
     let plan = Plan::build(&WorkloadSpec::default(), &closed()).unwrap();
-    let Schedule::Closed { users } = &plan.schedule else {
+    let Schedule::Closed { users, spare_draws } = &plan.schedule else {
         panic!("closed plan expected")
     };
     assert_eq!(users.len(), 4);
+    // 20 requests of 6 turns are 4 walks; each may skip a full window.
+    assert_eq!(spare_draws.len(), 4);
+    for spare in spare_draws {
+        assert_eq!(spare.len(), 4 * (workload::SKIP_WINDOW_DRAWS - 1));
+        assert!(
+            spare
+                .iter()
+                .all(|&c| (c as usize) < plan.conversations.len())
+        );
+    }
+    assert_ne!(
+        spare_draws[0], spare_draws[1],
+        "each user has its own stream"
+    );
     for script in users {
         assert_eq!(script.len(), 20);
         // A new conversation always starts at turn 1 and its turns follow one by one.
