@@ -622,3 +622,54 @@ fn run_cell(
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grid() -> Vec<Point> {
+        grid::points(
+            SweepName::PressureGrid,
+            &GridParams {
+                quick: true,
+                users: 32,
+                open_rate_rps: None,
+                rates_rps: vec![],
+                replicas: 3,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn points_are_selected_by_name() {
+        assert_eq!(select_points(grid(), &[]).unwrap().len(), 4);
+        let one = select_points(grid(), &["ws3-s0".to_string()]).unwrap();
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0].ratio, 3.0);
+        let err = select_points(grid(), &["ws9-s0".to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ws9-s0") && err.contains("ws1-s0"), "{err}");
+    }
+
+    #[test]
+    fn eta_uses_cells_run_so_far() {
+        let mut p = Progress {
+            total: 10,
+            done: 0,
+            ran: 0,
+            ran_time: Duration::ZERO,
+            started: Instant::now(),
+            estimate_per_cell: Duration::from_secs(20),
+        };
+        assert_eq!(p.eta(), Duration::from_secs(200));
+        // Two cells skipped on resume, two run at 15 s each.
+        p.done = 4;
+        p.ran = 2;
+        p.ran_time = Duration::from_secs(30);
+        assert_eq!(p.eta(), Duration::from_secs(90));
+        assert_eq!(fmt_duration(Duration::from_secs(3725)), "1h02m");
+        assert_eq!(fmt_duration(Duration::from_secs(75)), "1m15s");
+    }
+}
