@@ -255,7 +255,7 @@ pub(crate) fn plan_for(
 }
 
 /// Keeps the points named in `only` (all when empty); an unknown name is an error.
-pub(crate) fn select_points(points: Vec<Point>, only: &[String]) -> Result<Vec<Point>> {
+fn select_points(points: Vec<Point>, only: &[String]) -> Result<Vec<Point>> {
     if only.is_empty() {
         return Ok(points);
     }
@@ -270,6 +270,22 @@ pub(crate) fn select_points(points: Vec<Point>, only: &[String]) -> Result<Vec<P
         .into_iter()
         .filter(|p| only.contains(&p.name))
         .collect())
+}
+
+/// The sweep's grid points for a fleet of `replicas`, narrowed to `--points`; the live and the
+/// virtual sweep share it so both run the same grid.
+pub(crate) fn sweep_points(args: &SweepArgs, replicas: usize) -> Result<Vec<Point>> {
+    let points = grid::points(
+        args.name,
+        &GridParams {
+            quick: args.quick,
+            users: args.users,
+            open_rate_rps: if args.open_loop { args.rate } else { None },
+            rates_rps: args.rates.clone(),
+            replicas,
+        },
+    )?;
+    select_points(points, &args.points)
 }
 
 /// Runs the sweep; returns its directory.
@@ -297,17 +313,7 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
             vec![crate::haproxy::POLICY.to_string()]
         }
     };
-    let points = grid::points(
-        args.name,
-        &GridParams {
-            quick: args.quick,
-            users: args.users,
-            open_rate_rps: if args.open_loop { args.rate } else { None },
-            rates_rps: args.rates.clone(),
-            replicas: cal.used_replicas.len(),
-        },
-    )?;
-    let points = select_points(points, &args.points)?;
+    let points = sweep_points(args, cal.used_replicas.len())?;
     let kv_events = policies.iter().any(|p| grid::needs_kv_events(p));
     let source = args.fleet.source(
         &bins.engine,

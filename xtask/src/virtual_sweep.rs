@@ -1,6 +1,6 @@
 //! `cargo xtask sweep <name> --virtual`: the same sweep in virtual time through the `sim` crate.
 //!
-//! The points, policies and plans are the live sweep's (`grid::points`, `grid::policies`,
+//! The points, policies and plans are the live sweep's (`sweep::sweep_points`, `grid::policies`,
 //! `sweep::plan_for`, so `plan.bin` is byte-identical to what a live sweep of the same flags
 //! writes); the simulated fleet is the emulated fleet those flags describe (replicas, blocks,
 //! `--speed`, slowdowns), so the plan's wall-scaled think times and rates mean the same thing. The
@@ -23,7 +23,7 @@ use workload::{Plan, WorkloadSpec};
 use crate::calibration::{Calibration, IndexCalibration, SLO_FACTOR};
 use crate::cell::{self, CellState, Slo};
 use crate::fleetargs::FleetKind;
-use crate::grid::{self, GridParams};
+use crate::grid;
 use crate::interrupt;
 use crate::report;
 use crate::sweep::{self, SweepArgs};
@@ -169,17 +169,7 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
     let cal = calibrate(args, &base, used)?;
     cal.write(&dir.join("calibration.json"))?;
     let policies = grid::policies(&args.policies, args.quick)?;
-    let points = grid::points(
-        args.name,
-        &GridParams {
-            quick: args.quick,
-            users: args.users,
-            open_rate_rps: if args.open_loop { args.rate } else { None },
-            rates_rps: args.rates.clone(),
-            replicas: cal.used_replicas.len(),
-        },
-    )?;
-    let points = sweep::select_points(points, &args.points)?;
+    let points = sweep::sweep_points(args, cal.used_replicas.len())?;
     let (warmup_s, measure_s) = (args.warmup(), args.measure());
     let run_s = warmup_s + measure_s;
     cell::write_atomic(

@@ -6,12 +6,15 @@
 //!
 //! It builds the release binaries with cargo first (a no-op when they are fresh).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use fleet::ChildGuard;
 use workload::{ArrivalSpec, Plan, Sizing, WorkloadSpec};
+
+mod common;
+use common::{Scratch, build_bins, release_bin};
 
 /// Largest relative goodput difference accepted (the cross-check bound).
 const TOLERANCE: f64 = 0.10;
@@ -19,54 +22,6 @@ const SPEED: f64 = 3.0;
 const BLOCKS: u32 = 1024;
 const USERS: u32 = 8;
 const POLICY: &str = "prefix-affinity";
-
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
-}
-
-fn release_bin(name: &str) -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map(|d| {
-            if d.is_absolute() {
-                d
-            } else {
-                workspace_root().join(d)
-            }
-        })
-        .unwrap_or_else(|| workspace_root().join("target"));
-    target.join("release").join(name)
-}
-
-fn build_bins() {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(workspace_root())
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "engine-bin",
-            "-p",
-            "router-bin",
-            "-p",
-            "driver-bin",
-        ])
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building the experiment binaries failed");
-}
 
 fn start(name: &str, cmd: Command, logs: &Path) -> (ChildGuard, String) {
     let mut g = ChildGuard::spawn(name, cmd, &logs.join(format!("{name}.log"))).expect(name);
@@ -99,7 +54,7 @@ fn goodput(dir: &Path, slo: &analysis::Slo) -> (f64, usize) {
 #[test]
 fn live_and_virtual_goodput_agree() {
     build_bins();
-    let root = Scratch(std::env::temp_dir().join(format!("xtask-xc-{}", std::process::id())));
+    let root = Scratch::new("xc");
     let (live, virt) = (root.0.join("live"), root.0.join("virtual"));
     std::fs::create_dir_all(&live).unwrap();
 

@@ -7,39 +7,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
-}
-
-fn build_bins() {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(workspace_root())
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "engine-bin",
-            "-p",
-            "router-bin",
-            "-p",
-            "driver-bin",
-        ])
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building the experiment binaries failed");
-}
+mod common;
+use common::{Scratch, build_bins, json, workspace_root};
 
 fn xtask(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_xtask"))
@@ -54,17 +23,11 @@ fn xtask(args: &[&str]) -> (bool, String, String) {
     )
 }
 
-fn json(path: &Path) -> serde_json::Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
 #[test]
 fn tiny_sweep_then_report_then_resume() {
     build_bins();
-    let root = std::env::temp_dir().join(format!("xtask-e2e-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    let scratch = Scratch(root.clone());
+    let scratch = Scratch::new("e2e");
+    let root = scratch.0.clone();
     let out = scratch.0.to_string_lossy().into_owned();
     let calibration = scratch.0.join("calibration.json");
     let calibration = calibration.to_string_lossy().into_owned();

@@ -7,17 +7,12 @@
 //! user would. The xtask child is stopped on any failure (Ctrl-C twice: the second interrupt
 //! makes xtask SIGKILL every process it started), so no engine outlives the test.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+mod common;
+use common::{Scratch, build_bins, json, workspace_root};
 
 /// The running xtask; interrupted (twice), then killed, if the test fails while it runs.
 struct XtaskChild(Option<Child>);
@@ -37,32 +32,6 @@ impl Drop for XtaskChild {
         }
         let _ = child.wait();
     }
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
-}
-
-fn build_bins() {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(workspace_root())
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "engine-bin",
-            "-p",
-            "router-bin",
-            "-p",
-            "driver-bin",
-        ])
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building the experiment binaries failed");
 }
 
 /// Runs xtask with `args`, output into `log`, within `limit`; returns (success, log text).
@@ -97,11 +66,6 @@ fn xtask(args: &[&str], log: &Path, limit: Duration) -> (bool, String) {
         status.success(),
         std::fs::read_to_string(log).unwrap_or_default(),
     )
-}
-
-fn json(path: &Path) -> serde_json::Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// The flags both runs share: 3 replicas at speed 30 (60 s of model outage = 2 s of wall time),
@@ -215,10 +179,8 @@ fn require_fault_subcommand() {
 fn kill_and_drain_keep_the_loss_bounds() {
     require_fault_subcommand();
     build_bins();
-    let root = std::env::temp_dir().join(format!("xtask-fault-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
-    let scratch = Scratch(root.clone());
+    let scratch = Scratch::new("fault");
+    let root = scratch.0.clone();
     let out = scratch.0.to_string_lossy().into_owned();
     let limit = Duration::from_secs(90);
 

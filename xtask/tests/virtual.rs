@@ -5,18 +5,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+mod common;
+use common::{Scratch, json};
 
 fn scratch(tag: &str) -> Scratch {
-    let root = std::env::temp_dir().join(format!("xtask-virtual-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    Scratch(root)
+    Scratch::new(&format!("virtual-{tag}"))
 }
 
 fn xtask(args: &[&str]) -> (bool, String) {
@@ -28,11 +21,6 @@ fn xtask(args: &[&str]) -> (bool, String) {
         out.status.success(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
-}
-
-fn json(path: &Path) -> serde_json::Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 const POLICIES: [&str; 2] = ["round-robin", "prefix-affinity"];

@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use anyhow::{Result, anyhow};
+use plotters::chart::MeshStyle;
 use plotters::coord::Shift;
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;
@@ -115,6 +116,35 @@ fn header<DB: DrawingBackend>(
     }
     let (_, rest) = root.split_vertically(y + 8);
     Ok(rest)
+}
+
+/// Axis labels `label_px` tall, axis titles `desc_px` tall, and one faint grid line between
+/// labelled ones: the mesh style of every chart-based figure.
+fn quiet_mesh<'m, 'a, 'b, X: Ranged, Y: Ranged, DB: DrawingBackend>(
+    mesh: &'m mut MeshStyle<'a, 'b, X, Y, DB>,
+    label_px: i32,
+    desc_px: i32,
+) -> &'m mut MeshStyle<'a, 'b, X, Y, DB> {
+    mesh.label_style((FAMILY, label_px))
+        .axis_desc_style((FAMILY, desc_px))
+        .max_light_lines(1)
+        .light_line_style(RGBColor(240, 240, 240))
+}
+
+/// The series legend of every chart-based figure: a light boxed key at `position`.
+fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+    font_px: i32,
+) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.9))
+        .border_style(MUTED)
+        .label_font((FAMILY, font_px))
+        .draw()
+        .map_err(de)
 }
 
 fn context_lines(ctx: &Context, reps: &str) -> Vec<String> {
@@ -493,18 +523,18 @@ impl Figure for MechanismFigure<'_> {
             .build_cartesian_2d(bx0..bx1, hy0..hy1)
             .map_err(de)?;
         let pct = |v: &f64| format!("{:.0} %", v * 100.0);
-        chart
-            .configure_mesh()
-            .x_desc("busiest replica's share of requests")
-            .y_desc("engine prefix-hit rate (cached ÷ prompt tokens)")
-            .x_label_formatter(&pct)
-            .y_label_formatter(&pct)
-            .label_style((FAMILY, 15))
-            .axis_desc_style((FAMILY, 17))
-            .max_light_lines(1)
-            .light_line_style(RGBColor(240, 240, 240))
-            .draw()
-            .map_err(de)?;
+        quiet_mesh(
+            chart
+                .configure_mesh()
+                .x_desc("busiest replica's share of requests")
+                .y_desc("engine prefix-hit rate (cached ÷ prompt tokens)")
+                .x_label_formatter(&pct)
+                .y_label_formatter(&pct),
+            15,
+            17,
+        )
+        .draw()
+        .map_err(de)?;
         // one path per point: reference → spill on → spill off
         let mut points: Vec<&str> = d.markers.iter().map(|m| m.point.as_str()).collect();
         points.dedup();
@@ -582,14 +612,7 @@ impl Figure for MechanismFigure<'_> {
             })
             .collect();
         place_labels(root, anchors, 14.0)?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(MUTED)
-            .label_font((FAMILY, 15))
-            .draw()
-            .map_err(de)?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight, 15)?;
         Ok(())
     }
 }
@@ -681,17 +704,17 @@ impl Figure for LadderFigure<'_> {
             .y_label_area_size(80)
             .build_cartesian_2d(0.0..n, 0.0..ymax)
             .map_err(de)?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(0)
-            .y_desc("goodput, req/s (median; bar: min–max over reps)")
-            .label_style((FAMILY, 15))
-            .axis_desc_style((FAMILY, 17))
-            .max_light_lines(1)
-            .light_line_style(RGBColor(240, 240, 240))
-            .draw()
-            .map_err(de)?;
+        quiet_mesh(
+            chart
+                .configure_mesh()
+                .disable_x_mesh()
+                .x_labels(0)
+                .y_desc("goodput, req/s (median; bar: min–max over reps)"),
+            15,
+            17,
+        )
+        .draw()
+        .map_err(de)?;
         let slot = 0.8 / LADDER.len() as f64;
         for (rung, (policy, label)) in LADDER.iter().enumerate() {
             let bars: Vec<_> = d.bars.iter().filter(|b| b.rung == rung).collect();
@@ -741,14 +764,7 @@ impl Figure for LadderFigure<'_> {
                     .map_err(de)?;
             }
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(MUTED)
-            .label_font((FAMILY, 15))
-            .draw()
-            .map_err(de)?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight, 15)?;
         group_labels(root, |x| chart.backend_coord(&(x, 0.0)), &d.points)
     }
 }
@@ -843,18 +859,18 @@ fn divergence_panel<DB: DrawingBackend>(
         .build_cartesian_2d(0.0..points.len() as f64, lo..hi)
         .map_err(de)?;
     let abs = |v: &f64| format!("{:.0}", v.abs());
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(0)
-        .y_label_formatter(&abs)
-        .y_desc("mean size, tokens (label: requests / compared)")
-        .label_style((FAMILY, 14))
-        .axis_desc_style((FAMILY, 16))
-        .max_light_lines(1)
-        .light_line_style(RGBColor(240, 240, 240))
-        .draw()
-        .map_err(de)?;
+    quiet_mesh(
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .y_label_formatter(&abs)
+            .y_desc("mean size, tokens (label: requests / compared)"),
+        14,
+        16,
+    )
+    .draw()
+    .map_err(de)?;
     chart
         .draw_series(std::iter::once(PathElement::new(
             vec![(0.0, 0.0), (points.len() as f64, 0.0)],
@@ -930,14 +946,7 @@ fn divergence_panel<DB: DrawingBackend>(
             ),
         ])
         .map_err(de)?;
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.9))
-        .border_style(MUTED)
-        .label_font((FAMILY, 14))
-        .draw()
-        .map_err(de)?;
+    legend(&mut chart, SeriesLabelPosition::UpperRight, 14)?;
     group_labels(root, |x| chart.backend_coord(&(x, lo)), &points)
 }
 
@@ -958,18 +967,18 @@ fn decay_panel<DB: DrawingBackend>(
         .build_cartesian_2d(0.0..nb as f64, 0.0..1.08)
         .map_err(de)?;
     let pct = |v: &f64| format!("{:.0} %", v * 100.0);
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(0)
-        .y_label_formatter(&pct)
-        .y_desc("honoured share of predicted tokens")
-        .label_style((FAMILY, 14))
-        .axis_desc_style((FAMILY, 16))
-        .max_light_lines(1)
-        .light_line_style(RGBColor(240, 240, 240))
-        .draw()
-        .map_err(de)?;
+    quiet_mesh(
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .y_label_formatter(&pct)
+            .y_desc("honoured share of predicted tokens"),
+        14,
+        16,
+    )
+    .draw()
+    .map_err(de)?;
     let mut points: Vec<&str> = Vec::new();
     for k in &d.decay {
         if !points.contains(&k.point.as_str()) {
@@ -1014,14 +1023,7 @@ fn decay_panel<DB: DrawingBackend>(
             )
             .map_err(de)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerLeft)
-        .background_style(WHITE.mix(0.9))
-        .border_style(MUTED)
-        .label_font((FAMILY, 14))
-        .draw()
-        .map_err(de)?;
+    legend(&mut chart, SeriesLabelPosition::LowerLeft, 14)?;
     let labels: Vec<String> = d
         .band_edges
         .iter()
@@ -1097,16 +1099,16 @@ impl Figure for TimelineFigure<'_> {
             .y_label_area_size(80)
             .build_cartesian_2d(t0..t1, 0.0..ymax)
             .map_err(de)?;
-        chart
-            .configure_mesh()
-            .x_desc("time since the load started, s")
-            .y_desc("goodput, req/s (requests meeting the SLO)")
-            .label_style((FAMILY, 15))
-            .axis_desc_style((FAMILY, 17))
-            .max_light_lines(1)
-            .light_line_style(RGBColor(240, 240, 240))
-            .draw()
-            .map_err(de)?;
+        quiet_mesh(
+            chart
+                .configure_mesh()
+                .x_desc("time since the load started, s")
+                .y_desc("goodput, req/s (requests meeting the SLO)"),
+            15,
+            17,
+        )
+        .draw()
+        .map_err(de)?;
         // one shaded band per distinct outage; the policies it belongs to are named unless
         // every series shares it (the usual case: one kill, one restart)
         let mut outages: Vec<(Outage, Vec<&str>)> = Vec::new();
@@ -1165,14 +1167,7 @@ impl Figure for TimelineFigure<'_> {
                     PathElement::new(vec![(x - 10, y), (x + 10, y)], color.stroke_width(3))
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(MUTED)
-            .label_font((FAMILY, 15))
-            .draw()
-            .map_err(de)?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight, 15)?;
         Ok(())
     }
 }

@@ -71,11 +71,7 @@ impl Policy for LeastOutstanding {
         _: &RouteRequest<'_>,
         fleet: &[ReplicaView],
     ) -> Result<Decision, RouteError> {
-        let i = self
-            .chooser
-            .least(fleet, |_, _| true)
-            .ok_or(RouteError::NoEligibleReplica)?;
-        Ok(plain(fleet, i, Branch::Least))
+        least_outstanding(&mut self.chooser, fleet)
     }
 }
 
@@ -119,11 +115,7 @@ impl Policy for SessionAffinity {
         fleet: &[ReplicaView],
     ) -> Result<Decision, RouteError> {
         let Some(session) = req.session_id else {
-            let i = self
-                .chooser
-                .least(fleet, |_, _| true)
-                .ok_or(RouteError::NoEligibleReplica)?;
-            return Ok(plain(fleet, i, Branch::Least));
+            return least_outstanding(&mut self.chooser, fleet);
         };
         ring_decide(
             &mut self.ring,
@@ -132,6 +124,15 @@ impl Policy for SessionAffinity {
             self.bounded.then_some(self.load_factor),
         )
     }
+}
+
+/// The eligible replica with the fewest outstanding requests, ties drawn by `chooser`
+/// (branch `least`): `least-outstanding` itself and the fallback of the keyed policies.
+fn least_outstanding(chooser: &mut Chooser, fleet: &[ReplicaView]) -> Result<Decision, RouteError> {
+    let i = chooser
+        .least(fleet, |_, _| true)
+        .ok_or(RouteError::NoEligibleReplica)?;
+    Ok(plain(fleet, i, Branch::Least))
 }
 
 fn ring_decide(
@@ -193,11 +194,7 @@ impl Policy for PrefixHash {
     ) -> Result<Decision, RouteError> {
         let n = req.block_keys.len().min(self.blocks);
         if n == 0 {
-            let i = self
-                .chooser
-                .least(fleet, |_, _| true)
-                .ok_or(RouteError::NoEligibleReplica)?;
-            return Ok(plain(fleet, i, Branch::Least));
+            return least_outstanding(&mut self.chooser, fleet);
         }
         // Block keys are already uniform 64-bit hashes; remix so the ring position is not the
         // index's own bucket position.
