@@ -22,4 +22,4 @@ pub use load::{RepData, SweepData, load_rep, load_sweep};
 pub use meta::{Meta, Slo, Window, read_meta};
 pub use metrics::{MetricsConfig, is_good};
 pub use report::{Report, ReportConfig, analyze, analyze_dir};
-pub use rows::{ClientRow, RouterRow, read_client_csv, read_router_csv};
+pub use rows::{ClientRow, RouterRow, read_client_csv, read_router_csv, rows_file};

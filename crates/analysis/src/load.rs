@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{AnalysisError, Result};
 use crate::meta::{Meta, read_meta};
-use crate::rows::{ClientRow, RouterRow, read_client_csv, read_router_csv};
+use crate::rows::{ClientRow, RouterRow, read_client_csv, read_router_csv, rows_file};
 
 /// A finished repetition with its rows.
 #[derive(Debug, Clone)]
@@ -87,18 +87,15 @@ pub fn load_rep(dir: &Path, point: &str, policy: &str, rep: u32) -> Result<RepLo
             "meta.json does not say \"complete\": true".into(),
         ));
     }
-    let client_path = dir.join("client.csv");
-    if !client_path.exists() {
+    let Some(client_path) = rows_file(dir, "client.csv") else {
         return Ok(RepLoad::Incomplete(
             "meta.json says complete but client.csv is missing".into(),
         ));
-    }
+    };
     let client = read_client_csv(&client_path)?;
-    let router_path = dir.join("router.csv");
-    let router = if router_path.exists() {
-        Some(read_router_csv(&router_path)?)
-    } else {
-        None
+    let router = match rows_file(dir, "router.csv") {
+        Some(router_path) => Some(read_router_csv(&router_path)?),
+        None => None,
     };
     Ok(RepLoad::Complete(Box::new(RepData {
         point: point.to_string(),

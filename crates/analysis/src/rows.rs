@@ -252,6 +252,31 @@ impl Fields<'_> {
     }
 }
 
+/// Reads a file's bytes, decompressing it when its name ends in `.gz` (published rows in
+/// `docs/measurements` are stored compressed to keep the repository small).
+fn read_maybe_gzip(path: &Path) -> Result<Vec<u8>> {
+    let raw = std::fs::read(path).map_err(|e| AnalysisError::io(path, e))?;
+    if path.extension().is_some_and(|e| e == "gz") {
+        let mut out = Vec::with_capacity(raw.len() * 4);
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(raw.as_slice()), &mut out)
+            .map_err(|e| AnalysisError::io(path, e))?;
+        Ok(out)
+    } else {
+        Ok(raw)
+    }
+}
+
+/// Finds a rows file in a repetition directory: `<name>` as written by a sweep, else
+/// `<name>.gz` as published.
+pub fn rows_file(dir: &Path, name: &str) -> Option<std::path::PathBuf> {
+    let plain = dir.join(name);
+    if plain.exists() {
+        return Some(plain);
+    }
+    let gz = dir.join(format!("{name}.gz"));
+    gz.exists().then_some(gz)
+}
+
 /// Reads a rows file strictly: `cols` resolves the header, `parse` turns each record (with its
 /// line) into a row.
 fn read_rows<T, C>(
@@ -260,7 +285,7 @@ fn read_rows<T, C>(
     id_of: impl Fn(&T) -> &str,
     parse: impl Fn(&C, &Fields<'_>) -> Result<T>,
 ) -> Result<Vec<T>> {
-    let bytes = std::fs::read(path).map_err(|e| AnalysisError::io(path, e))?;
+    let bytes = read_maybe_gzip(path)?;
     if bytes.is_empty() {
         return Err(AnalysisError::rows(path, 1, "empty file: no header"));
     }

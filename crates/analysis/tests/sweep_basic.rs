@@ -200,3 +200,43 @@ fn golden_report() {
         &(serde_json::to_string_pretty(&back).unwrap() + "\n"),
     );
 }
+
+/// Copies a directory tree, gzip-compressing every `client.csv` / `router.csv` on the way (the
+/// form rows are published in under docs/measurements).
+fn copy_compressing(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name().into_string().unwrap();
+        let src = entry.path();
+        if entry.file_type().unwrap().is_dir() {
+            copy_compressing(&src, &to.join(&name));
+        } else if name == "client.csv" || name == "router.csv" {
+            let out = std::fs::File::create(to.join(format!("{name}.gz"))).unwrap();
+            let mut gz = flate2::write::GzEncoder::new(out, flate2::Compression::default());
+            std::io::Write::write_all(&mut gz, &std::fs::read(&src).unwrap()).unwrap();
+            gz.finish().unwrap();
+        } else {
+            std::fs::copy(&src, to.join(&name)).unwrap();
+        }
+    }
+}
+
+#[test]
+fn compressed_rows_give_the_same_report() {
+    let dir = std::env::temp_dir().join(format!("analysis-gz-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    copy_compressing(&common::fixtures().join("sweep-basic"), &dir);
+    let gz = analyze_dir(&dir, &ReportConfig::default());
+    let _ = std::fs::remove_dir_all(&dir);
+    let (gz, plain) = (gz.unwrap(), report());
+    assert!(!gz.points.is_empty());
+    // The title names the directory; every number and verdict after it must be the same.
+    let body = |r: &Report| {
+        let text = markdown::render(r);
+        text.split_once('\n')
+            .map(|(_, rest)| rest.to_string())
+            .unwrap_or_default()
+    };
+    assert_eq!(body(&gz), body(&plain));
+}
