@@ -182,7 +182,25 @@ fn hatch<DB: DrawingBackend>(
     Ok(())
 }
 
-/// One cell of a heatmap: where, its fill, its text lines, and whether it is within spread.
+/// A dotted frame inset in a pixel rectangle: marks a too-few-reps cell, kept visibly unlike
+/// the within-spread hatching because "no spread to judge" is not "spreads overlap".
+fn dotted_outline<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    (x0, y0): (i32, i32),
+    (x1, y1): (i32, i32),
+) -> Result<()> {
+    let inset = 10;
+    let (l, t, r, b) = (x0 + inset, y0 + inset, x1 - inset, y1 - inset);
+    area.draw(&DashedPathElement::new(
+        vec![(l, t), (r, t), (r, b), (l, b), (l, t)],
+        4,
+        6,
+        INK.stroke_width(3),
+    ))
+    .map_err(de)
+}
+
+/// One cell of a heatmap: where, its fill, its text lines, and its verdict (which marking).
 struct HeatCell {
     col: usize,
     row: usize,
@@ -229,8 +247,10 @@ fn heatmap<DB: DrawingBackend>(
                     continue;
                 }
             };
-            if c.verdict != Verdict::Separates {
-                hatch(area, a, b)?;
+            match c.verdict {
+                Verdict::Separates => {}
+                Verdict::WithinSpread => hatch(area, a, b)?,
+                Verdict::TooFewReps => dotted_outline(area, a, b)?,
             }
             let n = c.lines.len() as i32;
             let line_h = 25;
@@ -379,7 +399,7 @@ impl Figure for PressureFigure<'_> {
 
 fn colorbar<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, max: f64) -> Result<()> {
     let (_, h) = area.dim_in_pixel();
-    let (x0, x1, y0, y1) = (20i32, 50i32, 30i32, h as i32 - 200);
+    let (x0, x1, y0, y1) = (20i32, 50i32, 30i32, h as i32 - 260);
     let steps = (y1 - y0).max(1);
     for i in 0..steps {
         let v = max - 2.0 * max * f64::from(i) / f64::from(steps);
@@ -408,6 +428,9 @@ fn colorbar<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, max: f64) -> Resu
         "hatched: within",
         "  spread (min–max",
         "  ranges overlap)",
+        "dotted frame: too",
+        "  few reps (< 2 on",
+        "  a side, no spread)",
     ];
     for (i, l) in notes.iter().enumerate() {
         area.draw(&Text::new(
@@ -437,6 +460,10 @@ impl Figure for WinnersFigure<'_> {
         let d = self.data;
         let mut lines = context_lines(self.ctx, &d.reps.text());
         lines.push("hatched: winner and runner-up within spread (no clear winner)".to_string());
+        lines.push(
+            "dotted frame: too few reps to judge (under 2 reps on a side, so no spread)"
+                .to_string(),
+        );
         let body = header(
             root,
             "Winners map: highest median goodput, with runner-up",
@@ -1092,23 +1119,6 @@ impl Figure for TimelineFigure<'_> {
             .fold(f64::NEG_INFINITY, f64::max);
         let g = rows.map(|r| r.goodput_rps).fold(0.0, f64::max);
         let (t0, t1) = if t1 > t0 { (t0, t1) } else { (t0, t0 + 1.0) };
-        let ymax = if g > 0.0 { g * 1.15 } else { 1.0 };
-        let mut chart = ChartBuilder::on(&body)
-            .margin(25)
-            .x_label_area_size(60)
-            .y_label_area_size(80)
-            .build_cartesian_2d(t0..t1, 0.0..ymax)
-            .map_err(de)?;
-        quiet_mesh(
-            chart
-                .configure_mesh()
-                .x_desc("time since the load started, s")
-                .y_desc("goodput, req/s (requests meeting the SLO)"),
-            15,
-            17,
-        )
-        .draw()
-        .map_err(de)?;
         // one shaded band per distinct outage; the policies it belongs to are named unless
         // every series shares it (the usual case: one kill, one restart)
         let mut outages: Vec<(Outage, Vec<&str>)> = Vec::new();
@@ -1120,39 +1130,85 @@ impl Figure for TimelineFigure<'_> {
                 }
             }
         }
+        let mut marks: Vec<Mark> = Vec::new();
         for ((down, up), who) in &outages {
             let whose = if who.len() == d.series.len() {
                 String::new()
             } else {
                 format!(" ({})", who.join(", "))
             };
-            let up_x = up.unwrap_or(t1);
+            marks.push(Mark::new(*down, format!("kill{whose}"), HPos::Right));
+            if let Some(u) = up {
+                marks.push(Mark::new(*u, format!("restart{whose}"), HPos::Left));
+            }
+        }
+        let build = |ymax: f64| {
+            ChartBuilder::on(&body)
+                .margin(25)
+                .x_label_area_size(60)
+                .y_label_area_size(80)
+                .build_cartesian_2d(t0..t1, 0.0..ymax)
+                .map_err(de)
+        };
+        // the x mapping does not depend on the y range, so a first chart places the labels
+        // and the real one gets enough headroom for however many label rows that took
+        let lanes = {
+            let probe = build(1.0)?;
+            let (xs, ys) = probe.plotting_area().get_pixel_range();
+            let lanes = place_marks(&body, &mut marks, |t| probe.backend_coord(&(t, 0.0)).0, xs)?;
+            let plot_h = f64::from((ys.end - ys.start).max(1));
+            (lanes, plot_h)
+        };
+        let (lane_count, plot_h) = lanes;
+        let headroom_px = f64::from(MARK_TOP_PX + MARK_LANE_PX * lane_count as i32 + 8);
+        let ymax = if g > 0.0 {
+            (g * 1.15).max(g / (1.0 - (headroom_px / plot_h).min(0.6)))
+        } else {
+            1.0
+        };
+        let mut chart = build(ymax)?;
+        quiet_mesh(
+            chart
+                .configure_mesh()
+                .x_desc("time since the load started, s")
+                .y_desc("goodput, req/s (requests meeting the SLO)"),
+            15,
+            17,
+        )
+        .draw()
+        .map_err(de)?;
+        for ((down, up), _) in &outages {
             chart
                 .draw_series(std::iter::once(Rectangle::new(
-                    [(*down, 0.0), (up_x, ymax)],
+                    [(*down, 0.0), (up.unwrap_or(t1), ymax)],
                     RGBColor(120, 120, 120).mix(0.12).filled(),
                 )))
                 .map_err(de)?;
-            let mut marks = vec![(*down, format!("kill{whose}"), HPos::Right, -6)];
-            if let Some(u) = up {
-                marks.push((*u, format!("restart{whose}"), HPos::Left, 6));
-            }
-            for (x, label, anchor, dx) in marks {
-                chart
-                    .draw_series([DashedPathElement::new(
-                        vec![(x, 0.0), (x, ymax)],
-                        6,
-                        4,
-                        INK.stroke_width(1),
-                    )])
-                    .map_err(de)?;
-                chart
-                    .draw_series(std::iter::once(
-                        EmptyElement::at((x, ymax))
-                            + Text::new(label, (dx, 6), style(14.0, &INK, anchor, VPos::Top)),
-                    ))
-                    .map_err(de)?;
-            }
+        }
+        for m in &marks {
+            let dx = if matches!(m.anchor, HPos::Right) {
+                -6
+            } else {
+                6
+            };
+            chart
+                .draw_series([DashedPathElement::new(
+                    vec![(m.t_s, 0.0), (m.t_s, ymax)],
+                    6,
+                    4,
+                    INK.stroke_width(1),
+                )])
+                .map_err(de)?;
+            chart
+                .draw_series(std::iter::once(
+                    EmptyElement::at((m.t_s, ymax))
+                        + Text::new(
+                            m.label.clone(),
+                            (dx, MARK_TOP_PX + MARK_LANE_PX * m.lane as i32),
+                            style(14.0, &INK, m.anchor, VPos::Top),
+                        ),
+                ))
+                .map_err(de)?;
         }
         for s in &d.series {
             let color = policy_color(&s.policy);
@@ -1169,5 +1225,139 @@ impl Figure for TimelineFigure<'_> {
         }
         legend(&mut chart, SeriesLabelPosition::LowerRight, 15)?;
         Ok(())
+    }
+}
+
+/// Offset of the first row of fault-marker labels below the plot's top edge, px.
+const MARK_TOP_PX: i32 = 6;
+/// Height of one row of fault-marker labels, px.
+const MARK_LANE_PX: i32 = 20;
+/// Least horizontal gap between two labels in the same row, px.
+const MARK_GAP_PX: i32 = 10;
+
+/// A kill or restart marker on the fault timeline: where, its label, which side of the line
+/// the label sits on, and the label row it was given.
+struct Mark {
+    t_s: f64,
+    label: String,
+    anchor: HPos,
+    lane: usize,
+}
+
+impl Mark {
+    fn new(t_s: f64, label: String, anchor: HPos) -> Self {
+        Mark {
+            t_s,
+            label,
+            anchor,
+            lane: 0,
+        }
+    }
+}
+
+/// Gives every marker label a row so that no two labels overlap: each label keeps its
+/// preferred side of its line unless that pushes it out of the plot (`plot_x`, pixels), then
+/// takes the first row whose labels so far end left of it. Returns the number of rows used.
+fn place_marks<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    marks: &mut [Mark],
+    to_px: impl Fn(f64) -> i32,
+    plot_x: std::ops::Range<i32>,
+) -> Result<usize> {
+    let mut spans: Vec<(i32, i32, usize)> = Vec::with_capacity(marks.len());
+    for (i, m) in marks.iter_mut().enumerate() {
+        let (w, _) = area
+            .estimate_text_size(&m.label, &style(14.0, &INK, m.anchor, VPos::Top))
+            .map_err(de)?;
+        let (w, x) = (w as i32, to_px(m.t_s));
+        let left_of = (x - 6 - w, x - 6);
+        let right_of = (x + 6, x + 6 + w);
+        let (span, anchor) = match m.anchor {
+            HPos::Right if left_of.0 < plot_x.start => (right_of, HPos::Left),
+            HPos::Right => (left_of, HPos::Right),
+            _ if right_of.1 > plot_x.end && left_of.0 >= plot_x.start => (left_of, HPos::Right),
+            _ => (right_of, HPos::Left),
+        };
+        m.anchor = anchor;
+        spans.push((span.0, span.1, i));
+    }
+    spans.sort_by_key(|&(l, r, _)| (l, r));
+    let mut lane_ends: Vec<i32> = Vec::new();
+    for (l, r, i) in spans {
+        let lane = match lane_ends.iter().position(|end| *end + MARK_GAP_PX <= l) {
+            Some(k) => k,
+            None => {
+                lane_ends.push(i32::MIN);
+                lane_ends.len() - 1
+            }
+        };
+        lane_ends[lane] = r;
+        marks[i].lane = lane;
+    }
+    Ok(lane_ends.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spans(marks: &[Mark], area: &DrawingArea<BitMapBackend, Shift>) -> Vec<(usize, i32, i32)> {
+        marks
+            .iter()
+            .map(|m| {
+                let (w, _) = area
+                    .estimate_text_size(&m.label, &style(14.0, &INK, m.anchor, VPos::Top))
+                    .expect("measurable");
+                let x = (m.t_s * 30.0) as i32;
+                match m.anchor {
+                    HPos::Right => (m.lane, x - 6 - w as i32, x - 6),
+                    _ => (m.lane, x + 6, x + 6 + w as i32),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn marker_labels_at_close_times_get_separate_rows_and_stay_inside() {
+        font::ensure_registered().expect("font");
+        let mut buf = vec![0u8; 1400 * 100 * 3];
+        let area = BitMapBackend::with_buffer(&mut buf, (1400, 100)).into_drawing_area();
+        // two outages a second apart, with restarts at the same instant: the published case
+        let mut marks = vec![
+            Mark::new(
+                13.0,
+                "kill (prefix-affinity, prefix-affinity-spill-off)".into(),
+                HPos::Right,
+            ),
+            Mark::new(
+                24.0,
+                "restart (prefix-affinity, prefix-affinity-spill-off)".into(),
+                HPos::Left,
+            ),
+            Mark::new(14.0, "kill (session-affinity)".into(), HPos::Right),
+            Mark::new(24.0, "restart (session-affinity)".into(), HPos::Left),
+        ];
+        let rows = place_marks(&area, &mut marks, |t| (t * 30.0) as i32, 0..1400).expect("placed");
+        assert_eq!(rows, 2);
+        let s = spans(&marks, &area);
+        for (i, a) in s.iter().enumerate() {
+            assert!(a.1 >= 0 && a.2 <= 1400, "label {i} leaves the plot: {a:?}");
+            for b in &s[i + 1..] {
+                let apart = a.2 + MARK_GAP_PX <= b.1 || b.2 + MARK_GAP_PX <= a.1;
+                assert!(
+                    a.0 != b.0 || apart,
+                    "labels overlap in one row: {a:?} {b:?}"
+                );
+            }
+        }
+        // so near the left edge that a left-side label would leave the plot
+        let mut edge = vec![Mark::new(0.2, "kill".into(), HPos::Right)];
+        place_marks(&area, &mut edge, |t| (t * 30.0) as i32, 0..1400).expect("placed");
+        assert!(
+            matches!(edge[0].anchor, HPos::Left),
+            "flipped inside the plot"
+        );
+        let e = spans(&edge, &area)[0];
+        assert!(e.1 >= 0 && e.2 <= 1400, "edge label leaves the plot: {e:?}");
     }
 }
