@@ -247,7 +247,14 @@ pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."));
-    let work = out_dir.join("calibration-runs");
+    // One scratch directory per calibration file, so that calibrating another fleet into another
+    // file never meets this one's plans and rows (`calibration.json` → `calibration-runs/`).
+    let stem = args
+        .out
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "calibration".into());
+    let work = out_dir.join(format!("{stem}-runs"));
     let speed = args.fleet.effective_speed();
     eprintln!(
         "xtask calibrate: {} fleet of {} replica(s), speed {speed}",
@@ -478,6 +485,9 @@ fn reference_run(
         .source(&bins.engine, args.quick, false, Some(used))?;
     let mut fleet = Fleet::new(source, args.fleet.options(&work.join("logs")))?;
     let sweep_dir = work.join("reference");
+    // A calibration always measures afresh: the previous reference run (and its plan, which may
+    // have been made for another fleet or plan format) belongs to the calibration being replaced.
+    cell::clear(&sweep_dir)?;
     let dir = sweep_dir.join(point).join(policy).join("rep-1");
     let think_wall_s = args.think_s / speed;
     let run_s = args.warmup() + args.measure();
