@@ -48,10 +48,10 @@ pub struct CalibrateArgs {
     /// Mean think time of the reference load, s of model time (wall = think ÷ speed).
     #[arg(long, default_value_t = 1.0)]
     pub think_s: f64,
-    /// Warm-up of the reference run, wall s (default 20, or 6 with --quick).
+    /// Warm-up of the reference run, wall s (default 20, or 5 with --quick).
     #[arg(long)]
     pub warmup_s: Option<f64>,
-    /// Measured window of the reference run, wall s (default 40, or 10 with --quick).
+    /// Measured window of the reference run, wall s (default 40, or 8 with --quick).
     #[arg(long)]
     pub measure_s: Option<f64>,
     /// Use the binaries already in target/release.

@@ -14,6 +14,7 @@ mod grid;
 mod haproxy;
 mod interrupt;
 mod proxy_bench;
+mod publish;
 mod report;
 mod run;
 mod sweep;
@@ -45,6 +46,8 @@ enum Cmd {
         /// The sweep directory, e.g. measurements/pressure-grid-quick.
         dir: PathBuf,
     },
+    /// Copy a sweep's summaries, meta and gzip-compressed rows into docs/measurements/.
+    Publish(publish::PublishArgs),
     /// Render the six figures from published measurements (`figures::render_all`).
     Figures(figures_cmd::FiguresArgs),
     /// The router's own cost next to HAProxy and nginx, on in-process SSE upstreams.
@@ -75,6 +78,7 @@ fn main() {
         Cmd::ProxyBench { args, no_build } => bins(no_build).and_then(|_| proxy_bench::run(&args)),
         Cmd::Fault(args) => bins(args.no_build).and_then(|b| fault::fault(&args, &b).map(|_| ())),
         Cmd::Report { dir } => report::write(&dir),
+        Cmd::Publish(args) => to_workspace_root().and_then(|()| publish::run(&args).map(|_| ())),
         Cmd::Ci => ci(),
     };
     if let Err(e) = result {

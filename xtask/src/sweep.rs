@@ -62,10 +62,10 @@ pub struct SweepArgs {
     /// Mean think time of closed-loop users, s of model time (wall = think ÷ speed).
     #[arg(long, default_value_t = 1.0)]
     pub think_s: f64,
-    /// Warm-up per cell, wall s (discarded; default 20, or 6 with --quick).
+    /// Warm-up per cell, wall s (discarded; default 20, or 5 with --quick).
     #[arg(long)]
     pub warmup_s: Option<f64>,
-    /// Measured window per cell, wall s (default 40, or 10 with --quick).
+    /// Measured window per cell, wall s (default 40, or 8 with --quick).
     #[arg(long)]
     pub measure_s: Option<f64>,
     /// Root of the measurements.

@@ -100,6 +100,44 @@ fn has_cell(point: &Point, policy: &str) -> bool {
     point.cells.iter().any(|c| c.policy == policy)
 }
 
+/// The cell ran, but the drift check set every one of its repetitions aside: there is nothing to
+/// draw, and that is a finding to show, not data missing from the input.
+pub fn all_set_aside(point: &Point, policy: &str) -> bool {
+    point
+        .cells
+        .iter()
+        .find(|c| c.policy == policy)
+        .is_some_and(|c| {
+            c.goodput_rps.is_none() && c.reps_used.is_empty() && !c.set_aside.is_empty()
+        })
+}
+
+/// A grid cell drawn without numbers because the cells it needs had every repetition set aside.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NoDataCell {
+    /// Point name.
+    pub point: String,
+    /// Working set ÷ KV capacity.
+    pub working_set_ratio: f64,
+    /// Zipf exponent.
+    pub zipf_s: f64,
+    /// The policies whose repetitions were all set aside.
+    pub set_aside: Vec<String>,
+}
+
+/// What a figure leaves out because every repetition of the cell was set aside (`point policy`).
+pub fn set_aside_note(not_drawn: &[String]) -> Option<String> {
+    (!not_drawn.is_empty()).then(|| {
+        format!(
+            "not drawn, every repetition set aside by the drift check: {}",
+            not_drawn.join(", ")
+        )
+    })
+}
+
+/// The CSV value of the verdict column for a cell drawn without numbers.
+pub const NO_ACCEPTED_REPS: &str = "no accepted reps";
+
 /// Grid points (both axes parsed from the name), with their axis values.
 fn grid_points<'a>(report: &'a Report, figure: &str) -> Result<Vec<(&'a Point, f64, f64)>> {
     let pts: Vec<(&Point, f64, f64)> = report
@@ -159,6 +197,8 @@ pub struct PressureData {
     pub s_values: Vec<f64>,
     /// One per measured grid point.
     pub cells: Vec<PressureCell>,
+    /// Points drawn without a margin (a side's repetitions were all set aside).
+    pub no_data: Vec<NoDataCell>,
     /// Repetitions behind the medians.
     pub reps: Reps,
 }
@@ -177,19 +217,35 @@ pub const FIG5: &str = "figure 5 (belief divergence and decay)";
 pub const FIG6: &str = "figure 6 (fault timeline)";
 
 /// Picks figure 1's numbers: the report's margin of prefix-affinity over session-affinity at
-/// every grid point. Every grid point must have both policies' goodput.
+/// every grid point. Every grid point must have both policies' goodput, or have run them and
+/// set every repetition aside (drawn as such).
 pub fn pressure(report: &Report) -> Result<PressureData> {
     let pts = grid_points(report, FIG1)?;
     let mut cells = Vec::new();
+    let mut no_data = Vec::new();
     let mut spreads = Vec::new();
     let mut lack = Vec::new();
     for (p, ws, s) in &pts {
         let pa = goodput(p, PREFIX_AFFINITY);
         let sa = goodput(p, SESSION_AFFINITY);
+        let mut aside = Vec::new();
         for (name, g) in [(PREFIX_AFFINITY, pa), (SESSION_AFFINITY, sa)] {
             if g.is_none() {
-                lack.push(format!("point `{}` has no {name} goodput", p.point));
+                if all_set_aside(p, name) {
+                    aside.push(name.to_string());
+                } else {
+                    lack.push(format!("point `{}` has no {name} goodput", p.point));
+                }
             }
+        }
+        if !aside.is_empty() {
+            no_data.push(NoDataCell {
+                point: p.point.clone(),
+                working_set_ratio: *ws,
+                zipf_s: *s,
+                set_aside: aside,
+            });
+            continue;
         }
         let (Some(pa), Some(sa), Some(m)) = (pa, sa, p.margin(PREFIX_AFFINITY, SESSION_AFFINITY))
         else {
@@ -207,10 +263,11 @@ pub fn pressure(report: &Report) -> Result<PressureData> {
     }
     missing(FIG1, lack)?;
     Ok(PressureData {
-        ws_values: sorted_axis(cells.iter().map(|c| c.working_set_ratio)),
-        s_values: sorted_axis(cells.iter().map(|c| c.zipf_s)),
+        ws_values: sorted_axis(pts.iter().map(|(_, ws, _)| *ws)),
+        s_values: sorted_axis(pts.iter().map(|(_, _, s)| *s)),
         reps: Reps::of(&spreads).with_context(|| format!("{FIG1}: no goodput to draw"))?,
         cells,
+        no_data,
     })
 }
 
@@ -239,9 +296,19 @@ impl PressureData {
                         c.verdict.as_str().to_string(),
                     ]
                 })
+                .chain(self.no_data.iter().map(no_data_row::<2>))
                 .collect(),
         }
     }
+}
+
+/// A CSV row for a cell drawn without numbers: point and axes, `EMPTY` empty fields, the
+/// verdict column saying why.
+fn no_data_row<const EMPTY: usize>(c: &NoDataCell) -> Vec<String> {
+    let mut row = vec![c.point.clone(), num(c.working_set_ratio), num(c.zipf_s)];
+    row.extend(std::iter::repeat_n(String::new(), EMPTY));
+    row.push(NO_ACCEPTED_REPS.to_string());
+    row
 }
 
 /// One cell of the winners map.
@@ -272,8 +339,10 @@ pub struct WinnersData {
     pub ws_values: Vec<f64>,
     /// Skews, ascending.
     pub s_values: Vec<f64>,
-    /// One per grid point.
+    /// One per grid point with a winner and a runner-up.
     pub cells: Vec<WinnerCell>,
+    /// Points without a runner-up because policies' repetitions were all set aside.
+    pub no_data: Vec<NoDataCell>,
     /// Repetitions behind the winners' and runners-up's medians.
     pub reps: Reps,
 }
@@ -282,10 +351,26 @@ pub struct WinnersData {
 pub fn winners(report: &Report) -> Result<WinnersData> {
     let pts = grid_points(report, FIG2)?;
     let mut cells = Vec::new();
+    let mut no_data = Vec::new();
     let mut spreads = Vec::new();
     let mut lack = Vec::new();
     for (p, ws, s) in &pts {
         let (Some(w), Some(r), Some(v)) = (&p.winner, &p.runner_up, p.winner_verdict) else {
+            let aside: Vec<String> = p
+                .cells
+                .iter()
+                .filter(|c| all_set_aside(p, &c.policy))
+                .map(|c| c.policy.clone())
+                .collect();
+            if !aside.is_empty() {
+                no_data.push(NoDataCell {
+                    point: p.point.clone(),
+                    working_set_ratio: *ws,
+                    zipf_s: *s,
+                    set_aside: aside,
+                });
+                continue;
+            }
             lack.push(format!(
                 "point `{}` has fewer than two policies with goodput (a winner needs a runner-up)",
                 p.point
@@ -307,10 +392,11 @@ pub fn winners(report: &Report) -> Result<WinnersData> {
     }
     missing(FIG2, lack)?;
     Ok(WinnersData {
-        ws_values: sorted_axis(cells.iter().map(|c| c.working_set_ratio)),
-        s_values: sorted_axis(cells.iter().map(|c| c.zipf_s)),
+        ws_values: sorted_axis(pts.iter().map(|(_, ws, _)| *ws)),
+        s_values: sorted_axis(pts.iter().map(|(_, _, s)| *s)),
         reps: Reps::of(&spreads).with_context(|| format!("{FIG2}: no goodput to draw"))?,
         cells,
+        no_data,
     })
 }
 
@@ -343,6 +429,7 @@ impl WinnersData {
                         c.verdict.as_str().to_string(),
                     ]
                 })
+                .chain(self.no_data.iter().map(no_data_row::<4>))
                 .collect(),
         }
     }
@@ -391,6 +478,8 @@ pub struct MechMarker {
 pub struct MechanismData {
     /// Markers, by point then role.
     pub markers: Vec<MechMarker>,
+    /// `point policy` of arms not drawn because every repetition was set aside.
+    pub not_drawn: Vec<String>,
     /// Repetitions behind the medians.
     pub reps: Reps,
 }
@@ -410,6 +499,7 @@ pub fn mechanism(report: &Report) -> Result<MechanismData> {
         );
     }
     let mut markers = Vec::new();
+    let mut not_drawn = Vec::new();
     let mut lack = Vec::new();
     for p in pts {
         for (policy, role) in [
@@ -423,6 +513,10 @@ pub fn mechanism(report: &Report) -> Result<MechanismData> {
                 }
                 continue;
             };
+            if all_set_aside(p, policy) {
+                not_drawn.push(format!("{} {policy}", p.point));
+                continue;
+            }
             let m = &cell.mechanism.all;
             match (m.busiest_share, m.prefix_hit_rate) {
                 (Some(b), Some(h)) => markers.push(MechMarker {
@@ -458,6 +552,7 @@ pub fn mechanism(report: &Report) -> Result<MechanismData> {
     Ok(MechanismData {
         reps: Reps::of(&spreads).with_context(|| format!("{FIG3}: nothing to draw"))?,
         markers,
+        not_drawn,
     })
 }
 
@@ -526,6 +621,8 @@ pub struct LadderData {
     pub points: Vec<String>,
     /// Bars by point, then rung.
     pub bars: Vec<LadderBar>,
+    /// `point policy` of rungs not drawn because every repetition was set aside.
+    pub not_drawn: Vec<String>,
     /// Repetitions behind the medians.
     pub reps: Reps,
 }
@@ -547,9 +644,14 @@ pub fn ladder(report: &Report) -> Result<LadderData> {
         );
     }
     let mut bars = Vec::new();
+    let mut not_drawn = Vec::new();
     let mut lack = Vec::new();
     for p in &pts {
         for (rung, (policy, _)) in LADDER.iter().enumerate() {
+            if all_set_aside(p, policy) {
+                not_drawn.push(format!("{} {policy}", p.point));
+                continue;
+            }
             match goodput(p, policy) {
                 Some(g) => bars.push(LadderBar {
                     point: p.point.clone(),
@@ -570,6 +672,7 @@ pub fn ladder(report: &Report) -> Result<LadderData> {
         reps: Reps::of(bars.iter().map(|b| &b.goodput))
             .with_context(|| format!("{FIG4}: nothing to draw"))?,
         bars,
+        not_drawn,
     })
 }
 

@@ -13,8 +13,8 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::data::{
-    BELIEF_POLICIES, BeliefData, LADDER, LadderData, MechRole, MechanismData, Outage, PressureData,
-    TimelineData, WinnersData, band_label,
+    BELIEF_POLICIES, BeliefData, LADDER, LadderData, MechRole, MechanismData, NoDataCell, Outage,
+    PressureData, TimelineData, WinnersData, band_label, set_aside_note,
 };
 use crate::font::{self, FAMILY};
 use crate::input::{Context, num};
@@ -215,6 +215,7 @@ fn heatmap<DB: DrawingBackend>(
     ws_values: &[f64],
     s_values: &[f64],
     cells: &[HeatCell],
+    no_data: &[NoDataCell],
 ) -> Result<()> {
     let (w, h) = area.dim_in_pixel();
     let (left, bottom, top, right) = (170i32, 80i32, 10i32, 20i32);
@@ -238,12 +239,30 @@ fn heatmap<DB: DrawingBackend>(
             let c = match cell {
                 Some(c) => c,
                 None => {
-                    area.draw(&Text::new(
-                        "not run",
-                        ((a.0 + b.0) / 2, (a.1 + b.1) / 2),
-                        style(15.0, &MUTED, HPos::Center, VPos::Center),
-                    ))
-                    .map_err(de)?;
+                    let aside = no_data.iter().find(|n| {
+                        index_of(s_values, n.zipf_s) as i32 == col
+                            && index_of(ws_values, n.working_set_ratio) as i32 == row
+                    });
+                    let lines = match aside {
+                        Some(n) => {
+                            let mut l = vec!["all reps set aside:".to_string()];
+                            l.extend(n.set_aside.iter().cloned());
+                            l
+                        }
+                        None => vec!["not run".to_string()],
+                    };
+                    let n = lines.len() as i32;
+                    for (i, l) in lines.into_iter().enumerate() {
+                        area.draw(&Text::new(
+                            l,
+                            (
+                                (a.0 + b.0) / 2,
+                                (a.1 + b.1) / 2 + (2 * i as i32 - (n - 1)) * 10,
+                            ),
+                            style(15.0, &MUTED, HPos::Center, VPos::Center),
+                        ))
+                        .map_err(de)?;
+                    }
                     continue;
                 }
             };
@@ -392,7 +411,7 @@ impl Figure for PressureFigure<'_> {
                 }
             })
             .collect();
-        heatmap(&grid, &d.ws_values, &d.s_values, &cells)?;
+        heatmap(&grid, &d.ws_values, &d.s_values, &cells, &d.no_data)?;
         colorbar(&bar, max)
     }
 }
@@ -485,7 +504,7 @@ impl Figure for WinnersFigure<'_> {
                 verdict: c.verdict,
             })
             .collect();
-        heatmap(&body, &d.ws_values, &d.s_values, &cells)
+        heatmap(&body, &d.ws_values, &d.s_values, &cells, &d.no_data)
     }
 }
 
@@ -514,6 +533,7 @@ impl Figure for MechanismFigure<'_> {
             "hit-rate difference = height above session-affinity (■) at the same point; bars: min–max over reps"
                 .to_string(),
         );
+        lines.extend(set_aside_note(&d.not_drawn));
         let body = header(
             root,
             "Mechanism: engine prefix-hit rate vs busiest replica's share, spill on vs off",
@@ -717,10 +737,12 @@ impl Figure for LadderFigure<'_> {
 
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
         let d = self.data;
+        let mut lines = context_lines(self.ctx, &d.reps.text());
+        lines.extend(set_aside_note(&d.not_drawn));
         let body = header(
             root,
             "Knowledge ladder: goodput by what the router knows about the caches",
-            &context_lines(self.ctx, &d.reps.text()),
+            &lines,
         )?;
         let n = d.points.len() as f64;
         let top = d.bars.iter().map(|b| b.goodput.max).fold(0.0, f64::max);

@@ -26,10 +26,16 @@ impl Context {
     pub fn slo_text(&self) -> String {
         format!(
             "SLO: TTFT < {} ms and ITL p50 < {} ms",
-            num(self.slo.ttft_ms),
-            num(self.slo.itl_ms)
+            short(self.slo.ttft_ms),
+            short(self.slo.itl_ms)
         )
     }
+}
+
+/// A bound for a caption: to the microsecond, without float noise (3.9345000000000003 → 3.935).
+fn short(ms: f64) -> String {
+    let s = format!("{ms:.3}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
 /// A grid sweep (e.g. `pressure-grid`) loaded and analysed.

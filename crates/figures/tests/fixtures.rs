@@ -118,6 +118,60 @@ fn pressure_map_names_the_point_without_session_affinity() {
     );
 }
 
+/// Marks every repetition of `<point>/<policy>` as set aside by the drift check.
+fn set_aside(m: &Path, point: &str, policy: &str) {
+    let dir = m.join("pressure-grid").join(point).join(policy);
+    for rep in std::fs::read_dir(&dir).unwrap() {
+        let meta = rep.unwrap().path().join("meta.json");
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&meta).unwrap()).unwrap();
+        v["accepted"] = false.into();
+        v["set_aside_reason"] = "drifted twice: warming: TTFT trends up by 50%".into();
+        std::fs::write(&meta, v.to_string()).unwrap();
+    }
+}
+
+#[test]
+fn cells_whose_reps_were_all_set_aside_are_drawn_as_such_not_refused() {
+    let m = measurements_copy("set-aside");
+    set_aside(&m, "ws1-s0", "session-affinity");
+    set_aside(&m, "ws1-s0", "prefix-affinity-spill-off");
+    set_aside(&m, "ws3-s1.4", "exact-residency");
+    let out = scratch("set-aside-out");
+    let which = [
+        FigureId::PressureMap,
+        FigureId::WinnersMap,
+        FigureId::Mechanism,
+        FigureId::KnowledgeLadder,
+    ];
+    render(&Sources::discover(&m), &out, &which).unwrap();
+    let csv =
+        |f: FigureId| std::fs::read_to_string(out.join(f.stem()).with_extension("csv")).unwrap();
+    let svg =
+        |f: FigureId| std::fs::read_to_string(out.join(f.stem()).with_extension("svg")).unwrap();
+    let fig1 = csv(FigureId::PressureMap);
+    assert!(
+        fig1.lines().any(|l| l == "ws1-s0,1,0,,,no accepted reps"),
+        "the set-aside point is a row saying so: {fig1}"
+    );
+    assert!(
+        fig1.lines().any(|l| l.starts_with("ws3-s1.4,3,1.4,")),
+        "{fig1}"
+    );
+    assert!(svg(FigureId::PressureMap).contains("all reps set aside:"));
+    let fig3 = csv(FigureId::Mechanism);
+    assert!(
+        !fig3.contains("ws1-s0,prefix-affinity-spill-off")
+            && !fig3.contains("ws1-s0,session-affinity"),
+        "{fig3}"
+    );
+    assert!(fig3.contains("ws1-s0,prefix-affinity,"), "{fig3}");
+    assert!(svg(FigureId::Mechanism).contains("ws1-s0 prefix-affinity-spill-off"));
+    let fig4 = csv(FigureId::KnowledgeLadder);
+    assert!(!fig4.contains("ws3-s1.4,exact-residency,"), "{fig4}");
+    assert!(svg(FigureId::KnowledgeLadder).contains("ws3-s1.4 exact-residency"));
+}
+
 #[test]
 fn mechanism_needs_the_spill_off_arm() {
     let m = measurements_copy("no-spill-off");
