@@ -125,6 +125,17 @@ pub struct NoDataCell {
     pub set_aside: Vec<String>,
 }
 
+impl NoDataCell {
+    fn new(point: &Point, working_set_ratio: f64, zipf_s: f64, set_aside: Vec<String>) -> Self {
+        NoDataCell {
+            point: point.point.clone(),
+            working_set_ratio,
+            zipf_s,
+            set_aside,
+        }
+    }
+}
+
 /// What a figure leaves out because every repetition of the cell was set aside (`point policy`).
 pub fn set_aside_note(not_drawn: &[String]) -> Option<String> {
     (!not_drawn.is_empty()).then(|| {
@@ -239,12 +250,7 @@ pub fn pressure(report: &Report) -> Result<PressureData> {
             }
         }
         if !aside.is_empty() {
-            no_data.push(NoDataCell {
-                point: p.point.clone(),
-                working_set_ratio: *ws,
-                zipf_s: *s,
-                set_aside: aside,
-            });
+            no_data.push(NoDataCell::new(p, *ws, *s, aside));
             continue;
         }
         let (Some(pa), Some(sa), Some(m)) = (pa, sa, p.margin(PREFIX_AFFINITY, SESSION_AFFINITY))
@@ -363,12 +369,7 @@ pub fn winners(report: &Report) -> Result<WinnersData> {
                 .map(|c| c.policy.clone())
                 .collect();
             if !aside.is_empty() {
-                no_data.push(NoDataCell {
-                    point: p.point.clone(),
-                    working_set_ratio: *ws,
-                    zipf_s: *s,
-                    set_aside: aside,
-                });
+                no_data.push(NoDataCell::new(p, *ws, *s, aside));
                 continue;
             }
             lack.push(format!(
