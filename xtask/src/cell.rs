@@ -178,16 +178,15 @@ pub fn discard(
         .join(point)
         .join(policy)
         .join(format!("rep-{rep}"));
-    let target = sweep_dir
-        .join("_discarded")
-        .join(point)
-        .join(policy)
-        .join(format!("rep-{rep}.attempt-{attempt}"));
-    if let Some(parent) = target.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    if target.exists() {
-        std::fs::remove_dir_all(&target)?;
+    let parent = sweep_dir.join("_discarded").join(point).join(policy);
+    std::fs::create_dir_all(&parent)?;
+    // Attempt numbers restart when a sweep is resumed; an earlier run's record under the same
+    // number is kept, and this one takes the next free name.
+    let mut target = parent.join(format!("rep-{rep}.attempt-{attempt}"));
+    let mut n = attempt;
+    while target.exists() {
+        n += 1;
+        target = parent.join(format!("rep-{rep}.attempt-{n}"));
     }
     std::fs::rename(&rep_dir, &target)
         .with_context(|| format!("moving {} aside", rep_dir.display()))?;
@@ -386,6 +385,15 @@ mod tests {
         assert!(moved.ends_with("_discarded/ws1-s0/round-robin/rep-2.attempt-1"));
         let why = std::fs::read_to_string(moved.join("discarded.json")).unwrap();
         assert!(why.contains("lateness"));
+        // A resumed sweep counts attempts from 1 again: the earlier record stays.
+        clear(&rep).unwrap();
+        let again = discard(&s.0, "ws1-s0", "round-robin", 2, 1, "drift").unwrap();
+        assert!(again.ends_with("_discarded/ws1-s0/round-robin/rep-2.attempt-2"));
+        let first = std::fs::read_to_string(moved.join("discarded.json")).unwrap();
+        assert!(
+            first.contains("lateness"),
+            "the first record survives: {first}"
+        );
     }
 
     #[test]
