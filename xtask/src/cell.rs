@@ -240,20 +240,7 @@ pub fn measured_window(
 mod tests {
     use super::*;
 
-    struct Scratch(PathBuf);
-    impl Scratch {
-        fn new(name: &str) -> Scratch {
-            let p = std::env::temp_dir().join(format!("xtask-{name}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&p);
-            std::fs::create_dir_all(&p).unwrap();
-            Scratch(p)
-        }
-    }
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    use crate::scratch::Scratch;
 
     pub(crate) fn meta(complete: bool, accepted: bool) -> Meta {
         Meta {

@@ -662,14 +662,7 @@ replicas,BACKEND,0,0,1,2,2000,9,0,0,0,0,,0,0,0,0,UP\n\n";
         let (go_tx, go_rx) = mpsc::channel();
         let go_rx = Arc::new(Mutex::new(go_rx));
         let backends: Vec<String> = (0..3).map(|i| sse_backend(i, go_rx.clone())).collect();
-        struct Scratch(PathBuf);
-        impl Drop for Scratch {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
-        let dir =
-            Scratch(std::env::temp_dir().join(format!("xtask-haproxy-{}", std::process::id())));
+        let dir = crate::scratch::Scratch::new("haproxy");
         let mut h = Haproxy::start(&backends, &HaproxySettings::default(), &dir.0).unwrap();
         let sticky: Vec<usize> = (0..4)
             .map(|_| stream_once(h.url(), "conv-7", &go_tx))
@@ -710,17 +703,9 @@ replicas,BACKEND,0,0,1,2,2000,9,0,0,0,0,,0,0,0,0,UP\n\n";
             #[command(flatten)]
             fleet: crate::fleetargs::FleetArgs,
         }
-        struct Scratch(PathBuf);
-        impl Drop for Scratch {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
         let bins = crate::env::Bins::release();
         bins.check().unwrap();
-        let dir = Scratch(
-            std::env::temp_dir().join(format!("xtask-haproxy-fleet-{}", std::process::id())),
-        );
+        let dir = crate::scratch::Scratch::new("haproxy-fleet");
         let args = <Cli as clap::Parser>::try_parse_from([
             "x",
             "--replicas",

@@ -17,6 +17,8 @@ mod proxy_bench;
 mod publish;
 mod report;
 mod run;
+#[cfg(test)]
+mod scratch;
 mod sweep;
 mod virtual_sweep;
 

@@ -182,21 +182,7 @@ mod tests {
     use super::*;
     use std::io::Read;
 
-    struct Scratch(PathBuf);
-    impl Scratch {
-        fn new(name: &str) -> Scratch {
-            let p =
-                std::env::temp_dir().join(format!("xtask-publish-{name}-{}", std::process::id()));
-            let _ = fs::remove_dir_all(&p);
-            fs::create_dir_all(&p).unwrap();
-            Scratch(p)
-        }
-    }
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
-        }
-    }
+    use crate::scratch::Scratch;
 
     fn write(path: &Path, text: &str) {
         fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -222,7 +208,7 @@ mod tests {
 
     #[test]
     fn publishes_summaries_and_finished_rows_only() {
-        let s = Scratch::new("tree");
+        let s = Scratch::new("publish-tree");
         let sweep = s.0.join("measurements/grid");
         write(&sweep.join("report.json"), "{}");
         write(&sweep.join("report.md"), "# r");
@@ -294,7 +280,7 @@ mod tests {
 
     #[test]
     fn refuses_a_sweep_without_its_report() {
-        let s = Scratch::new("noreport");
+        let s = Scratch::new("publish-noreport");
         let sweep = s.0.join("grid");
         write(&sweep.join("sweep.json"), "{}");
         let err = run(&PublishArgs {

@@ -5,7 +5,7 @@ use serde::Serialize;
 use workload::{ArrivalSpec, Plan, Sizing, WorkloadSpec};
 
 use crate::SimError;
-use crate::cell::Slo;
+use crate::cell::{Slo, median};
 use crate::config::SimConfig;
 use crate::sim::simulate;
 
@@ -22,19 +22,6 @@ pub struct Calibration {
     pub slo: Slo,
     /// The fleet's KV capacity, tokens (what working-set sizing divides by).
     pub capacity_tokens: u64,
-}
-
-fn median(v: &mut [f64]) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    })
 }
 
 /// Sends `requests` single-turn prompts shaped like `shape` (its prefix, user and output

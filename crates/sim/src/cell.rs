@@ -164,7 +164,8 @@ fn percentile(sorted: &[u64], p: f64) -> Option<u64> {
     Some(sorted[rank.clamp(1, sorted.len()) - 1])
 }
 
-fn median(v: &mut [f64]) -> Option<f64> {
+/// Median of `v` (sorted in place); the mean of the middle two for an even count.
+pub(crate) fn median(v: &mut [f64]) -> Option<f64> {
     if v.is_empty() {
         return None;
     }
