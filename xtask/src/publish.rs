@@ -40,13 +40,18 @@ pub struct Published {
     pub bytes: u64,
 }
 
-/// Publishes `args.dir` into `args.to`; the sweep must have its report (run `cargo xtask report`
-/// first), so that what is published is what was analysed.
+/// Publishes `args.dir` into `args.to`. A sweep must have its report (run `cargo xtask report`
+/// first) and a fault run its `summary.json` (written when the run finishes), so that what is
+/// published is what was analysed.
 pub fn run(args: &PublishArgs) -> Result<Published> {
     let src = &args.dir;
-    if !src.join("report.json").is_file() {
+    let analysed = ["report.json", "summary.json"]
+        .iter()
+        .any(|f| src.join(f).is_file());
+    if !analysed {
         bail!(
-            "{} has no report.json; run `cargo xtask report {}` first (or finish the sweep)",
+            "{} has no report.json (a sweep: run `cargo xtask report {}` first, or finish the \
+             sweep) and no summary.json (a fault run: finish it with the same command)",
             src.display(),
             src.display()
         );
@@ -290,5 +295,40 @@ mod tests {
         .unwrap_err();
         assert!(err.to_string().contains("no report.json"), "{err}");
         assert!(!s.0.join("out/grid").exists());
+    }
+
+    #[test]
+    fn publishes_a_finished_fault_run() {
+        let s = Scratch::new("publish-fault");
+        let run_dir = s.0.join("fault-kill");
+        write(&run_dir.join("summary.json"), "{}");
+        write(&run_dir.join("summary.md"), "# s");
+        write(&run_dir.join("timeline.csv"), "second,good\n0,1\n");
+        write(&run_dir.join("sweep.json"), "{}");
+        write(&run_dir.join("p/plan.json"), "{}");
+        write(&run_dir.join("p/a/rep-1/meta.json"), "{}");
+        write(&run_dir.join("p/a/rep-1/fault.json"), "{}");
+        write(&run_dir.join("p/a/rep-1/client.csv"), "request_id\nu1-0\n");
+        write(&run_dir.join("p/a/rep-1/replica-0.log"), "log");
+        let to = s.0.join("pub");
+        let got = run(&PublishArgs {
+            dir: run_dir,
+            to: to.clone(),
+        })
+        .unwrap();
+        assert_eq!((got.reps, got.row_files), (1, 1));
+        assert_eq!(
+            files_under(&to.join("fault-kill")),
+            vec![
+                "p/a/rep-1/client.csv.gz",
+                "p/a/rep-1/fault.json",
+                "p/a/rep-1/meta.json",
+                "p/plan.json",
+                "summary.json",
+                "summary.md",
+                "sweep.json",
+                "timeline.csv",
+            ]
+        );
     }
 }

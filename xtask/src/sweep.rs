@@ -288,6 +288,72 @@ pub(crate) fn sweep_points(args: &SweepArgs, replicas: usize) -> Result<Vec<Poin
     select_points(points, &args.points)
 }
 
+/// The file that records a sweep run's settings: `sweep.json` for the router, `sweep-haproxy.json`
+/// for HAProxy cells run into the same directory, so that adding them does not overwrite the
+/// record of the router grid.
+fn record_file_name(ingress: crate::haproxy::Ingress) -> &'static str {
+    match ingress {
+        crate::haproxy::Ingress::Router => "sweep.json",
+        crate::haproxy::Ingress::Haproxy => "sweep-haproxy.json",
+    }
+}
+
+/// Settings that must agree for two runs into one directory to be one sweep.
+const RECORD_SETTINGS: [&str; 7] = [
+    "sweep",
+    "quick",
+    "reps",
+    "warmup_s",
+    "measure_s",
+    "think_model_s",
+    "speed",
+];
+
+/// The record to write when `earlier` is already on disk: a run restricted with `--points` or
+/// `--policies` (a resume, or arms added later) with the same settings adds its points and
+/// policies to the earlier record instead of shrinking it to its own; a run with other settings
+/// replaces it (each repetition's `meta.json` keeps its own settings either way).
+fn merged_record(
+    earlier: Option<serde_json::Value>,
+    mut record: serde_json::Value,
+) -> serde_json::Value {
+    let Some(earlier) = earlier else {
+        return record;
+    };
+    if RECORD_SETTINGS
+        .iter()
+        .any(|k| earlier.get(k) != record.get(k))
+    {
+        return record;
+    }
+    for (key, id) in [("points", Some("name")), ("policies", None)] {
+        let key_of = |v: &serde_json::Value| match id {
+            Some(id) => v.get(id).cloned(),
+            None => Some(v.clone()),
+        };
+        let mut union: Vec<serde_json::Value> = earlier
+            .get(key)
+            .and_then(|v| v.as_array())
+            .cloned()
+            .unwrap_or_default();
+        let new = record
+            .get(key)
+            .and_then(|v| v.as_array())
+            .cloned()
+            .unwrap_or_default();
+        for item in new {
+            let k = key_of(&item);
+            if let Some(slot) = union.iter_mut().find(|u| key_of(u) == k) {
+                *slot = item;
+            } else {
+                union.push(item);
+            }
+        }
+        record[key] = serde_json::Value::Array(union);
+    }
+    record
+}
+
 /// Runs the sweep; returns its directory.
 pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
     let sweep_dir = args.dir();
@@ -329,22 +395,26 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
     let git_rev = crate::env::git_rev();
     let versions = crate::env::versions();
     let speed = args.fleet.effective_speed();
+    let record = serde_json::json!({
+        "sweep": args.name.as_str(),
+        "quick": args.quick,
+        "points": points,
+        "policies": policies,
+        "reps": args.reps,
+        "warmup_s": args.warmup(),
+        "measure_s": args.measure(),
+        "think_model_s": args.think_s,
+        "speed": speed,
+        "max_lateness_p99_ms": args.max_lateness_p99_ms,
+        "calibration": cal,
+    });
+    let record_path = sweep_dir.join(record_file_name(args.ingress));
+    let earlier = std::fs::read_to_string(&record_path)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok());
     cell::write_atomic(
-        &sweep_dir.join("sweep.json"),
-        serde_json::to_string_pretty(&serde_json::json!({
-            "sweep": args.name.as_str(),
-            "quick": args.quick,
-            "points": points,
-            "policies": policies,
-            "reps": args.reps,
-            "warmup_s": args.warmup(),
-            "measure_s": args.measure(),
-            "think_model_s": args.think_s,
-            "speed": speed,
-            "max_lateness_p99_ms": args.max_lateness_p99_ms,
-            "calibration": cal,
-        }))?
-        .as_bytes(),
+        &record_path,
+        serde_json::to_string_pretty(&merged_record(earlier, record))?.as_bytes(),
     )?;
 
     let total = points.len() * policies.len() * args.reps as usize;
@@ -645,6 +715,55 @@ mod tests {
             },
         )
         .unwrap()
+    }
+
+    #[test]
+    fn a_restricted_run_adds_to_the_sweep_record_instead_of_shrinking_it() {
+        let rec = |points: &[&str], policies: &[&str], warmup_s: f64| {
+            serde_json::json!({
+                "sweep": "pressure-grid", "quick": false, "reps": 3, "warmup_s": warmup_s,
+                "measure_s": 10.0, "think_model_s": 1.0, "speed": 6.0,
+                "points": points.iter().map(|p| serde_json::json!({"name": p})).collect::<Vec<_>>(),
+                "policies": policies,
+            })
+        };
+        let names = |v: &serde_json::Value| -> Vec<String> {
+            v["points"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p["name"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let full = rec(
+            &["ws1-s0", "ws3-s0"],
+            &["round-robin", "session-affinity"],
+            15.0,
+        );
+        let resumed = rec(
+            &["ws3-s0", "ws8-s0"],
+            &["session-affinity", "prefix-affinity"],
+            15.0,
+        );
+        let merged = merged_record(Some(full.clone()), resumed);
+        assert_eq!(names(&merged), ["ws1-s0", "ws3-s0", "ws8-s0"]);
+        assert_eq!(
+            merged["policies"],
+            serde_json::json!(["round-robin", "session-affinity", "prefix-affinity"])
+        );
+        // Other windows make another sweep: its record replaces the earlier one.
+        let other = rec(&["ws8-s0"], &["round-robin"], 20.0);
+        assert_eq!(names(&merged_record(Some(full), other.clone())), ["ws8-s0"]);
+        assert_eq!(merged_record(None, other.clone()), other);
+        // HAProxy cells keep their own record beside the router grid's.
+        assert_eq!(
+            record_file_name(crate::haproxy::Ingress::Router),
+            "sweep.json"
+        );
+        assert_eq!(
+            record_file_name(crate::haproxy::Ingress::Haproxy),
+            "sweep-haproxy.json"
+        );
     }
 
     #[test]
