@@ -345,6 +345,14 @@ pub struct ShareWindow {
     pub requests: u64,
     /// Share of those per replica, in router id order.
     pub share: Vec<f64>,
+    /// Share of the window's decisions that declined their match (`spill-load`,
+    /// `spill-residency`); `None` when no row has a branch.
+    #[serde(default)]
+    pub spill_rate: Option<f64>,
+    /// Engine-reported cached ÷ prompt tokens over the window's requests that report both (the
+    /// router parses them from the usage chunk in passing); `None` when none does.
+    #[serde(default)]
+    pub prefix_hit_rate: Option<f64>,
 }
 
 /// TTFT of the successful requests sent in one window.
@@ -1249,13 +1257,23 @@ pub fn analyse_rep(
 
 fn share_window(name: &str, start: f64, end: f64, router: &[&RouterRow], n: usize) -> ShareWindow {
     let mut counts = vec![0u64; n];
-    for r in router {
-        if r.arrival_s >= start
-            && r.arrival_s < end
-            && let Some(id) = r.replica
+    let (mut branches, mut spills, mut cached, mut prompt) = (0u64, 0u64, 0u64, 0u64);
+    for r in router
+        .iter()
+        .filter(|r| r.arrival_s >= start && r.arrival_s < end)
+    {
+        if let Some(id) = r.replica
             && let Some(c) = counts.get_mut(id as usize)
         {
             *c += 1;
+        }
+        if let Some(b) = r.branch.as_deref() {
+            branches += 1;
+            spills += u64::from(analysis::metrics::SPILL_BRANCHES.contains(&b));
+        }
+        if let (Some(c), Some(p)) = (r.cached_tokens, r.prompt_tokens) {
+            cached += c.min(p);
+            prompt += p;
         }
     }
     let total: u64 = counts.iter().sum();
@@ -1274,6 +1292,8 @@ fn share_window(name: &str, start: f64, end: f64, router: &[&RouterRow], n: usiz
                 }
             })
             .collect(),
+        spill_rate: (branches > 0).then(|| spills as f64 / branches as f64),
+        prefix_hit_rate: (prompt > 0).then(|| cached as f64 / prompt as f64),
     }
 }
 
@@ -1371,10 +1391,15 @@ pub fn summarize(dir: &Path, point: &str) -> Result<Summary> {
                     .with_context(|| format!("parsing {}", rep_dir.join("fault.json").display()))?;
             let meta =
                 analysis::read_meta(&rep_dir.join("meta.json")).map_err(|e| anyhow!("{e}"))?;
-            let client = analysis::read_client_csv(&rep_dir.join("client.csv"))
-                .map_err(|e| anyhow!("{e}"))?;
-            let router = analysis::read_router_csv(&rep_dir.join("router.csv"))
-                .map_err(|e| anyhow!("{e}"))?;
+            // Plain rows as the run wrote them, or `.csv.gz` as `xtask publish` copied them.
+            let rows = |name: &str| {
+                analysis::rows::rows_file(&rep_dir, name)
+                    .with_context(|| format!("{} has no {name}", rep_dir.display()))
+            };
+            let client =
+                analysis::read_client_csv(&rows("client.csv")?).map_err(|e| anyhow!("{e}"))?;
+            let router =
+                analysis::read_router_csv(&rows("router.csv")?).map_err(|e| anyhow!("{e}"))?;
             let policy = file_name(&policy_dir);
             reps.push(analyse_rep(
                 &policy, rep, &events, &client, &router, &meta.slo,
@@ -1502,7 +1527,7 @@ pub fn markdown(s: &Summary) -> String {
                 .map_or_else(|| "not within the run".into(), |x| format!("{x:.1}")),
         ));
     }
-    md.push_str("\n## Share of requests per replica\n\n| policy | rep | window | requests | shares (replica 0, 1, …) |\n|---|---|---|---|---|\n");
+    md.push_str("\n## Share of requests per replica\n\n| policy | rep | window | requests | shares (replica 0, 1, …) | spill rate | engine prefix-hit rate |\n|---|---|---|---|---|---|---|\n");
     for r in &s.reps {
         for w in &r.shares {
             let shares: Vec<String> = w
@@ -1510,13 +1535,18 @@ pub fn markdown(s: &Summary) -> String {
                 .iter()
                 .map(|x| format!("{:.0}%", x * 100.0))
                 .collect();
+            let pct = |v: Option<f64>| {
+                v.map_or_else(|| "–".to_string(), |x| format!("{:.1}%", x * 100.0))
+            };
             md.push_str(&format!(
-                "| {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {} | {} | {} |\n",
                 r.policy,
                 r.rep,
                 w.window,
                 w.requests,
-                shares.join(" · ")
+                shares.join(" · "),
+                pct(w.spill_rate),
+                pct(w.prefix_hit_rate)
             ));
         }
     }
@@ -1766,13 +1796,27 @@ mod tests {
             } else {
                 i % 3
             };
-            r.push(routed(&id, 100.0 + t, Some(replica)));
+            // During the outage every other decision spills to a cold replica (nothing cached);
+            // otherwise every decision matches with 80 of 100 prompt tokens cached.
+            let spill = (10.0..13.0).contains(&t) && i % 2 == 0;
+            let mut row = routed(&id, 100.0 + t, Some(replica));
+            row.branch = Some(if spill { "spill-load" } else { "match" }.into());
+            row.prompt_tokens = Some(100);
+            row.cached_tokens = Some(if spill { 0 } else { 80 });
+            r.push(row);
         }
         let out = analyse_rep("p", 1, &e, &c, &r, &slo());
         assert!(out.violations.is_empty());
         let outage = out.shares.iter().find(|w| w.window == "outage").unwrap();
         assert_eq!(outage.share[1], 0.0, "the victim served nothing while down");
         assert_eq!(outage.requests, 12);
+        assert_eq!(outage.spill_rate, Some(0.5));
+        assert_eq!(outage.prefix_hit_rate, Some(0.4));
+        let steady = out.shares.iter().find(|w| w.window == "before").unwrap();
+        assert_eq!(
+            (steady.spill_rate, steady.prefix_hit_rate),
+            (Some(0.0), Some(0.8))
+        );
         let before = out.ttft.iter().find(|w| w.window == "before").unwrap();
         assert_eq!(before.p50_ms, Some(20.0));
         let during = out.ttft.iter().find(|w| w.window == "outage").unwrap();

@@ -43,7 +43,8 @@ enum Cmd {
     Sweep(Box<sweep::SweepArgs>),
     /// Fault a replica under steady load (`kill` or `drain`) and check the loss bounds.
     Fault(Box<fault::FaultArgs>),
-    /// Print the report of a sweep directory (and write report.md / report.json into it).
+    /// Print the report of a sweep directory (and write report.md / report.json into it); for a
+    /// fault run's directory, rebuild its summary (summary.md / summary.json / timeline.csv).
     Report {
         /// The sweep directory, e.g. measurements/pressure-grid-quick.
         dir: PathBuf,

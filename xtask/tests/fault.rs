@@ -215,7 +215,49 @@ fn kill_and_drain_keep_the_loss_bounds() {
             victim_after > 0.0,
             "{policy}: the restarted replica serves again"
         );
+        let outage = &rep["shares"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["window"] == "outage")
+            .unwrap();
+        let spill = outage["spill_rate"]
+            .as_f64()
+            .expect("every decision has a branch");
+        assert!((0.0..=1.0).contains(&spill), "{policy}: {outage}");
+        if policy == "session-affinity" {
+            assert_eq!(spill, 0.0, "the session ring never spills");
+        }
     }
+
+    // Published (compressed rows, no logs) and summarised again from the copy alone: the same
+    // summary, so figure 6 and the fault findings rebuild from docs/measurements/.
+    let (ok, log) = xtask(
+        &[
+            "publish",
+            &root.join("kill").to_string_lossy(),
+            "--to",
+            &root.join("pub").to_string_lossy(),
+        ],
+        &root.join("publish.log"),
+        limit,
+    );
+    assert!(ok, "publish failed:\n{log}");
+    assert!(
+        !root
+            .join("pub/kill")
+            .join(summary["point"].as_str().unwrap())
+            .join("session-affinity/rep-1/client.csv")
+            .exists()
+    );
+    std::fs::remove_file(root.join("pub/kill/summary.json")).unwrap();
+    let (ok, log) = xtask(
+        &["report", &root.join("pub/kill").to_string_lossy()],
+        &root.join("report.log"),
+        limit,
+    );
+    assert!(ok, "report of the published fault run failed:\n{log}");
+    assert_eq!(json(&root.join("pub/kill/summary.json")), summary);
 
     let (ok, log) = xtask(
         &args("drain", &out, "prefix-affinity"),
