@@ -321,6 +321,10 @@ pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
         .build()?;
     let grace = Duration::from_millis(cfg.shutdown_grace_ms);
     rt.block_on(async move {
+        // The handlers are installed before the readiness line: a supervisor may signal as soon
+        // as it has read it, and a signal that arrived before them would kill the process
+        // without the graceful shutdown (and without the rows).
+        let signals = Signals::install()?;
         let router = Router::start(cfg).await?;
         println!(
             "{}",
@@ -328,21 +332,35 @@ pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
         );
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        wait_for_signal().await?;
+        signals.wait().await;
         router.shutdown(grace).await;
         Ok(())
     })
 }
 
-async fn wait_for_signal() -> Result<(), RouterError> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+/// SIGTERM and SIGINT handlers, installed (replacing the default action of killing the
+/// process) from construction on.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self, RouterError> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
     }
-    Ok(())
+
+    /// Resolves on the first SIGTERM or SIGINT received since `install`.
+    async fn wait(mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+    }
 }
 
 #[cfg(test)]
