@@ -1389,20 +1389,25 @@ pub fn summarize(dir: &Path, point: &str) -> Result<Summary> {
             let events: FaultEvents =
                 serde_json::from_str(&std::fs::read_to_string(rep_dir.join("fault.json"))?)
                     .with_context(|| format!("parsing {}", rep_dir.join("fault.json").display()))?;
-            let meta =
-                analysis::read_meta(&rep_dir.join("meta.json")).map_err(|e| anyhow!("{e}"))?;
-            // Plain rows as the run wrote them, or `.csv.gz` as `xtask publish` copied them.
-            let rows = |name: &str| {
-                analysis::rows::rows_file(&rep_dir, name)
-                    .with_context(|| format!("{} has no {name}", rep_dir.display()))
-            };
-            let client =
-                analysis::read_client_csv(&rows("client.csv")?).map_err(|e| anyhow!("{e}"))?;
-            let router =
-                analysis::read_router_csv(&rows("router.csv")?).map_err(|e| anyhow!("{e}"))?;
             let policy = file_name(&policy_dir);
+            // The analysis crate's loader: meta, then rows plain as the run wrote them or
+            // `.csv.gz` as `xtask publish` copied them.
+            let analysis::load::RepLoad::Complete(data) =
+                analysis::load_rep(&rep_dir, point, &policy, rep).map_err(|e| anyhow!("{e}"))?
+            else {
+                continue;
+            };
+            let router = data
+                .router
+                .as_deref()
+                .with_context(|| format!("{} has no router.csv", rep_dir.display()))?;
             reps.push(analyse_rep(
-                &policy, rep, &events, &client, &router, &meta.slo,
+                &policy,
+                rep,
+                &events,
+                &data.client,
+                router,
+                &data.meta.slo,
             ));
             kind = Some(events.kind);
         }
@@ -1528,6 +1533,7 @@ pub fn markdown(s: &Summary) -> String {
         ));
     }
     md.push_str("\n## Share of requests per replica\n\n| policy | rep | window | requests | shares (replica 0, 1, …) | spill rate | engine prefix-hit rate |\n|---|---|---|---|---|---|---|\n");
+    let pct = |v: Option<f64>| v.map_or_else(|| "–".to_string(), |x| format!("{:.1}%", x * 100.0));
     for r in &s.reps {
         for w in &r.shares {
             let shares: Vec<String> = w
@@ -1535,9 +1541,6 @@ pub fn markdown(s: &Summary) -> String {
                 .iter()
                 .map(|x| format!("{:.0}%", x * 100.0))
                 .collect();
-            let pct = |v: Option<f64>| {
-                v.map_or_else(|| "–".to_string(), |x| format!("{:.1}%", x * 100.0))
-            };
             md.push_str(&format!(
                 "| {} | {} | {} | {} | {} | {} | {} |\n",
                 r.policy,
