@@ -181,7 +181,11 @@ fn pure_crates_know_nothing_of_io_async_or_clocks() {
                 let code = line.split("//").next().unwrap_or("");
                 for banned in IMPURE_PATHS {
                     if code.contains(banned) {
-                        problems.push(format!("{}:{}: `{banned}` in a pure crate", rel(file), n + 1));
+                        problems.push(format!(
+                            "{}:{}: `{banned}` in a pure crate",
+                            rel(file),
+                            n + 1
+                        ));
                     }
                 }
             }
