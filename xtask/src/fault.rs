@@ -641,7 +641,10 @@ fn setup(args: &FaultArgs, bins: &Bins, dir: &Path, kv_events: bool) -> Result<S
     };
     cal.write(&own)?;
     Ok(Setup {
-        slo: cal.slo,
+        slo: Slo {
+            ttft_ms: cal.slo.ttft_ms,
+            itl_ms: cal.slo.itl_ms,
+        },
         capacity_tokens: cal.capacity_tokens,
         index_ttl_s: cal.index.ttl_s,
         index_node_cap: cal.index.node_cap,

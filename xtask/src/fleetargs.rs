@@ -1,4 +1,5 @@
-//! Fleet flags shared by `calibrate` and `sweep`, and the fleet description recorded in meta.
+//! Fleet flags shared by `calibrate` and `sweep`, and the fleet description recorded in meta
+//! (`FleetArgs::key`, an `experiment::calibration::FleetKey`).
 
 use std::path::Path;
 use std::time::Duration;
@@ -7,6 +8,7 @@ use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+use experiment::calibration::FleetKey;
 use fleet::{CommandSpec, EmulatedSpec, FleetOptions, Source, StaticSpec};
 
 /// Default emulator speed-up. Chosen so that `sweep pressure-grid --quick` fits a fresh 2-core
@@ -106,26 +108,6 @@ pub struct FleetArgs {
     /// Seconds a replica may take to become healthy.
     #[arg(long, default_value_t = 120.0)]
     pub ready_timeout_s: f64,
-}
-
-/// What meta.json records about the fleet (`fleet {source, replicas, speed, slowdowns,
-/// capacity_tokens}` plus detail), and what decides whether a calibration still applies.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct FleetKey {
-    /// `emulated`, `command` or `static`.
-    pub source: String,
-    /// Replicas in use.
-    pub replicas: usize,
-    /// Emulator speed (1 for real engines).
-    pub speed: f64,
-    /// Slowdown per replica in use.
-    pub slowdowns: Vec<f64>,
-    /// KV blocks per emulated replica when set.
-    pub num_gpu_blocks: Option<u64>,
-    /// Model.
-    pub model: String,
-    /// Command template or static URLs.
-    pub detail: Option<String>,
 }
 
 impl FleetArgs {

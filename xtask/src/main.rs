@@ -2,7 +2,8 @@
 //!
 //! Orchestration only: the engines, router and driver run as processes through their CLIs
 //! (docs/CONTRACTS.md), the fleet crate manages their lifecycles and evidence, the workload crate
-//! builds the plans, and the analysis crate turns rows into verdicts.
+//! builds the plans, the experiment crate defines the grids, the measurements layout, publication
+//! and the calibration record, and the analysis crate turns rows into verdicts.
 
 mod calibration;
 mod cell;
@@ -10,7 +11,6 @@ mod env;
 mod fault;
 mod figures_cmd;
 mod fleetargs;
-mod grid;
 mod haproxy;
 mod interrupt;
 mod proxy_bench;
@@ -27,6 +27,8 @@ use std::process::Command;
 
 use anyhow::{Result, bail};
 use clap::{Parser, Subcommand};
+// The sweeps' definitions, as `crate::grid` for the commands that run them.
+use experiment::grid;
 
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "kvroute's experiment loop")]

@@ -238,7 +238,7 @@ pub(crate) fn plan_for(
             ArrivalSpec::Closed {
                 users,
                 think_mean_s: think_wall_s,
-                requests_per_user: calibration::requests_per_user(
+                requests_per_user: experiment::calibration::requests_per_user(
                     run_s,
                     think_wall_s,
                     cal.floors,
@@ -540,7 +540,10 @@ fn run_cell(
                 driver: driver.clone(),
                 closed_users,
                 planned_end_s: run_s,
-                slo: cal.slo,
+                slo: crate::cell::Slo {
+                    ttft_ms: cal.slo.ttft_ms,
+                    itl_ms: cal.slo.itl_ms,
+                },
                 evidence: EvidenceConfig {
                     lateness_urls: vec![],
                     fleet_process_groups: vec![],
@@ -658,7 +661,10 @@ fn run_cell(
                 "model": args.fleet.model,
                 "used_replicas": cal.used_replicas,
             }),
-            slo: cal.slo,
+            slo: crate::cell::Slo {
+                ttft_ms: cal.slo.ttft_ms,
+                itl_ms: cal.slo.itl_ms,
+            },
             window: result.window,
             git_rev: git_rev.clone(),
             versions: versions.clone(),

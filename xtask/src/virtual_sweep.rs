@@ -1,15 +1,12 @@
-//! `cargo xtask sweep <name> --virtual`: the same sweep in virtual time through the `sim` crate.
+//! `cargo xtask sweep <name> --virtual`: the same sweep in virtual time, through
+//! `experiment::virtual_sweep` (the simulated fleet, the virtual calibration, one cell) and the
+//! `sim` crate.
 //!
 //! The points, policies and plans are the live sweep's (`sweep::sweep_points`, `grid::policies`,
 //! `sweep::plan_for`, so `plan.bin` is byte-identical to what a live sweep of the same flags
-//! writes); the simulated fleet is the emulated fleet those flags describe (replicas, blocks,
-//! `--speed`, slowdowns), so the plan's wall-scaled think times and rates mean the same thing. The
-//! SLO comes from `sim::calibrate` (3× the virtual floors). Every repetition gets its own policy
-//! and engine seed and a small step-time jitter, so repetitions differ the way live ones do,
-//! while the same seed still gives byte-identical rows. Each repetition's rows pass the live
-//! drift check before its `meta.json` (`"virtual": true`) is written; a drifting repetition is
-//! set aside at once, since re-running a deterministic cell would only repeat it. Then the
-//! report, as for a live sweep.
+//! writes); the simulated fleet is the emulated fleet those flags describe. This module checks the
+//! flags, skips finished cells, runs the rest on every core, and writes the report, as for a live
+//! sweep.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,25 +15,15 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 
-use workload::{Plan, WorkloadSpec};
+use experiment::grid;
+use experiment::virtual_sweep::{self, CellSettings, EmulatedFleet, JITTER, Job};
+use workload::Plan;
 
-use crate::calibration::{Calibration, IndexCalibration, SLO_FACTOR};
-use crate::cell::{self, CellState, Slo};
+use crate::cell::{self, CellState};
 use crate::fleetargs::FleetKind;
-use crate::grid;
 use crate::interrupt;
 use crate::report;
 use crate::sweep::{self, SweepArgs};
-
-/// Step-time jitter of every virtual engine: enough that repetitions differ.
-pub const JITTER: f64 = 0.02;
-
-/// Unseen single-turn prompts the virtual calibration measures.
-const CALIBRATION_REQUESTS: u32 = 64;
-
-/// A replica whose slowdown exceeds the fleet's median by this factor is left out, as the live
-/// calibration leaves out a throttling outlier (its floors scale with the slowdown).
-const OUTLIER_FACTOR: f64 = 1.3;
 
 /// The sweep directory: `--out/<sweep>[-quick]-virtual`, or `--sweep-dir-name`.
 fn sweep_dir(args: &SweepArgs) -> PathBuf {
@@ -47,92 +34,18 @@ fn sweep_dir(args: &SweepArgs) -> PathBuf {
     args.out.join(name)
 }
 
-/// The simulated fleet's base config (no policy yet): the emulated fleet the flags describe,
-/// keeping only the replicas in `used`.
-fn base_config(args: &SweepArgs, used: &[usize]) -> Result<sim::SimConfig> {
+/// The emulated fleet the flags describe.
+fn emulated_fleet(args: &SweepArgs, replicas: usize) -> Result<EmulatedFleet> {
     let f = &args.fleet;
     let blocks = u32::try_from(f.blocks(args.quick))
         .map_err(|_| anyhow!("--num-gpu-blocks {} is too large", f.blocks(args.quick)))?;
-    let mut cfg = sim::SimConfig::new(used.len() as u32, "round-robin");
-    cfg.engine.num_gpu_blocks = blocks;
-    cfg.engine.model.speed = f.speed;
-    cfg.engine.model.jitter = JITTER;
-    cfg.slowdowns = used
-        .iter()
-        .map(|&i| f.slowdowns.get(i).copied().unwrap_or(1.0))
-        .collect();
-    cfg.model = f.model.clone();
-    cfg.validate().map_err(|e| anyhow!("{e}"))?;
-    Ok(cfg)
-}
-
-/// Replicas in use: all but those slowed beyond `OUTLIER_FACTOR` × the median slowdown.
-fn used_replicas(args: &SweepArgs, n: usize) -> Vec<usize> {
-    let slow: Vec<f64> = (0..n)
-        .map(|i| args.fleet.slowdowns.get(i).copied().unwrap_or(1.0))
-        .collect();
-    let median = analysis::stats::median(&slow).unwrap_or(1.0);
-    let used: Vec<usize> = (0..n)
-        .filter(|&i| slow[i] <= median * OUTLIER_FACTOR)
-        .collect();
-    if used.is_empty() {
-        (0..n).collect()
-    } else {
-        used
-    }
-}
-
-/// The virtual calibration in the live calibration's shape, so the live plan builder reads it.
-fn calibrate(args: &SweepArgs, base: &sim::SimConfig, used: Vec<usize>) -> Result<Calibration> {
-    let shape = WorkloadSpec {
-        seed: args.seed,
-        ..WorkloadSpec::default()
-    };
-    let c = sim::calibrate(base, &shape, CALIBRATION_REQUESTS)
-        .map_err(|e| anyhow!("virtual calibration: {e}"))?;
-    let floors = Slo {
-        ttft_ms: c.ttft_p50_ms,
-        itl_ms: c.itl_p50_ms,
-    };
-    let mut fleet = args.fleet.key(args.quick);
-    fleet.source = "virtual".into();
-    Ok(Calibration {
-        fleet,
-        replicas: Vec::new(),
-        used_replicas: used,
-        floors,
-        slo_factor: SLO_FACTOR,
-        slo: Slo {
-            ttft_ms: floors.ttft_ms * SLO_FACTOR,
-            itl_ms: floors.itl_ms * SLO_FACTOR,
-        },
-        capacity_tokens: c.capacity_tokens,
-        // No virtual reference run: belief policies keep the policies crate's default TTL and
-        // node cap (recorded per cell in meta.run).
-        index: IndexCalibration {
-            ttl_s: None,
-            ttl_is_lower_bound: false,
-            node_cap: None,
-            honoured_share: None,
-            detail: serde_json::json!({"source": "virtual: policy defaults"}),
-        },
-        gpus: Vec::new(),
-        gpu_status: "virtual".into(),
-        reference_run: None,
-        git_rev: crate::env::git_rev(),
-        versions: crate::env::versions(),
+    Ok(EmulatedFleet {
+        replicas,
+        num_gpu_blocks: blocks,
+        speed: f.speed,
+        slowdowns: f.slowdowns.clone(),
+        model: f.model.clone(),
     })
-}
-
-/// One repetition to simulate.
-struct Job {
-    point: String,
-    policy: String,
-    rep: u32,
-    plan: Arc<Plan>,
-    book: Arc<sim::PromptBook>,
-    dir: PathBuf,
-    run: serde_json::Value,
 }
 
 /// Runs the sweep in virtual time; returns its directory.
@@ -164,9 +77,17 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
             args.fleet.slowdowns.len()
         );
     }
-    let used = used_replicas(args, n);
-    let base = base_config(args, &used)?;
-    let cal = calibrate(args, &base, used)?;
+    let fleet = emulated_fleet(args, n)?;
+    let used = fleet.used_replicas();
+    let base = fleet.base_config(&used)?;
+    let cal = virtual_sweep::calibrate(
+        &base,
+        args.seed,
+        used,
+        args.fleet.key(args.quick),
+        crate::env::git_rev(),
+        crate::env::versions(),
+    )?;
     cal.write(&dir.join("calibration.json"))?;
     let policies = grid::policies(&args.policies, args.quick)?;
     let points = sweep::sweep_points(args, cal.used_replicas.len())?;
@@ -240,11 +161,15 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
         cal.slo.itl_ms,
         cal.capacity_tokens
     );
-    let ctx = Ctx {
-        args,
-        base: &base,
-        slo: cal.slo,
+    let settings = CellSettings {
+        base,
+        sweep: args.name.as_str().to_string(),
+        seed: args.seed,
+        engine_seed: args.fleet.engine_seed,
+        warmup_s,
         run_s,
+        timeout_s: args.request_timeout_s,
+        slo: cal.slo,
         git_rev: crate::env::git_rev(),
         versions: crate::env::versions(),
     };
@@ -261,7 +186,7 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
                     }
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(job) = jobs.get(i) else { return };
-                    match run_job(&ctx, job) {
+                    match virtual_sweep::run_cell(&settings, job) {
                         Ok(true) => {}
                         Ok(false) => {
                             set_aside.fetch_add(1, Ordering::Relaxed);
@@ -301,88 +226,13 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// What every job shares.
-struct Ctx<'a> {
-    args: &'a SweepArgs,
-    base: &'a sim::SimConfig,
-    slo: Slo,
-    run_s: f64,
-    git_rev: Option<String>,
-    versions: serde_json::Value,
-}
-
-/// Simulates one repetition, checks drift on its rows, writes meta last. Returns whether the
-/// repetition was accepted.
-fn run_job(ctx: &Ctx<'_>, job: &Job) -> Result<bool> {
-    let args = ctx.args;
-    let mut cfg = ctx.base.clone();
-    cfg.policy = policies::PolicySpec::named(&job.policy);
-    // Per repetition seeds, as the live router gets `--seed seed + rep`.
-    cfg.policy.seed = args.seed.wrapping_add(u64::from(job.rep));
-    cfg.engine.seed = args
-        .fleet
-        .engine_seed
-        .wrapping_mul(1_000_003)
-        .wrapping_add(u64::from(job.rep));
-    cfg.driver = sim::DriverModel {
-        warmup_s: args.warmup(),
-        duration_s: Some(ctx.run_s),
-        timeout_s: args.request_timeout_s,
-    };
-    cell::clear(&job.dir)?;
-    let meta = sim::CellMeta {
-        sweep: args.name.as_str().to_string(),
-        point: job.point.clone(),
-        rep: job.rep,
-        slo: sim::Slo {
-            ttft_ms: ctx.slo.ttft_ms,
-            itl_ms: ctx.slo.itl_ms,
-        },
-        planned_end_s: Some(ctx.run_s),
-        git_rev: ctx.git_rev.clone(),
-        versions: ctx.versions.clone(),
-        run: job.run.clone(),
-    };
-    let (summary, mut meta_json) =
-        sim::write_cell_rows(&cfg, &job.plan, &job.book, &job.dir, &meta)
-            .map_err(|e| anyhow!("{e}"))?;
-    let w = summary.window;
-    let drift = analysis::check_rep_dir(
-        &job.dir,
-        &analysis::Slo {
-            ttft_ms: ctx.slo.ttft_ms,
-            itl_ms: ctx.slo.itl_ms,
-        },
-        &analysis::Window {
-            warmup_s: w.warmup_s,
-            measured_start_s: w.measured_start_s,
-            measured_end_s: w.measured_end_s,
-        },
-        &analysis::DriftConfig::default(),
-    )
-    .map_err(|e| anyhow!("drift check of {}: {e}", job.dir.display()))?;
-    let accepted = !drift.warming;
-    meta_json["accepted"] = serde_json::Value::Bool(accepted);
-    meta_json["set_aside_reason"] = if accepted {
-        serde_json::Value::Null
-    } else {
-        let why = drift.reason.clone().unwrap_or_else(|| "warming".into());
-        serde_json::Value::String(format!(
-            "drifted (virtual, deterministic: not re-run): {why}"
-        ))
-    };
-    meta_json["drift"] = serde_json::to_value(&drift)?;
-    sim::write_meta(&job.dir, &meta_json).map_err(|e| anyhow!("{e}"))?;
-    Ok(accepted)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::path::Path;
 
     #[test]
-    fn outlier_replicas_are_left_out() {
+    fn the_flags_describe_the_fleet_and_the_directory() {
         use clap::Parser;
         #[derive(Parser)]
         struct T {
@@ -400,7 +250,10 @@ mod tests {
         ])
         .unwrap();
         assert!(t.s.virtual_time);
-        assert_eq!(used_replicas(&t.s, 4), vec![0, 1, 2]);
+        let fleet = emulated_fleet(&t.s, 4).unwrap();
+        assert_eq!(fleet.slowdowns, [1.0, 1.0, 1.0, 1.5]);
+        assert_eq!(fleet.num_gpu_blocks, 8192);
+        assert_eq!(fleet.used_replicas(), vec![0, 1, 2]);
         assert_eq!(
             sweep_dir(&t.s),
             Path::new("measurements/pressure-grid-virtual")

@@ -1,9 +1,13 @@
-//! Sweep definitions: the points of each sweep and the policies compared at them.
+//! Sweep definitions: the points of each sweep (working set × skew, the load axis, turns, prompt
+//! length; full and quick variants) and the policies compared at them. Shared by the live and
+//! the virtual sweep, so both run the same grid.
 
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
-/// Every policy name the router knows (docs/CONTRACTS.md).
+/// Every policy name the router knows (docs/CONTRACTS.md), in the order a sweep runs them (the
+/// same names as `policies::POLICY_NAMES`, tested; this order decides the cells' order and the
+/// list in `sweep.json`).
 pub const ALL_POLICIES: &[&str] = &[
     "round-robin",
     "least-outstanding",
@@ -21,7 +25,8 @@ pub const ALL_POLICIES: &[&str] = &[
 pub const QUICK_POLICIES: &[&str] = &["round-robin", "session-affinity", "prefix-affinity"];
 
 /// The sweeps `cargo xtask sweep <name>` knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "kebab-case")]
 pub enum SweepName {
     /// Working set × skew.
@@ -301,5 +306,15 @@ mod tests {
         assert!(needs_kv_events("exact-residency-spec"));
         assert!(!needs_kv_events("prefix-affinity"));
         assert!(uses_belief_index("prefix-affinity-spill-off"));
+    }
+
+    #[test]
+    fn every_policy_is_one_the_policies_crate_builds() {
+        let mut ours = ALL_POLICIES.to_vec();
+        let mut theirs = policies::POLICY_NAMES.to_vec();
+        ours.sort_unstable();
+        theirs.sort_unstable();
+        assert_eq!(ours, theirs);
+        assert!(QUICK_POLICIES.iter().all(|p| ALL_POLICIES.contains(p)));
     }
 }
