@@ -13,7 +13,6 @@ mod fleetargs;
 mod grid;
 mod haproxy;
 mod interrupt;
-mod proxy_bench;
 mod publish;
 mod report;
 mod run;
