@@ -13,7 +13,6 @@ mod figures_cmd;
 mod fleetargs;
 mod haproxy;
 mod interrupt;
-mod proxy_bench;
 mod publish;
 mod report;
 mod run;

@@ -13,9 +13,8 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 
 use crate::config::RouterConfig;
-use crate::events::{EventEndpoints, run_subscriber};
 use crate::rows::RowSink;
-use crate::state::{NO_KV_USAGE, Replica, ReplicaEventSink, Settings, Shared};
+use crate::state::{NO_KV_USAGE, Replica, Settings, Shared, start_replica_tasks};
 use crate::upstream::{TimedBody, join_uri};
 
 /// Why the router could not start.
@@ -28,10 +27,6 @@ pub enum RouterError {
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
 }
-
-/// How long startup waits for each KV event subscriber to connect before serving anyway (the
-/// subscriber keeps retrying in the background).
-const SUBSCRIBE_WAIT: Duration = Duration::from_secs(2);
 
 /// A running router.
 pub struct Router {
@@ -218,26 +213,6 @@ async fn accept_loop(
             }
         });
     }
-}
-
-/// Starts a replica's KV event subscriber (if it has an endpoint), waiting briefly for it to
-/// connect.
-pub async fn start_replica_tasks(shared: &Arc<Shared>, r: &Arc<Replica>) {
-    let Some(publisher) = r.kv_events.clone() else {
-        return;
-    };
-    let ep = EventEndpoints {
-        publisher,
-        replay: r.kv_replay.clone(),
-    };
-    let sink = Arc::new(ReplicaEventSink {
-        shared: Arc::downgrade(shared),
-        replica: r.id,
-    });
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let task = tokio::spawn(run_subscriber(ep, sink, r.events.clone(), Some(tx)));
-    r.tasks.lock().push(task);
-    let _ = tokio::time::timeout(SUBSCRIBE_WAIT, rx).await;
 }
 
 async fn health_loop(shared: std::sync::Weak<Shared>, every: Duration) {

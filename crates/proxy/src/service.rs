@@ -17,7 +17,7 @@ use crate::body::{Finish, ProxyBody, RouterBody};
 use crate::config::ReplicaSpec;
 use crate::request::{Endpoint, ParsedRequest, parse, parse_tokenize_reply};
 use crate::rows::Row;
-use crate::state::{Replica, Shared};
+use crate::state::{Replica, Shared, start_replica_tasks};
 use crate::upstream::{TimedBody, join_uri};
 use crate::usage::BodyKind;
 
@@ -688,7 +688,7 @@ async fn admin(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<RouterB
             };
             match shared.add_replica(&spec) {
                 Ok(r) => {
-                    crate::server::start_replica_tasks(shared, &r).await;
+                    start_replica_tasks(shared, &r).await;
                     json_response(StatusCode::CREATED, replica_json(&r).to_string())
                 }
                 Err(e) => error_response(StatusCode::BAD_REQUEST, &e, Some("url")),

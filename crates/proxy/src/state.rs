@@ -8,13 +8,14 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
 
 use http::uri::{Authority, Scheme};
 use parking_lot::Mutex;
 use policies::{Decision, Keying, Policy, ReplicaId, ReplicaView, RouteError, RouteRequest};
 
 use crate::config::ReplicaSpec;
-use crate::events::{EventSink, EventStats};
+use crate::events::{EventEndpoints, EventSink, EventStats, run_subscriber};
 use crate::metrics::Metrics;
 use crate::rows::RowSink;
 use crate::upstream::{Clock, UpstreamClient};
@@ -351,6 +352,31 @@ impl EventSink for ReplicaEventSink {
             s.kv_events(self.replica, events);
         }
     }
+}
+
+/// How long [`start_replica_tasks`] waits for a KV event subscriber to connect before going on
+/// (the subscriber keeps retrying in the background).
+const SUBSCRIBE_WAIT: Duration = Duration::from_secs(2);
+
+/// Starts a replica's KV event subscriber (if it has an endpoint), waiting briefly for it to
+/// connect; `Replica::stop_tasks` ends it. Called at startup (server) and when the admin API
+/// adds a replica (service).
+pub async fn start_replica_tasks(shared: &Arc<Shared>, r: &Arc<Replica>) {
+    let Some(publisher) = r.kv_events.clone() else {
+        return;
+    };
+    let ep = EventEndpoints {
+        publisher,
+        replay: r.kv_replay.clone(),
+    };
+    let sink = Arc::new(ReplicaEventSink {
+        shared: Arc::downgrade(shared),
+        replica: r.id,
+    });
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(run_subscriber(ep, sink, r.events.clone(), Some(tx)));
+    r.tasks.lock().push(task);
+    let _ = tokio::time::timeout(SUBSCRIBE_WAIT, rx).await;
 }
 
 fn splitmix64(mut x: u64) -> u64 {
