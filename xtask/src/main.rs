@@ -13,6 +13,7 @@ mod fleetargs;
 mod grid;
 mod haproxy;
 mod interrupt;
+mod progress;
 mod proxy_bench;
 mod publish;
 mod report;
