@@ -13,6 +13,7 @@ mod figures_cmd;
 mod fleetargs;
 mod haproxy;
 mod interrupt;
+mod progress;
 mod publish;
 mod report;
 mod run;

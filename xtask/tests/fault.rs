@@ -162,22 +162,8 @@ fn share(rep: &serde_json::Value, window: &str, replica: usize) -> (u64, f64) {
     )
 }
 
-/// Fails with a clear message while `fault` is not yet a subcommand of the xtask binary.
-fn require_fault_subcommand() {
-    let out = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args(["fault", "--help"])
-        .output()
-        .expect("xtask runs");
-    assert!(
-        out.status.success(),
-        "xtask has no `fault` subcommand: wire `fault::FaultArgs` / `fault::fault` into xtask/src/main.rs\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 #[test]
 fn kill_and_drain_keep_the_loss_bounds() {
-    require_fault_subcommand();
     build_bins();
     let scratch = Scratch::new("fault");
     let root = scratch.0.clone();
@@ -190,6 +176,15 @@ fn kill_and_drain_keep_the_loss_bounds() {
         limit,
     );
     assert!(ok, "fault kill failed:\n{log}");
+    // Progress as the sweep prints it: a count and an ETA after every repetition.
+    for (i, policy) in ["session-affinity", "prefix-affinity"].iter().enumerate() {
+        let head = format!("[{}/2] {policy} rep-1: ", i + 1);
+        assert!(
+            log.lines()
+                .any(|l| l.starts_with(&head) && l.contains(" elapsed, ETA ")),
+            "no progress line `{head}…`:\n{log}"
+        );
+    }
     let summary = check_dir(&root.join("kill"), &["session-affinity", "prefix-affinity"]);
     for rep in summary["reps"].as_array().unwrap() {
         let policy = rep["policy"].as_str().unwrap();

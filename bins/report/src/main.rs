@@ -1,26 +1,30 @@
-//! `report <sweep-dir>`: analyses a sweep's rows and prints Markdown tables; writes
-//! `report.json` (schema in crates/analysis/README.md). Exit status: 0 on success, 1 on an error
-//! (for example a malformed rows file, named with its line), 3 when some point was refused as
-//! not comparable (the other points are still reported).
+//! `report <dir>`: the analysis of a sweep or a fault run's directory, through
+//! `analysis::write_report_dir`, the function `cargo xtask report` calls, so both write the same
+//! bytes. A sweep gets `report.md` and `report.json` (schema in crates/analysis/README.md); a
+//! fault run (its `sweep.json` names a `fault-…` sweep) `timeline.csv`, `summary.json` and
+//! `summary.md`. The Markdown is printed. Exit status: 0 on success, 1 on an error (for example
+//! a malformed rows file, named with its line), 3 when some point of a sweep was refused as not
+//! comparable (the other points are still reported).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use analysis::{ReportConfig, analyze_dir, markdown};
-use anyhow::Context;
+use analysis::{DirReport, ReportConfig, report_dir, write_atomic, write_report_dir};
 use clap::Parser;
 
-/// Analyse a sweep directory (`<sweep>/<point>/<policy>/rep-<k>/`).
+/// Analyse a sweep directory (`<sweep>/<point>/<policy>/rep-<k>/`) or a fault run's directory.
 #[derive(Parser, Debug)]
 #[command(name = "report", version, about)]
 struct Args {
-    /// The sweep directory, e.g. measurements/pressure-grid.
+    /// The directory, e.g. measurements/pressure-grid or measurements/fault-kill.
     sweep_dir: PathBuf,
-    /// Where to write the JSON report [default: SWEEP_DIR/report.json].
+    /// Write the JSON (report.json, or a fault run's summary.json) here instead of into the
+    /// directory.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Also write the Markdown to this file (it is always printed to stdout).
+    /// Write the Markdown (report.md, or a fault run's summary.md) here instead of into the
+    /// directory (it is always printed to stdout).
     #[arg(long)]
     markdown: Option<PathBuf>,
     /// Conversations (most requests first) counted as hot.
@@ -37,36 +41,54 @@ struct Args {
     honour_threshold: f64,
 }
 
-/// Writes via a temporary name and a rename, so a reader never sees half a file.
-fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
-}
-
 fn run(args: Args) -> anyhow::Result<bool> {
     let mut cfg = ReportConfig::default();
     cfg.metrics.hot_conversations = args.hot_conversations;
     cfg.metrics.honour_threshold = args.honour_threshold;
     cfg.drift.t_threshold = args.drift_t;
     cfg.drift.min_relative_change = args.drift_min_change;
-    let report = analyze_dir(&args.sweep_dir, &cfg)?;
-    let md = markdown::render(&report);
-    let json_path = args
-        .json
-        .unwrap_or_else(|| args.sweep_dir.join("report.json"));
-    let mut json = serde_json::to_vec_pretty(&report)?;
-    json.push(b'\n');
-    write_atomic(&json_path, &json)?;
-    if let Some(p) = &args.markdown {
-        write_atomic(p, md.as_bytes())?;
+    let dir = &args.sweep_dir;
+    let (written, paths) = if args.json.is_none() && args.markdown.is_none() {
+        let written = write_report_dir(dir, &cfg)?;
+        let paths = written.files().iter().map(|f| dir.join(f.name)).collect();
+        (written, paths)
+    } else {
+        // The same files, the JSON and the Markdown where the flags say.
+        let written = report_dir(dir, &cfg)?;
+        let mut paths = Vec::new();
+        for f in written.files() {
+            let path = match Path::new(f.name).extension().and_then(|e| e.to_str()) {
+                Some("json") => args.json.clone(),
+                Some("md") => args.markdown.clone(),
+                _ => None,
+            }
+            .unwrap_or_else(|| dir.join(f.name));
+            write_atomic(&path, &f.bytes)?;
+            paths.push(path);
+        }
+        (written, paths)
+    };
+    std::io::stdout().write_all(written.markdown().as_bytes())?;
+    let comparable = match &written {
+        DirReport::Sweep(report) => {
+            for r in &report.refused {
+                eprintln!("report: {r}");
+            }
+            report.refused.is_empty()
+        }
+        DirReport::Fault(summary) => {
+            eprintln!(
+                "report: fault run, {} repetitions, {} loss-bound violations",
+                summary.reps.len(),
+                summary.violations.len()
+            );
+            true
+        }
+    };
+    for p in paths {
+        eprintln!("report: wrote {}", p.display());
     }
-    std::io::stdout().write_all(md.as_bytes())?;
-    for r in &report.refused {
-        eprintln!("report: {r}");
-    }
-    eprintln!("report: wrote {}", json_path.display());
-    Ok(report.refused.is_empty())
+    Ok(comparable)
 }
 
 fn main() -> ExitCode {

@@ -1,5 +1,6 @@
-//! The `report` binary on the analysis fixtures: output matches the analysis crate's goldens,
-//! refusals and malformed rows give their documented exit statuses and messages.
+//! The `report` binary on the analysis fixtures: output matches the analysis crate's goldens for
+//! a sweep and for a fault run, refusals and malformed rows give their documented exit statuses
+//! and messages.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -54,12 +55,56 @@ fn prints_markdown_and_writes_json() {
         std::fs::read_to_string(tmp.0.join("report.md")).unwrap(),
         golden_md
     );
+    // The golden ends with a newline; report.json, like the published reports, does not.
     let golden_json =
         std::fs::read_to_string(fixtures().join("golden/sweep-basic.report.json")).unwrap();
     assert_eq!(
-        std::fs::read_to_string(tmp.0.join("report.json")).unwrap(),
+        std::fs::read_to_string(tmp.0.join("report.json")).unwrap() + "\n",
         golden_json
     );
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_fault_run_gets_its_summary_rebuilt() {
+    let tmp = Scratch::new("fault");
+    let dir = tmp.0.join("fault-kill");
+    copy_dir(&fixtures().join("fault-kill"), &dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_report"))
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let golden = |name: &str| {
+        std::fs::read_to_string(fixtures().join("golden").join(format!("fault-kill.{name}")))
+            .unwrap()
+    };
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), golden("summary.md"));
+    for name in ["summary.md", "summary.json", "timeline.csv"] {
+        assert_eq!(
+            std::fs::read_to_string(dir.join(name)).unwrap(),
+            golden(name),
+            "{name}"
+        );
+    }
+    assert!(!dir.join("report.json").exists());
 }
 
 #[test]

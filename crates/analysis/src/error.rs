@@ -32,10 +32,15 @@ pub enum AnalysisError {
         /// What is wrong with it.
         message: String,
     },
-    /// Cells of one point do not share the workload or the arrival plan, so they did not send
-    /// identical bytes and must not be compared.
-    #[error("{0}")]
-    Incomparable(Box<crate::compare::Refusal>),
+    /// A fault run's directory lacks what its summary needs (a point, a complete repetition,
+    /// router rows), or its `fault.json` is malformed.
+    #[error("{path} {message}")]
+    Fault {
+        /// The directory or file at fault.
+        path: PathBuf,
+        /// What is wrong, as a predicate of the path ("has no router.csv").
+        message: String,
+    },
     /// The sweep directory holds no repetition directories at all.
     #[error("{path}: no `<point>/<policy>/rep-<k>/` directories found")]
     EmptySweep {

@@ -1,25 +1,32 @@
 //! kvroute analysis: rows + meta → goodput, medians with ranges, spread verdicts, mechanism,
-//! belief divergence and decay, drift check, comparability guard, and the sweep report.
+//! belief divergence and decay, drift check, comparability guard, the sweep report, and the
+//! fault experiment's analysis and summary.
 //!
-//! Pure: it reads files and computes; no network, no clock. See the crate README for the module
-//! map and the `report.json` schema.
+//! It reads files and computes, and writes only its own outputs into the analysed directory
+//! (`output`, `dir_report`); no network, no clock. See the crate README for the module map and the
+//! `report.json` schema.
 
 pub mod compare;
+pub mod dir_report;
 pub mod drift;
 pub mod error;
+pub mod fault;
 pub mod load;
 pub mod markdown;
 pub mod meta;
 pub mod metrics;
+pub mod output;
 pub mod report;
 pub mod rows;
 pub mod stats;
 
 pub use compare::{Margin, Refusal, Verdict, check_comparable};
+pub use dir_report::{DirReport, report_dir, write_report_dir};
 pub use drift::{DriftConfig, DriftVerdict, check_rep_dir, check_rows};
 pub use error::{AnalysisError, Result};
 pub use load::{RepData, SweepData, load_rep, load_sweep};
 pub use meta::{Meta, Slo, Window, read_meta};
 pub use metrics::{MetricsConfig, is_good};
+pub use output::{OutputFile, write_atomic};
 pub use report::{Report, ReportConfig, analyze, analyze_dir};
 pub use rows::{ClientRow, RouterRow, read_client_csv, read_router_csv, rows_file};
