@@ -11,7 +11,6 @@ mod fault;
 mod figures_cmd;
 mod fleetargs;
 mod grid;
-mod haproxy;
 mod interrupt;
 mod proxy_bench;
 mod publish;
