@@ -11,7 +11,7 @@ use clap::Args;
 use analysis::Slo;
 use experiment::calibration::{self, IndexCalibration, ReplicaCalibration, SLO_FACTOR};
 use fleet::evidence::{EvidenceConfig, EvidenceSampler};
-use fleet::{Fleet, http, metrics};
+use fleet::{DriverSettings, Fleet, RouterSettings, http, metrics};
 use workload::{ArrivalSpec, Sizing, WorkloadSpec};
 
 pub use experiment::calibration::Calibration;
@@ -20,7 +20,7 @@ use crate::cell::{self, Meta};
 use crate::env::Bins;
 use crate::fleetargs::FleetArgs;
 use crate::interrupt;
-use crate::run::{self, Attempt, DriverSettings, RouterSettings};
+use crate::run::{self, Attempt};
 
 /// Flags of `cargo xtask calibrate`.
 #[derive(Debug, Clone, Args)]
@@ -136,8 +136,8 @@ pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
             requests_per_user: requests,
         };
         let plan = run::ensure_plan(&dir, &spec, &arrival)?;
-        let mut driver = run::start_driver(
-            bins,
+        let mut driver = fleet::start_driver(
+            &bins.driver,
             &info.url,
             &plan.path,
             &dir.join("client.csv"),
@@ -150,10 +150,11 @@ pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
             },
             &dir.join("driver.log"),
         )?;
-        run::wait_driver(
+        fleet::wait_driver(
             &mut driver,
             &mut fleet,
             Duration::from_secs(600),
+            &interrupt::requested,
             |_| Ok(()),
         )?;
         let rows = analysis::read_client_csv(&dir.join("client.csv"))
@@ -359,8 +360,8 @@ fn reference_run(
                 interval: Duration::from_secs(1),
             },
             sample_lateness: matches!(args.fleet.fleet, crate::fleetargs::FleetKind::Emulated),
-            ingress: crate::haproxy::Ingress::Router,
-            haproxy: crate::haproxy::HaproxySettings::default(),
+            ingress: fleet::Ingress::Router,
+            haproxy: fleet::ingress::HaproxySettings::default(),
             limit: Duration::from_secs_f64(run_s * 3.0 + 60.0),
         },
     )?;

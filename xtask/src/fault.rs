@@ -33,7 +33,7 @@ use analysis::fault::{
     router_minus_driver,
 };
 use fleet::evidence::{EvidenceConfig, EvidenceSampler};
-use fleet::{Fleet, http};
+use fleet::{DriverSettings, Fleet, RouterSettings, http};
 use workload::{ArrivalSpec, Sizing, WorkloadSpec};
 
 use crate::calibration::{self, CalibrateArgs, Calibration};
@@ -43,7 +43,7 @@ use crate::fleetargs::{FleetArgs, FleetKind};
 use crate::grid;
 use crate::interrupt;
 use crate::progress::Progress;
-use crate::run::{self, DriverSettings, PlanFile, RouterSettings};
+use crate::run::{self, PlanFile};
 
 /// The policies faulted by default: the hashing baseline and the cache-aware router with its
 /// spill branch on and off (the branch that decides where a dead replica's sessions go).
@@ -602,12 +602,13 @@ fn run_rep(fleet: &mut Fleet, c: &RepContext<'_>) -> Result<String> {
         index_node_cap: if belief { c.setup.index_node_cap } else { None },
         kv_events: grid::needs_kv_events(c.policy),
     };
-    let (mut router, url) = run::start_router(
-        c.bins,
+    let (mut router, url) = fleet::ingress::start_router(
+        &c.bins.router,
         fleet,
         &router_settings,
         &c.dir.join("router.csv"),
         &c.dir.join("router.log"),
+        &interrupt::requested,
     )?;
     let t0 = Instant::now();
     // The probe with the shortest round trip pins the router clock tightest.
@@ -624,8 +625,8 @@ fn run_rep(fleet: &mut Fleet, c: &RepContext<'_>) -> Result<String> {
         model: args.fleet.model.clone(),
     };
     let client_csv = c.dir.join("client.csv");
-    let mut driver = run::start_driver(
-        c.bins,
+    let mut driver = fleet::start_driver(
+        &c.bins.driver,
         &url,
         &c.plan.path,
         &client_csv,

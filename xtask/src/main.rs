@@ -11,7 +11,6 @@ mod env;
 mod fault;
 mod figures_cmd;
 mod fleetargs;
-mod haproxy;
 mod interrupt;
 mod progress;
 mod publish;

@@ -1,14 +1,19 @@
-//! Running things: plans on disk, the router and the driver as processes, one measured attempt.
+//! Running things: plans on disk, `--ingress`, one measured attempt. The router, HAProxy and
+//! the driver are started and stopped through `fleet` (`fleet::ingress`,
+//! `fleet::driver_process`).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
+use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
 use fleet::evidence::{EvidenceBounds, EvidenceConfig, EvidenceSampler, EvidenceSummary};
-use fleet::{ChildGuard, Fleet};
+use fleet::ingress::HaproxySettings;
+use fleet::{
+    DriverSettings, Fleet, Ingress, IngressProcess, RouterSettings, start_driver, wait_driver,
+};
 use workload::{ArrivalSpec, Plan, WorkloadSpec};
 
 use crate::cell::{Slo, Window, measured_window};
@@ -75,146 +80,22 @@ pub fn ensure_plan(dir: &Path, spec: &WorkloadSpec, arrival: &ArrivalSpec) -> Re
     Ok(file)
 }
 
-/// Router settings of one cell.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct RouterSettings {
-    /// `--policy`.
-    pub policy: String,
-    /// `--model` (the block-key salt).
-    pub model: String,
-    /// `--seed`.
-    pub seed: u64,
-    /// `--index-ttl-s`, for belief-index policies.
-    pub index_ttl_s: Option<f64>,
-    /// `--index-node-cap`, for belief-index policies.
-    pub index_node_cap: Option<u64>,
-    /// Pass the replicas' KV event endpoints (`--kv-events`).
-    pub kv_events: bool,
+/// `--ingress`: what sits in front of the replicas (the command-line face of
+/// [`fleet::Ingress`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum IngressArg {
+    /// kvroute's router (policy from `--policies`).
+    Router,
+    /// HAProxy with bounded-load consistent hashing on `x-session-id`.
+    Haproxy,
 }
 
-/// Starts the router in front of `fleet`, rows into `rows`, log into `log`.
-pub fn start_router(
-    bins: &Bins,
-    fleet: &Fleet,
-    settings: &RouterSettings,
-    rows: &Path,
-    log: &Path,
-) -> Result<(ChildGuard, String)> {
-    let mut cmd = Command::new(&bins.router);
-    cmd.args(["--host", "127.0.0.1", "--port", "0"])
-        .args(["--replicas", &fleet.urls().join(",")])
-        .args(["--policy", &settings.policy])
-        .arg("--rows")
-        .arg(rows)
-        .args(["--model", &settings.model])
-        .args(["--seed", &settings.seed.to_string()]);
-    if settings.kv_events {
-        let endpoints: Vec<String> = fleet
-            .kv_event_endpoints()
-            .into_iter()
-            .enumerate()
-            .map(|(i, e)| {
-                e.ok_or_else(|| {
-                    anyhow!(
-                        "replica {i} publishes no KV events, which policy {} needs",
-                        settings.policy
-                    )
-                })
-            })
-            .collect::<Result<_>>()?;
-        cmd.args(["--kv-events", &endpoints.join(",")]);
-        // Replay endpoints let the router repair sequence gaps; pass them only when all are known.
-        let replay: Option<Vec<String>> =
-            fleet.replicas().into_iter().map(|r| r.kv_replay).collect();
-        if let Some(replay) = replay {
-            cmd.args(["--kv-replay", &replay.join(",")]);
+impl From<IngressArg> for Ingress {
+    fn from(arg: IngressArg) -> Ingress {
+        match arg {
+            IngressArg::Router => Ingress::Router,
+            IngressArg::Haproxy => Ingress::Haproxy,
         }
-    }
-    if let Some(ttl) = settings.index_ttl_s {
-        cmd.args(["--index-ttl-s", &format!("{ttl}")]);
-    }
-    if let Some(cap) = settings.index_node_cap {
-        cmd.args(["--index-node-cap", &cap.to_string()]);
-    }
-    let mut guard = ChildGuard::spawn("router", cmd, log)?;
-    let ready = guard.wait_ready(Duration::from_secs(30), &interrupt::requested)?;
-    Ok((guard, ready.url()))
-}
-
-/// Driver settings of one run.
-#[derive(Debug, Clone, Serialize)]
-pub struct DriverSettings {
-    /// `closed` or `open`.
-    pub mode: &'static str,
-    /// `--warmup-s`.
-    pub warmup_s: f64,
-    /// `--duration-s`: no new requests after it.
-    pub duration_s: Option<f64>,
-    /// `--timeout-s` per request.
-    pub timeout_s: f64,
-    /// `--model`.
-    pub model: String,
-}
-
-/// Starts `driver closed|open` against `url`.
-pub fn start_driver(
-    bins: &Bins,
-    url: &str,
-    plan: &Path,
-    out: &Path,
-    settings: &DriverSettings,
-    log: &Path,
-) -> Result<ChildGuard> {
-    let mut cmd = Command::new(&bins.driver);
-    cmd.arg(settings.mode)
-        .args(["--url", url])
-        .arg("--plan")
-        .arg(plan)
-        .arg("--out")
-        .arg(out)
-        .args(["--model", &settings.model])
-        .args(["--warmup-s", &format!("{}", settings.warmup_s)])
-        .args(["--timeout-s", &format!("{}", settings.timeout_s)]);
-    if let Some(d) = settings.duration_s {
-        cmd.args(["--duration-s", &format!("{d}")]);
-    }
-    ChildGuard::spawn("driver", cmd, log)
-}
-
-/// Waits for the driver to exit successfully within `limit`, checking the fleet and Ctrl-C.
-/// `on_tick` runs about every 100 ms with the elapsed time (used to start evidence sampling
-/// once the warm-up is over).
-pub fn wait_driver(
-    driver: &mut ChildGuard,
-    fleet: &mut Fleet,
-    limit: Duration,
-    mut on_tick: impl FnMut(Duration) -> Result<()>,
-) -> Result<()> {
-    let started = Instant::now();
-    loop {
-        if interrupt::requested() {
-            bail!("interrupted");
-        }
-        if let Some(status) = driver.try_wait()? {
-            if status.success() {
-                return Ok(());
-            }
-            bail!(
-                "the driver failed ({status}); see its log {}",
-                driver.log_path().display()
-            );
-        }
-        fleet.check_alive()?;
-        let elapsed = started.elapsed();
-        if elapsed > limit {
-            bail!(
-                "the driver did not finish within {:.0} s; see its log {}",
-                limit.as_secs_f64(),
-                driver.log_path().display()
-            );
-        }
-        on_tick(elapsed)?;
-        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -241,9 +122,9 @@ pub struct Attempt<'a> {
     /// Scrape each replica's lateness histogram (emulated fleets).
     pub sample_lateness: bool,
     /// What sits in front of the fleet: the router (with `router`) or HAProxy.
-    pub ingress: crate::haproxy::Ingress,
+    pub ingress: Ingress,
     /// HAProxy's settings, when it is the ingress.
-    pub haproxy: crate::haproxy::HaproxySettings,
+    pub haproxy: HaproxySettings,
     /// Hard limit on the driver's run.
     pub limit: Duration,
 }
@@ -262,8 +143,9 @@ pub struct AttemptResult {
     pub goodput_rps: f64,
 }
 
-/// Cycle the fleet, start the router, drive the plan, sample evidence after the warm-up, stop
-/// the router (it flushes its rows on SIGTERM) and compute the measured window.
+/// Cycle the fleet, start the ingress (the router or HAProxy), drive the plan, sample evidence
+/// after the warm-up, stop the ingress (the router flushes its rows on SIGTERM) and compute the
+/// measured window.
 pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
     fleet.cycle(&interrupt::requested)?;
     // Cycling restarts processes on new ports: evidence must follow the fleet as it is now.
@@ -272,12 +154,18 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
         evidence_base.lateness_urls = fleet.urls();
     }
     evidence_base.fleet_process_groups = fleet.process_groups();
-    let (mut ingress, url) = crate::haproxy::IngressProcess::start(
-        a.ingress, a.bins, fleet, &a.router, &a.haproxy, a.dir,
+    let (mut ingress, url) = IngressProcess::start(
+        a.ingress,
+        &a.bins.router,
+        fleet,
+        &a.router,
+        &a.haproxy,
+        a.dir,
+        &interrupt::requested,
     )?;
     let client_csv = a.dir.join("client.csv");
     let mut driver = start_driver(
-        a.bins,
+        &a.bins.driver,
         &url,
         &a.plan.path,
         &client_csv,
@@ -288,21 +176,27 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
     let evidence_path = a.dir.join("evidence.jsonl");
     let mut sampler: Option<EvidenceSampler> = None;
     let mut evidence_cfg = Some(evidence_base.clone());
-    wait_driver(&mut driver, fleet, a.limit, |elapsed| {
-        if elapsed >= warmup
-            && let Some(cfg) = evidence_cfg.take()
-        {
-            sampler = Some(EvidenceSampler::start(cfg, &evidence_path)?);
-        }
-        Ok(())
-    })?;
+    wait_driver(
+        &mut driver,
+        fleet,
+        a.limit,
+        &interrupt::requested,
+        |elapsed| {
+            if elapsed >= warmup
+                && let Some(cfg) = evidence_cfg.take()
+            {
+                sampler = Some(EvidenceSampler::start(cfg, &evidence_path)?);
+            }
+            Ok(())
+        },
+    )?;
     let sampler = match sampler {
         Some(s) => s,
         // The driver ended before the warm-up did; sample once so the cell still has evidence.
         None => EvidenceSampler::start(evidence_base, &evidence_path)?,
     };
     let evidence = sampler.finish()?;
-    if let crate::haproxy::IngressProcess::Router(router) = &mut ingress
+    if let IngressProcess::Router(router) = &mut ingress
         && let Some(status) = router.try_wait()?
     {
         bail!(
@@ -311,7 +205,9 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
         );
     }
     // The router flushes its rows on SIGTERM; HAProxy writes its per-server counts first.
-    ingress.finish(a.dir, Duration::from_secs(15))?;
+    if let Some(warning) = ingress.finish(a.dir, Duration::from_secs(15))? {
+        eprintln!("xtask: {warning}");
+    }
     drop(driver);
     let rows = analysis::read_client_csv(&client_csv)
         .map_err(|e| anyhow!("reading the driver's rows: {e}"))?;

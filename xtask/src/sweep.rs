@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 
-use fleet::Fleet;
 use fleet::evidence::EvidenceConfig;
+use fleet::{DriverSettings, Fleet, RouterSettings};
 use workload::{ArrivalSpec, Sizing, WorkloadSpec};
 
 use crate::calibration::{self, CalibrateArgs, Calibration};
@@ -18,7 +18,7 @@ use crate::fleetargs::{FleetArgs, FleetKind};
 use crate::grid::{self, Arrival, GridParams, Point, SweepName};
 use crate::interrupt;
 use crate::report;
-use crate::run::{self, Attempt, DriverSettings, PlanFile, RouterSettings};
+use crate::run::{self, Attempt, IngressArg, PlanFile};
 
 /// Flags of `cargo xtask sweep`.
 #[derive(Debug, Clone, Args)]
@@ -38,8 +38,8 @@ pub struct SweepArgs {
     /// What sits in front of the replicas: kvroute's router (policies from `--policies`) or
     /// HAProxy with bounded-load consistent hashing on `x-session-id` (one policy,
     /// `haproxy-session-bounded`).
-    #[arg(long, value_enum, default_value_t = crate::haproxy::Ingress::Router)]
-    pub ingress: crate::haproxy::Ingress,
+    #[arg(long, value_enum, default_value_t = IngressArg::Router)]
+    pub ingress: IngressArg,
     /// HAProxy's load bound c (`hash-balance-factor` = c × 100), with `--ingress haproxy`
     /// (alias `--load-factor`, the router's name for session-bounded's bound).
     #[arg(long, visible_alias = "load-factor", default_value_t = 1.25)]
@@ -291,10 +291,10 @@ pub(crate) fn sweep_points(args: &SweepArgs, replicas: usize) -> Result<Vec<Poin
 /// The file that records a sweep run's settings: `sweep.json` for the router, `sweep-haproxy.json`
 /// for HAProxy cells run into the same directory, so that adding them does not overwrite the
 /// record of the router grid.
-fn record_file_name(ingress: crate::haproxy::Ingress) -> &'static str {
+fn record_file_name(ingress: IngressArg) -> &'static str {
     match ingress {
-        crate::haproxy::Ingress::Router => "sweep.json",
-        crate::haproxy::Ingress::Haproxy => "sweep-haproxy.json",
+        IngressArg::Router => "sweep.json",
+        IngressArg::Haproxy => "sweep-haproxy.json",
     }
 }
 
@@ -368,15 +368,15 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
     let cal = calibration_for(args, bins, &sweep_dir)?;
     cal.write(&sweep_dir.join("calibration.json"))?;
     let policies = match args.ingress {
-        crate::haproxy::Ingress::Router => grid::policies(&args.policies, args.quick)?,
-        crate::haproxy::Ingress::Haproxy => {
+        IngressArg::Router => grid::policies(&args.policies, args.quick)?,
+        IngressArg::Haproxy => {
             if !args.policies.is_empty() {
                 bail!(
                     "--policies chooses the router's policies; with --ingress haproxy the only policy is {}",
-                    crate::haproxy::POLICY
+                    fleet::ingress::haproxy::POLICY
                 );
             }
-            vec![crate::haproxy::POLICY.to_string()]
+            vec![fleet::ingress::haproxy::POLICY.to_string()]
         }
     };
     let points = sweep_points(args, cal.used_replicas.len())?;
@@ -552,10 +552,10 @@ fn run_cell(
                     interval: Duration::from_secs_f64(args.evidence_interval_s.max(0.05)),
                 },
                 sample_lateness: emulated,
-                ingress: args.ingress,
-                haproxy: crate::haproxy::HaproxySettings {
+                ingress: args.ingress.into(),
+                haproxy: fleet::ingress::HaproxySettings {
                     balance_factor: args.balance_factor,
-                    ..crate::haproxy::HaproxySettings::default()
+                    ..fleet::ingress::HaproxySettings::default()
                 },
                 limit: Duration::from_secs_f64(run_s * 3.0 + args.request_timeout_s + 30.0),
             },
@@ -762,14 +762,8 @@ mod tests {
         assert_eq!(names(&merged_record(Some(full), other.clone())), ["ws8-s0"]);
         assert_eq!(merged_record(None, other.clone()), other);
         // HAProxy cells keep their own record beside the router grid's.
-        assert_eq!(
-            record_file_name(crate::haproxy::Ingress::Router),
-            "sweep.json"
-        );
-        assert_eq!(
-            record_file_name(crate::haproxy::Ingress::Haproxy),
-            "sweep-haproxy.json"
-        );
+        assert_eq!(record_file_name(IngressArg::Router), "sweep.json");
+        assert_eq!(record_file_name(IngressArg::Haproxy), "sweep-haproxy.json");
     }
 
     #[test]

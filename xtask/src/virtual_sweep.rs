@@ -55,7 +55,7 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
             "--virtual simulates the emulated fleet its flags describe; --fleet command/static cannot be simulated"
         );
     }
-    if !matches!(args.ingress, crate::haproxy::Ingress::Router) {
+    if !matches!(args.ingress, crate::run::IngressArg::Router) {
         bail!("--virtual models kvroute's router only; HAProxy ingress is live-only");
     }
     if args.reps == 0 {

@@ -1,15 +1,17 @@
-//! A minimal blocking HTTP/1.1 client for control-plane calls.
+//! Blocking HTTP/1.1 for control-plane calls, on [`ureq`].
 //!
 //! The orchestrator only needs a handful of small requests (`/health`, `/metrics`,
-//! `/reset_prefix_cache`, admin calls) against plain-HTTP replicas; one request per connection
-//! with `Connection: close` keeps this free of an async runtime. Streaming traffic never goes
-//! through here — that is the driver's job.
+//! `/reset_prefix_cache`, admin calls) against plain-HTTP replicas, without an async runtime.
+//! Every status is a [`Response`] (a 503 from `/health` is an answer, not an error); no
+//! connection is kept between calls (a replica killed by a cycle leaves no stale connection
+//! behind); no redirect is followed and no proxy from the environment is used (the replicas
+//! are on loopback or the LAN). Streaming traffic never goes through here — that is the
+//! driver's job.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
+use ureq::http::Uri;
 
 /// A response: status code and body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,24 +29,22 @@ impl Response {
     }
 }
 
-/// Splits `http://host:port/path` into (`host:port`, `/path`).
+/// Splits `http://host:port/path` into (`host:port`, `/path`); port 80 when none is given.
 pub fn split_url(url: &str) -> Result<(String, String)> {
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| anyhow!("unsupported URL `{url}`: only http:// is supported"))?;
-    let (authority, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/"),
-    };
-    if authority.is_empty() {
-        bail!("URL `{url}` has no host");
+    let uri: Uri = url
+        .parse()
+        .map_err(|e| anyhow!("malformed URL `{url}`: {e}"))?;
+    if uri.scheme_str() != Some("http") {
+        bail!("unsupported URL `{url}`: only http:// is supported");
     }
-    let authority = if authority.contains(':') {
-        authority.to_string()
-    } else {
-        format!("{authority}:80")
-    };
-    Ok((authority, path.to_string()))
+    let host = uri
+        .host()
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| anyhow!("URL `{url}` has no host"))?;
+    let port = uri.port_u16().unwrap_or(80);
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    let path = if path.is_empty() { "/" } else { path };
+    Ok((format!("{host}:{port}"), path.to_string()))
 }
 
 /// Joins a base URL (`http://host:port`, with or without a trailing slash) and a path.
@@ -61,105 +61,55 @@ pub fn get(url: &str, timeout: Duration) -> Result<Response> {
     request("GET", url, None, timeout)
 }
 
-/// `POST url` with an optional JSON body.
+/// `POST url` with an optional JSON body (`Content-Type: application/json` either way).
 pub fn post(url: &str, json_body: Option<&str>, timeout: Duration) -> Result<Response> {
     request("POST", url, json_body, timeout)
 }
 
-/// One request on a fresh connection.
+/// One request on a fresh connection; `timeout` bounds the connect and each read and write.
 pub fn request(
     method: &str,
     url: &str,
     json_body: Option<&str>,
     timeout: Duration,
 ) -> Result<Response> {
-    let (authority, path) = split_url(url)?;
-    let addr = authority
-        .to_socket_addrs()
-        .with_context(|| format!("resolving {authority}"))?
-        .next()
-        .ok_or_else(|| anyhow!("{authority} resolves to no address"))?;
-    let mut stream = TcpStream::connect_timeout(&addr, timeout)
-        .with_context(|| format!("connecting to {url}"))?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
-    let body = json_body.unwrap_or("");
-    let mut head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\nAccept: */*\r\n"
-    );
-    if json_body.is_some() || method == "POST" {
-        head.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
-    }
-    head.push_str("\r\n");
-    stream
-        .write_all(head.as_bytes())
-        .and_then(|()| stream.write_all(body.as_bytes()))
-        .with_context(|| format!("sending {method} {url}"))?;
-    read_response(BufReader::new(stream)).with_context(|| format!("reading {method} {url}"))
-}
-
-fn read_response(mut reader: impl BufRead) -> Result<Response> {
-    let mut status_line = String::new();
-    reader.read_line(&mut status_line)?;
-    let status: u16 = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| anyhow!("malformed status line `{}`", status_line.trim()))?;
-    let mut content_length: Option<usize> = None;
-    let mut chunked = false;
-    loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line)? == 0 {
-            bail!("connection closed inside the headers");
-        }
-        let line = line.trim_end();
-        if line.is_empty() {
-            break;
-        }
-        if let Some((name, value)) = line.split_once(':') {
-            let value = value.trim();
-            if name.eq_ignore_ascii_case("content-length") {
-                content_length = value.parse().ok();
-            } else if name.eq_ignore_ascii_case("transfer-encoding")
-                && value.to_ascii_lowercase().contains("chunked")
-            {
-                chunked = true;
-            }
-        }
-    }
-    let mut body = Vec::new();
-    if chunked {
-        loop {
-            let mut size_line = String::new();
-            reader.read_line(&mut size_line)?;
-            let size_hex = size_line.trim().split(';').next().unwrap_or("");
-            let size = usize::from_str_radix(size_hex, 16)
-                .map_err(|_| anyhow!("malformed chunk size `{}`", size_line.trim()))?;
-            if size == 0 {
-                break;
-            }
-            let start = body.len();
-            body.resize(start + size, 0);
-            reader.read_exact(&mut body[start..])?;
-            let mut crlf = [0u8; 2];
-            reader.read_exact(&mut crlf)?;
-        }
-    } else if let Some(len) = content_length {
-        body.resize(len, 0);
-        reader.read_exact(&mut body)?;
-    } else {
-        reader.read_to_end(&mut body)?;
-    }
-    Ok(Response { status, body })
+    split_url(url)?;
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .max_redirects(0)
+        .max_idle_connections(0)
+        .proxy(None)
+        .timeout_connect(Some(timeout))
+        .timeout_per_read(Some(timeout))
+        .timeout_per_write(Some(timeout))
+        .build()
+        .into();
+    let sent = match (method, json_body) {
+        ("GET", None) => agent.get(url).call(),
+        ("POST", body) => agent
+            .post(url)
+            .content_type("application/json")
+            .send(body.unwrap_or("")),
+        _ => bail!("unsupported request {method} {url} (GET without a body, or POST)"),
+    };
+    let mut response = sent.with_context(|| format!("{method} {url}"))?;
+    let body = response
+        .body_mut()
+        .with_config()
+        .limit(u64::MAX)
+        .read_to_vec()
+        .with_context(|| format!("reading {method} {url}"))?;
+    Ok(Response {
+        status: response.status().as_u16(),
+        body,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
 
     #[test]
     fn splits_urls() {
@@ -171,21 +121,94 @@ mod tests {
             split_url("http://example").unwrap(),
             ("example:80".to_string(), "/".to_string())
         );
+        assert_eq!(
+            split_url("http://h:1/a?b=c").unwrap(),
+            ("h:1".to_string(), "/a?b=c".to_string())
+        );
         assert!(split_url("https://x").is_err());
         assert!(split_url("http:///x").is_err());
+        assert!(split_url("127.0.0.1:80").is_err());
         assert_eq!(join("http://a:1/", "/health"), "http://a:1/health");
     }
 
+    /// Serves `answers` (raw HTTP responses) one per connection; returns the base URL and a
+    /// channel with each raw request received.
+    fn server(answers: Vec<&'static [u8]>) -> (String, std::sync::mpsc::Receiver<String>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for answer in answers {
+                let (mut s, _) = l.accept().unwrap();
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 1024];
+                // The requests here are small: headers, and a body of at most a few bytes.
+                while !String::from_utf8_lossy(&seen).contains("\r\n\r\n") {
+                    let n = s.read(&mut buf).unwrap();
+                    seen.extend_from_slice(&buf[..n]);
+                }
+                let text = String::from_utf8_lossy(&seen).into_owned();
+                let length: usize = text
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse().unwrap())
+                    })
+                    .unwrap_or(0);
+                let head_len = text.find("\r\n\r\n").unwrap() + 4;
+                while seen.len() < head_len + length {
+                    let n = s.read(&mut buf).unwrap();
+                    seen.extend_from_slice(&buf[..n]);
+                }
+                s.write_all(answer).unwrap();
+                tx.send(String::from_utf8_lossy(&seen).into_owned())
+                    .unwrap();
+            }
+        });
+        (url, rx)
+    }
+
     #[test]
-    fn reads_plain_and_chunked_bodies() {
-        let plain = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello";
-        let r = read_response(&plain[..]).unwrap();
+    fn reads_plain_chunked_and_until_close_bodies_with_any_status() {
+        let (url, rx) = server(vec![
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
+            b"HTTP/1.1 503 Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
+            b"HTTP/1.0 200 OK\r\n\r\nrest",
+            b"HTTP/1.1 302 Found\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n",
+        ]);
+        let t = Duration::from_secs(5);
+        let r = get(&join(&url, "/metrics"), t).unwrap();
         assert_eq!((r.status, r.text().as_str()), (200, "hello"));
-        let chunked = b"HTTP/1.1 503 Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
-        let r = read_response(&chunked[..]).unwrap();
+        assert!(rx.recv().unwrap().starts_with("GET /metrics HTTP/1.1\r\n"));
+        let r = post(&join(&url, "/reset_prefix_cache"), None, t).unwrap();
         assert_eq!((r.status, r.text().as_str()), (503, "abcde"));
-        let until_close = b"HTTP/1.0 200 OK\r\n\r\nrest";
-        assert_eq!(read_response(&until_close[..]).unwrap().text(), "rest");
-        assert!(read_response(&b"garbage\r\n"[..]).is_err());
+        let req = rx.recv().unwrap().to_ascii_lowercase();
+        assert!(
+            req.starts_with("post /reset_prefix_cache http/1.1\r\n"),
+            "{req}"
+        );
+        assert!(req.contains("content-type: application/json\r\n"), "{req}");
+        assert!(req.contains("content-length: 0\r\n"), "{req}");
+        let r = post(&url, Some("{}"), t).unwrap();
+        assert_eq!(r.text(), "rest");
+        assert!(rx.recv().unwrap().ends_with("\r\n\r\n{}"));
+        assert_eq!(
+            get(&url, t).unwrap().status,
+            302,
+            "redirects are not followed"
+        );
+    }
+
+    #[test]
+    fn a_closed_port_is_an_error_naming_the_url() {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let url = format!("http://127.0.0.1:{port}/health");
+        let e = get(&url, Duration::from_secs(2)).unwrap_err();
+        assert!(format!("{e:#}").contains(&url), "{e:#}");
     }
 }

@@ -1,22 +1,34 @@
-//! Replica lifecycle and per-cell evidence for the kvroute harness.
+//! Replica lifecycle, ingress and driver processes, and per-cell evidence for the kvroute
+//! harness.
 //!
 //! - [`process`]: [`process::ChildGuard`], a child in its own process group, logs captured to a
 //!   file, killed by its handle on drop (also while unwinding), readiness lines awaited.
 //! - [`fleet`]: [`fleet::Fleet`] over three [`fleet::Source`]s — emulated `engine` processes,
 //!   command templates (vLLM), static URLs — with health wait, stop, cycle, kill one, restart one.
+//! - [`ingress`]: what sits in front of the fleet — kvroute's router ([`ingress::router`]) or
+//!   HAProxy ([`ingress::haproxy`]: config, stats socket, lifecycle) — started and finished per
+//!   cell through [`ingress::IngressProcess`].
+//! - [`driver_process`]: the load driver's command line, start, and the wait that watches the
+//!   fleet.
 //! - [`evidence`]: [`evidence::EvidenceSampler`] writes `evidence.jsonl` through a measured
 //!   window (NVML on GPUs, engine lateness and host CPU load on the emulator) and returns an
 //!   [`evidence::EvidenceSummary`] whose [`evidence::EvidenceSummary::check`] discards a cell.
-//! - [`metrics`]: Prometheus text parsing (cache shape, histograms and window deltas).
-//! - [`http`]: a tiny blocking HTTP/1.1 client for control-plane calls.
+//! - [`metrics`]: what is read from a replica's `/metrics` (cache shape, histograms and window
+//!   deltas), on the `prom-text` parser.
+//! - [`http`]: blocking HTTP for control-plane calls, on `ureq`.
 
+pub mod driver_process;
 pub mod evidence;
+mod files;
 pub mod fleet;
 pub mod http;
+pub mod ingress;
 pub mod metrics;
 pub mod process;
 
+pub use driver_process::{DriverSettings, start_driver, wait_driver};
 pub use evidence::{EvidenceBounds, EvidenceConfig, EvidenceSampler, EvidenceSummary};
 pub use fleet::{CommandSpec, EmulatedSpec, Fleet, FleetOptions, ReplicaInfo, Source, StaticSpec};
+pub use ingress::{Ingress, IngressProcess, RouterSettings};
 pub use metrics::{CacheConfig, Histogram};
 pub use process::{ChildGuard, Readiness, kill_all};

@@ -1,4 +1,5 @@
-//! Just enough of the Prometheus text format to read a replica's `/metrics`.
+//! What the harness reads from a replica's `/metrics`, on top of [`prom_text`] (the one
+//! Prometheus text parser of the workspace).
 //!
 //! Two things are read: the KV cache shape (`vllm:cache_config_info{block_size,num_gpu_blocks}`,
 //! emitted by vLLM and by the emulator alike) and histograms such as the emulator's
@@ -7,104 +8,7 @@
 
 use std::collections::BTreeMap;
 
-/// One sample line: metric name, labels, value.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sample {
-    /// Metric name as on the wire (e.g. `vllm:cache_config_info`).
-    pub name: String,
-    /// Label pairs in wire order.
-    pub labels: Vec<(String, String)>,
-    /// The sample value.
-    pub value: f64,
-}
-
-impl Sample {
-    /// The value of label `key`, if present.
-    pub fn label(&self, key: &str) -> Option<&str> {
-        self.labels
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-/// Parses every sample line of an exposition; comments and malformed lines are skipped.
-pub fn parse(text: &str) -> Vec<Sample> {
-    text.lines().filter_map(parse_line).collect()
-}
-
-fn parse_line(line: &str) -> Option<Sample> {
-    let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
-        return None;
-    }
-    let (name, labels, rest) = match line.find('{') {
-        Some(open) => {
-            let close = line.rfind('}')?;
-            if close < open {
-                return None;
-            }
-            (
-                &line[..open],
-                parse_labels(&line[open + 1..close])?,
-                &line[close + 1..],
-            )
-        }
-        None => {
-            let space = line.find(char::is_whitespace)?;
-            (&line[..space], Vec::new(), &line[space..])
-        }
-    };
-    let value = parse_value(rest.split_whitespace().next()?)?;
-    Some(Sample {
-        name: name.trim().to_string(),
-        labels,
-        value,
-    })
-}
-
-fn parse_value(s: &str) -> Option<f64> {
-    match s {
-        "+Inf" | "Inf" => Some(f64::INFINITY),
-        "-Inf" => Some(f64::NEG_INFINITY),
-        _ => s.parse().ok(),
-    }
-}
-
-fn parse_labels(body: &str) -> Option<Vec<(String, String)>> {
-    let mut labels = Vec::new();
-    let mut chars = body.chars().peekable();
-    loop {
-        while matches!(chars.peek(), Some(c) if c.is_whitespace() || *c == ',') {
-            chars.next();
-        }
-        if chars.peek().is_none() {
-            return Some(labels);
-        }
-        let mut key = String::new();
-        for c in chars.by_ref() {
-            if c == '=' {
-                break;
-            }
-            key.push(c);
-        }
-        if chars.next()? != '"' {
-            return None;
-        }
-        let mut value = String::new();
-        loop {
-            match chars.next()? {
-                '\\' => match chars.next()? {
-                    'n' => value.push('\n'),
-                    other => value.push(other),
-                },
-                '"' => break,
-                c => value.push(c),
-            }
-        }
-        labels.push((key.trim().to_string(), value));
-    }
-}
+use prom_text::{parse_value, samples};
 
 /// A replica's KV cache shape, from `vllm:cache_config_info`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -124,8 +28,7 @@ impl CacheConfig {
 
 /// Reads `vllm:cache_config_info{block_size=…,num_gpu_blocks=…}` from an exposition.
 pub fn cache_config(text: &str) -> Option<CacheConfig> {
-    parse(text)
-        .into_iter()
+    samples(text)
         .filter(|s| s.name == "vllm:cache_config_info")
         .find_map(|s| {
             Some(CacheConfig {
@@ -156,7 +59,7 @@ impl Histogram {
         let mut by_le: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
         let mut hist = Histogram::default();
         let mut seen = false;
-        for s in parse(text) {
+        for s in samples(text) {
             if s.name == bucket_name {
                 let Some(le) = s.label("le").and_then(parse_value) else {
                     continue;
@@ -246,12 +149,22 @@ kvroute_engine_lateness_seconds_sum{engine="0"} 0.04
     }
 
     #[test]
-    fn labels_with_escapes_and_commas() {
-        let s = parse(r#"m{a="x,y",b="q\"t"} 2.5 1700000000"#);
-        assert_eq!(s.len(), 1);
-        assert_eq!(s[0].label("a"), Some("x,y"));
-        assert_eq!(s[0].label("b"), Some("q\"t"));
-        assert_eq!(s[0].value, 2.5);
+    fn timestamped_scrapes_read_the_same() {
+        let stamped: String = EXPO
+            .lines()
+            .map(|l| {
+                if l.starts_with('#') {
+                    format!("{l}\n")
+                } else {
+                    format!("{l} 1700000000000\n")
+                }
+            })
+            .collect();
+        assert_eq!(cache_config(&stamped), cache_config(EXPO));
+        assert_eq!(
+            Histogram::from_text(&stamped, "kvroute_engine_lateness_seconds"),
+            Histogram::from_text(EXPO, "kvroute_engine_lateness_seconds")
+        );
     }
 
     #[test]

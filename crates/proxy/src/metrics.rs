@@ -1,4 +1,8 @@
 //! Prometheus counters and the router-overhead histogram, all lock-free on the request path.
+//!
+//! The exposition is written with `format!`, not a metrics library: the series are fixed and
+//! few, and `prometheus-client` would change the bytes (OpenMetrics `# EOF`, its own suffix and
+//! float rules). The tests read the output back with `prom_text`, the parser the harness uses.
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -195,5 +199,42 @@ mod tests {
         ));
         assert!(s.contains("branch=\"other\"} 1\n"));
         assert_eq!(m.decisions("match"), 1);
+    }
+
+    #[test]
+    fn exposition_reads_back_whole() {
+        let m = Metrics::default();
+        m.requests.fetch_add(7, Ordering::Relaxed);
+        m.record_overhead(40);
+        m.record_decision("spill-load", 10);
+        let mut s = String::new();
+        m.render_into(&mut s, "prefix-affinity");
+        let mut samples = Vec::new();
+        for line in s.lines() {
+            match prom_text::parse_line(line) {
+                Ok(prom_text::Line::Sample(x)) => samples.push(x),
+                Ok(prom_text::Line::Help { .. } | prom_text::Line::Type { .. }) => {}
+                other => panic!("`{line}` is not exposition text: {other:?}"),
+            }
+        }
+        let value = |name: &str, label: Option<(&str, &str)>| {
+            samples
+                .iter()
+                .find(|x| x.name == name && label.is_none_or(|(k, v)| x.label(k) == Some(v)))
+                .map(|x| x.value)
+        };
+        assert_eq!(value("kvroute_router_requests_total", None), Some(7.0));
+        assert_eq!(
+            value(
+                "kvroute_router_decisions_total",
+                Some(("branch", "spill-load"))
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            value("kvroute_router_overhead_us_bucket", Some(("le", "+Inf"))),
+            Some(1.0)
+        );
+        assert_eq!(value("kvroute_router_decide_count", None), Some(1.0));
     }
 }

@@ -273,11 +273,9 @@ async fn scrape_kv_usage(s: &Shared, r: &Replica, timeout: Duration) -> Option<f
 /// The KV-cache usage (0..=1) in a vLLM Prometheus exposition: `vllm:kv_cache_usage_perc`, or
 /// the older `vllm:gpu_cache_usage_perc`; the largest over label sets (one per engine).
 pub fn parse_kv_usage(text: &str) -> Option<f32> {
-    text.lines()
-        .filter(|l| {
-            l.starts_with("vllm:kv_cache_usage_perc") || l.starts_with("vllm:gpu_cache_usage_perc")
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f32>().ok())
+    prom_text::samples(text)
+        .filter(|s| s.name == "vllm:kv_cache_usage_perc" || s.name == "vllm:gpu_cache_usage_perc")
+        .map(|s| s.value as f32)
         .filter(|v| v.is_finite())
         .map(|v| v.clamp(0.0, 1.0))
         .reduce(f32::max)
@@ -352,5 +350,10 @@ mod tests {
         );
         assert_eq!(parse_kv_usage("vllm:num_requests_running 3\n"), None);
         assert_eq!(parse_kv_usage("vllm:kv_cache_usage_perc NaN\n"), None);
+        // A timestamp after the value is not the value.
+        assert_eq!(
+            parse_kv_usage("vllm:kv_cache_usage_perc{engine=\"0\"} 0.75 1700000000000\n"),
+            Some(0.75)
+        );
     }
 }

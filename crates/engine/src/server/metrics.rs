@@ -1,4 +1,10 @@
 //! Prometheus text rendering of the engine's `vllm:` series and its own lateness histogram.
+//!
+//! Written with `format!`, not a metrics library: the names, labels and value spellings mirror
+//! vLLM's exposition (the router and the harness read them as they would vLLM's), and
+//! `prometheus-client` would change those bytes (OpenMetrics `# EOF`, its own suffix and float
+//! rules). The tests read the output back with `prom_text`, the parser the router and harness
+//! use.
 
 use std::fmt::Write as _;
 
@@ -292,5 +298,33 @@ mod tests {
         ));
         assert!(s.contains("kvroute_engine_lateness_seconds_bucket{engine=\"0\",model_name=\"kvroute/emulated-8b\",le=\"0.00025\"} 1"));
         assert!(s.contains("kvroute_engine_lateness_seconds_bucket{engine=\"0\",model_name=\"kvroute/emulated-8b\",le=\"+Inf\"} 2"));
+    }
+
+    #[test]
+    fn exposition_reads_back_whole() {
+        let mut m = MetricsState {
+            kv_usage: 0.25,
+            ..MetricsState::default()
+        };
+        m.ttft.observe(0.03);
+        let s = render(&m, "a \"quoted\" model", 16, 2048);
+        let mut samples = Vec::new();
+        let mut typed = 0;
+        for line in s.lines() {
+            match prom_text::parse_line(line) {
+                Ok(prom_text::Line::Sample(x)) => samples.push(x),
+                Ok(prom_text::Line::Type { .. }) => typed += 1,
+                Ok(prom_text::Line::Help { .. }) => {}
+                other => panic!("`{line}` is not exposition text: {other:?}"),
+            }
+        }
+        assert_eq!(typed, 16, "one TYPE per family");
+        let find = |name: &str| samples.iter().find(|x| x.name == name).unwrap();
+        let usage = find("vllm:kv_cache_usage_perc");
+        assert_eq!(usage.value, 0.25);
+        assert_eq!(usage.label("model_name"), Some("a \"quoted\" model"));
+        let cfg = find("vllm:cache_config_info");
+        assert_eq!(cfg.label("num_gpu_blocks"), Some("2048"));
+        assert_eq!(find("vllm:time_to_first_token_seconds_count").value, 1.0);
     }
 }

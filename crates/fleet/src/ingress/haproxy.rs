@@ -1,9 +1,9 @@
-//! `--ingress haproxy`: Debian's HAProxy in place of the router — the bounded-load consistent
-//! hashing a plain load balancer already offers (REFERENCE.md §5), as a real-peer baseline for
-//! kvroute's `session-bounded`.
+//! HAProxy as the ingress: Debian's HAProxy in place of the router — the bounded-load
+//! consistent hashing a plain load balancer already offers (REFERENCE.md §5), as a real-peer
+//! baseline for kvroute's `session-bounded`.
 //!
 //! HAProxy runs as a foreground child (`haproxy -db -f haproxy.cfg`) on loopback, owned by a
-//! [`fleet::ChildGuard`] (killed with its process group when dropped), with a generated config:
+//! [`ChildGuard`] (killed with its process group when dropped), with a generated config:
 //! `balance hdr(x-session-id)`, `hash-type consistent`, `hash-balance-factor` = the policy's
 //! bound × 100, and `option http-no-delay`, without which every SSE chunk arrived ~200 ms late.
 //! The driver talks to it exactly as to the router; a cell run this way has no `router.csv`
@@ -19,12 +19,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
-use fleet::{ChildGuard, Fleet, http};
-
-use crate::interrupt;
+use crate::files::write_atomic;
+use crate::http;
+use crate::process::ChildGuard;
 
 /// The policy name of an HAProxy cell (the `policy` directory and meta field).
 pub const POLICY: &str = "haproxy-session-bounded";
@@ -32,17 +31,6 @@ pub const POLICY: &str = "haproxy-session-bounded";
 /// What `apt-get` installs; named in every "not installed" error.
 pub const INSTALL_HINT: &str =
     "install Debian's package (`apt-get install -y haproxy`, or run .ci/setup-packages.sh)";
-
-/// What sits in front of the replicas.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Ingress {
-    /// kvroute's router (policy from `--policies`).
-    #[default]
-    Router,
-    /// HAProxy with bounded-load consistent hashing on `x-session-id`.
-    Haproxy,
-}
 
 /// The knobs of the generated config.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -251,8 +239,13 @@ fn free_port() -> Result<u16> {
 impl Haproxy {
     /// Writes `dir/haproxy.cfg`, checks it (`haproxy -c`), starts `haproxy -db -f` with its
     /// output in `dir/haproxy.log`, and waits until it accepts connections and answers on its
-    /// stats socket.
-    pub fn start(backends: &[String], s: &HaproxySettings, dir: &Path) -> Result<Haproxy> {
+    /// stats socket; `should_stop` (a Ctrl-C flag) is polled while waiting.
+    pub fn start(
+        backends: &[String],
+        s: &HaproxySettings,
+        dir: &Path,
+        should_stop: &dyn Fn() -> bool,
+    ) -> Result<Haproxy> {
         let bin = haproxy_bin()?;
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         // Unix socket paths are short (108 bytes): keep it in the temp dir, not the cell.
@@ -268,7 +261,7 @@ impl Haproxy {
         for _ in 0..3 {
             let port = free_port()?;
             let text = render_config(backends, port, &stats_socket, s)?;
-            crate::cell::write_atomic(&config, text.as_bytes())?;
+            write_atomic(&config, text.as_bytes())?;
             let check = Command::new(&bin)
                 .arg("-c")
                 .arg("-f")
@@ -292,7 +285,7 @@ impl Haproxy {
                 url: format!("http://127.0.0.1:{port}"),
                 stats_socket: stats_socket.clone(),
             };
-            match h.wait_ready(Duration::from_secs(10)) {
+            match h.wait_ready(Duration::from_secs(10), should_stop) {
                 Ok(()) => return Ok(h),
                 Err(e) => {
                     let log_text = std::fs::read_to_string(&log).unwrap_or_default();
@@ -311,11 +304,11 @@ impl Haproxy {
         Err(last_error.unwrap_or_else(|| anyhow!("HAProxy did not start")))
     }
 
-    fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+    fn wait_ready(&mut self, timeout: Duration, should_stop: &dyn Fn() -> bool) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let (authority, _) = http::split_url(&self.url)?;
         loop {
-            if interrupt::requested() {
+            if should_stop() {
                 bail!("interrupted while waiting for HAProxy");
             }
             if let Some(status) = self.guard.try_wait()? {
@@ -383,7 +376,7 @@ impl Haproxy {
     /// router rows keeps as its load-share evidence). Call it before [`Haproxy::terminate`].
     pub fn write_stats(&self, path: &Path) -> Result<Vec<ServerStat>> {
         let stats = self.show_stat()?;
-        crate::cell::write_atomic(path, serde_json::to_string_pretty(&stats)?.as_bytes())?;
+        write_atomic(path, serde_json::to_string_pretty(&stats)?.as_bytes())?;
         Ok(stats)
     }
 }
@@ -395,88 +388,9 @@ impl Drop for Haproxy {
     }
 }
 
-/// Starts HAProxy in front of `fleet` in place of the router: config and log in `dir`. Returns
-/// it and the URL to point the driver at. Stop it after the driver with
-/// [`Haproxy::terminate`], after [`Haproxy::write_stats`] if the cell keeps per-server counts.
-pub fn start_ingress(fleet: &Fleet, s: &HaproxySettings, dir: &Path) -> Result<(Haproxy, String)> {
-    let h = Haproxy::start(&fleet.urls(), s, dir)?;
-    let url = h.url().to_string();
-    Ok((h, url))
-}
-
-/// The process in front of the fleet during one cell: kvroute's router or HAProxy. The sweep
-/// starts it where it started the router and finishes it where it stopped the router.
-#[derive(Debug)]
-pub enum IngressProcess {
-    /// The router (`router.csv` in the cell).
-    Router(ChildGuard),
-    /// HAProxy (no `router.csv`; `haproxy-stats.json` instead).
-    Haproxy(Haproxy),
-}
-
-impl IngressProcess {
-    /// Starts `ingress` in front of `fleet` for the cell in `dir`: the router through
-    /// [`crate::run::start_router`] with `router` (rows into `dir/router.csv`, log
-    /// `dir/router.log`), or HAProxy with `haproxy` (config and log in `dir`). Returns it and the
-    /// URL to point the driver at.
-    pub fn start(
-        ingress: Ingress,
-        bins: &crate::env::Bins,
-        fleet: &Fleet,
-        router: &crate::run::RouterSettings,
-        haproxy: &HaproxySettings,
-        dir: &Path,
-    ) -> Result<(IngressProcess, String)> {
-        Ok(match ingress {
-            Ingress::Router => {
-                let (guard, url) = crate::run::start_router(
-                    bins,
-                    fleet,
-                    router,
-                    &dir.join("router.csv"),
-                    &dir.join("router.log"),
-                )?;
-                (IngressProcess::Router(guard), url)
-            }
-            Ingress::Haproxy => {
-                let (h, url) = start_ingress(fleet, haproxy, dir)?;
-                (IngressProcess::Haproxy(h), url)
-            }
-        })
-    }
-
-    /// Stops it once the driver is done: the router on SIGTERM (it flushes its rows first);
-    /// HAProxy after its per-server counts are written to `dir/haproxy-stats.json`. Either is
-    /// killed when it has not exited within `grace`, with a warning: its output may be cut.
-    pub fn finish(self, dir: &Path, grace: Duration) -> Result<()> {
-        let (name, log, status) = match self {
-            IngressProcess::Router(mut guard) => {
-                let status = guard.terminate(grace);
-                ("router", guard.log_path().to_path_buf(), status)
-            }
-            IngressProcess::Haproxy(mut h) => {
-                h.write_stats(&dir.join("haproxy-stats.json"))?;
-                let status = h.terminate(grace);
-                ("HAProxy", h.log_path().to_path_buf(), status)
-            }
-        };
-        if status.is_none() {
-            eprintln!(
-                "xtask: the {name} did not exit within {:.0} s and was killed; its output may be cut (log {})",
-                grace.as_secs_f64(),
-                log.display()
-            );
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::{BufRead, BufReader};
-    use std::sync::mpsc;
-    use std::sync::{Arc, Mutex};
 
     fn config() -> String {
         render_config(
@@ -536,6 +450,44 @@ mod tests {
         );
     }
 
+    /// The whole file, byte for byte: a cell's `haproxy.cfg` is part of what a sweep leaves.
+    #[test]
+    fn config_text_is_pinned() {
+        let expected = r#"# Generated by `cargo xtask` (kvroute): HAProxy as the bounded-load hashing baseline.
+global
+    nbthread 1
+    # Loopback load is hundreds of streams at most; a larger maxconn makes HAProxy ask for
+    # more file descriptors than a container's limit allows, and it refuses to start.
+    maxconn 4096
+    stats socket /tmp/x.sock mode 600 level admin
+    stats timeout 30s
+
+defaults
+    mode http
+    # SSE: without it every chunk was held back ~200 ms.
+    option http-no-delay
+    timeout connect 5s
+    timeout client 600000ms
+    timeout server 600000ms
+    timeout queue 600000ms
+    timeout http-request 30s
+    timeout http-keep-alive 60s
+
+frontend ingress
+    bind 127.0.0.1:9000
+    default_backend replicas
+
+backend replicas
+    balance hdr(x-session-id)
+    hash-type consistent
+    hash-balance-factor 125
+    option httpchk GET /health
+    server r0 127.0.0.1:4001 check inter 1000ms
+    server r1 127.0.0.1:4002 check inter 1000ms
+"#;
+        assert_eq!(config(), expected);
+    }
+
     #[test]
     fn show_stat_rows_are_parsed() {
         let text = "# pxname,svname,qcur,qmax,scur,smax,slim,stot,bin,bout,dreq,dresp,ereq,econ,eresp,wretr,wredis,status\n\
@@ -548,278 +500,5 @@ replicas,BACKEND,0,0,1,2,2000,9,0,0,0,0,,0,0,0,0,UP\n\n";
         assert_eq!((s[0].name.as_str(), s[0].scur, s[0].stot), ("r0", 1, 5));
         assert_eq!(s[1].status, "DOWN");
         assert!(parse_show_stat("Unknown command").is_err());
-    }
-
-    /// A backend that answers `/health`, and streams two SSE events per request, the second only
-    /// once the test has read the first through HAProxy (so buffering would time out).
-    fn sse_backend(index: usize, go: Arc<Mutex<mpsc::Receiver<()>>>) -> String {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}", l.local_addr().unwrap());
-        std::thread::spawn(move || {
-            for conn in l.incoming() {
-                let Ok(conn) = conn else { continue };
-                let go = go.clone();
-                std::thread::spawn(move || serve(index, conn, &go));
-            }
-        });
-        url
-    }
-
-    fn serve(index: usize, conn: TcpStream, go: &Mutex<mpsc::Receiver<()>>) {
-        let mut reader = BufReader::new(conn.try_clone().unwrap());
-        let mut conn = conn;
-        let mut request_line = String::new();
-        if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
-            return;
-        }
-        let mut length = 0usize;
-        loop {
-            let mut line = String::new();
-            if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
-                break;
-            }
-            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                length = v.trim().parse().unwrap_or(0);
-            }
-        }
-        let mut body = vec![0u8; length];
-        let _ = reader.read_exact(&mut body);
-        if request_line.starts_with("GET /health") {
-            let _ = conn
-                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
-            return;
-        }
-        let chunk = |s: &str| format!("{:x}\r\n{s}\r\n", s.len());
-        let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
-        let first = chunk(&format!("data: backend={index}\n\n"));
-        if conn.write_all(format!("{head}{first}").as_bytes()).is_err() {
-            return;
-        }
-        let released = go
-            .lock()
-            .unwrap()
-            .recv_timeout(Duration::from_secs(10))
-            .is_ok();
-        let last = if released {
-            "data: [DONE]\n\n"
-        } else {
-            "data: timeout\n\n"
-        };
-        let _ = conn.write_all(format!("{}0\r\n\r\n", chunk(last)).as_bytes());
-    }
-
-    /// Sends one streamed request for `session`; returns the backend that served it.
-    fn stream_once(url: &str, session: &str, go: &mpsc::Sender<()>) -> usize {
-        let (authority, _) = http::split_url(url).unwrap();
-        let mut s = TcpStream::connect(&authority).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        write!(
-            s,
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: {authority}\r\nx-session-id: {session}\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
-        )
-        .unwrap();
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 4096];
-        let backend = loop {
-            let n = s
-                .read(&mut buf)
-                .expect("the first SSE event must pass through HAProxy before the stream ends");
-            assert!(n > 0, "the stream ended before its first event");
-            seen.extend_from_slice(&buf[..n]);
-            let text = String::from_utf8_lossy(&seen);
-            if let Some(i) = text.find("data: backend=") {
-                let digits: String = text[i + 14..]
-                    .chars()
-                    .take_while(char::is_ascii_digit)
-                    .collect();
-                if !digits.is_empty() && text[i + 14 + digits.len()..].starts_with('\n') {
-                    break digits.parse().unwrap();
-                }
-            }
-        };
-        assert!(
-            !String::from_utf8_lossy(&seen).contains("[DONE]"),
-            "the second event may only be sent after the first was read"
-        );
-        go.send(()).unwrap();
-        let _ = s.read_to_end(&mut seen);
-        let text = String::from_utf8_lossy(&seen);
-        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-        assert!(
-            text.contains("data: [DONE]"),
-            "the stream ends whole: {text}"
-        );
-        backend
-    }
-
-    #[test]
-    fn sse_streams_through_haproxy_and_sessions_stick() {
-        if haproxy_bin().is_err() {
-            // The config test above still runs; the project's setup installs HAProxy.
-            eprintln!("haproxy is not installed; {INSTALL_HINT}");
-            return;
-        }
-        let (go_tx, go_rx) = mpsc::channel();
-        let go_rx = Arc::new(Mutex::new(go_rx));
-        let backends: Vec<String> = (0..3).map(|i| sse_backend(i, go_rx.clone())).collect();
-        let dir = crate::scratch::Scratch::new("haproxy");
-        let mut h = Haproxy::start(&backends, &HaproxySettings::default(), &dir.0).unwrap();
-        let sticky: Vec<usize> = (0..4)
-            .map(|_| stream_once(h.url(), "conv-7", &go_tx))
-            .collect();
-        assert!(
-            sticky.iter().all(|&b| b == sticky[0]),
-            "one session, one backend: {sticky:?}"
-        );
-        let mut used: Vec<usize> = (0..12)
-            .map(|i| stream_once(h.url(), &format!("conv-{i}"), &go_tx))
-            .collect();
-        used.sort_unstable();
-        used.dedup();
-        assert!(
-            used.len() > 1,
-            "sessions spread over the backends: {used:?}"
-        );
-        let stats = h.write_stats(&dir.0.join("haproxy-stats.json")).unwrap();
-        assert_eq!(stats.len(), 3);
-        assert!(dir.0.join("haproxy-stats.json").is_file());
-        assert_eq!(stats.iter().map(|s| s.stot).sum::<u64>(), 16, "{stats:?}");
-        assert!(
-            h.terminate(Duration::from_secs(5)).is_some(),
-            "HAProxy stops on SIGUSR1"
-        );
-    }
-
-    /// Two cells through [`IngressProcess`] on three emulated engines, one with HAProxy and one
-    /// with the router (session-bounded), the same open-loop plan for a few seconds: every
-    /// request streams through HAProxy whole, its cell has HAProxy's counts and no router rows,
-    /// and the two TTFTs are printed side by side. Needs the release binaries (`cargo build
-    /// --release -p engine-bin -p router-bin -p driver-bin`); run with `-- --ignored haproxy::`.
-    #[test]
-    #[ignore = "needs the release binaries; about 10 s"]
-    fn the_driver_streams_through_haproxy_to_emulated_engines() {
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            fleet: crate::fleetargs::FleetArgs,
-        }
-        let bins = crate::env::Bins::release();
-        bins.check().unwrap();
-        let dir = crate::scratch::Scratch::new("haproxy-fleet");
-        let args = <Cli as clap::Parser>::try_parse_from([
-            "x",
-            "--replicas",
-            "3",
-            "--speed",
-            "10",
-            "--num-gpu-blocks",
-            "256",
-        ])
-        .unwrap()
-        .fleet;
-        let source = args.source(&bins.engine, false, false, None).unwrap();
-        let mut fleet = Fleet::new(source, args.options(&dir.0.join("logs"))).unwrap();
-        let plan = crate::run::ensure_plan(
-            &dir.0,
-            &workload::WorkloadSpec {
-                seed: 3,
-                sizing: workload::Sizing::Conversations(24),
-                ..workload::WorkloadSpec::default()
-            },
-            &workload::ArrivalSpec::Open {
-                rate_rps: 20.0,
-                duration_s: 4.0,
-            },
-        )
-        .unwrap();
-        let router_settings = crate::run::RouterSettings {
-            policy: "session-bounded".into(),
-            model: args.model.clone(),
-            seed: 1,
-            ..crate::run::RouterSettings::default()
-        };
-        let mut rows_by_ingress = Vec::new();
-        for ingress in [Ingress::Haproxy, Ingress::Router] {
-            // Each pass on a fresh fleet, as a sweep cycles it per cell.
-            fleet.cycle(&fleet::fleet::never).unwrap();
-            let cell = dir.0.join(format!("{ingress:?}"));
-            std::fs::create_dir_all(&cell).unwrap();
-            let (process, url) = IngressProcess::start(
-                ingress,
-                &bins,
-                &fleet,
-                &router_settings,
-                &HaproxySettings::default(),
-                &cell,
-            )
-            .unwrap();
-            let client_csv = cell.join("client.csv");
-            let mut driver = crate::run::start_driver(
-                &bins,
-                &url,
-                &plan.path,
-                &client_csv,
-                &crate::run::DriverSettings {
-                    mode: "open",
-                    warmup_s: 0.5,
-                    duration_s: Some(4.0),
-                    timeout_s: 20.0,
-                    model: args.model.clone(),
-                },
-                &cell.join("driver.log"),
-            )
-            .unwrap();
-            crate::run::wait_driver(&mut driver, &mut fleet, Duration::from_secs(60), |_| Ok(()))
-                .unwrap();
-            process.finish(&cell, Duration::from_secs(5)).unwrap();
-            rows_by_ingress.push(analysis::read_client_csv(&client_csv).unwrap());
-        }
-        fleet.stop();
-        let haproxy_cell = dir.0.join("Haproxy");
-        assert!(
-            !haproxy_cell.join("router.csv").exists(),
-            "an HAProxy cell has no router rows"
-        );
-        assert!(dir.0.join("Router").join("router.csv").is_file());
-        let stats: Vec<ServerStat> = serde_json::from_str(
-            &std::fs::read_to_string(haproxy_cell.join("haproxy-stats.json")).unwrap(),
-        )
-        .unwrap();
-        let via_router = rows_by_ingress.pop().unwrap();
-        let rows = rows_by_ingress.pop().unwrap();
-        let ttft_router: Vec<f64> = via_router.iter().filter_map(|r| r.ttft_ms).collect();
-        eprintln!(
-            "through the router (session-bounded): {} requests, TTFT p50 {:.2} ms",
-            via_router.len(),
-            analysis::stats::median(&ttft_router).unwrap_or(f64::NAN)
-        );
-        assert!(rows.len() > 40, "{} rows", rows.len());
-        let failed: Vec<_> = rows
-            .iter()
-            .filter(|r| r.error.is_some() || r.status != 200)
-            .collect();
-        assert!(failed.is_empty(), "{failed:?}");
-        assert!(
-            rows.iter()
-                .all(|r| r.ttft_ms.is_some() && r.itl_p50_ms.is_some())
-        );
-        // Every request, plus the driver's preflight `GET /v1/models`.
-        assert_eq!(
-            stats.iter().map(|s| s.stot).sum::<u64>(),
-            rows.len() as u64 + 1,
-            "{stats:?}"
-        );
-        let ttft: Vec<f64> = rows.iter().filter_map(|r| r.ttft_ms).collect();
-        let itl: Vec<f64> = rows.iter().filter_map(|r| r.itl_p50_ms).collect();
-        eprintln!(
-            "through HAProxy: {} requests, TTFT p50 {:.2} ms, ITL p50 {:.3} ms, per server {:?}",
-            rows.len(),
-            analysis::stats::median(&ttft).unwrap(),
-            analysis::stats::median(&itl).unwrap(),
-            stats
-                .iter()
-                .map(|s| (s.name.as_str(), s.stot))
-                .collect::<Vec<_>>()
-        );
     }
 }

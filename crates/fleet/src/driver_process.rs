@@ -1,0 +1,147 @@
+//! The load driver (`driver closed|open`) as a process: its command line, and waiting for it
+//! while watching the fleet.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use serde::Serialize;
+
+use crate::fleet::Fleet;
+use crate::process::ChildGuard;
+
+/// Driver settings of one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct DriverSettings {
+    /// `closed` or `open`.
+    pub mode: &'static str,
+    /// `--warmup-s`.
+    pub warmup_s: f64,
+    /// `--duration-s`: no new requests after it.
+    pub duration_s: Option<f64>,
+    /// `--timeout-s` per request.
+    pub timeout_s: f64,
+    /// `--model`.
+    pub model: String,
+}
+
+/// The driver's command line: `driver_bin MODE --url url --plan plan --out out --model …
+/// --warmup-s … --timeout-s … [--duration-s …]`.
+pub fn driver_command(
+    driver_bin: &Path,
+    url: &str,
+    plan: &Path,
+    out: &Path,
+    settings: &DriverSettings,
+) -> Command {
+    let mut cmd = Command::new(driver_bin);
+    cmd.arg(settings.mode)
+        .args(["--url", url])
+        .arg("--plan")
+        .arg(plan)
+        .arg("--out")
+        .arg(out)
+        .args(["--model", &settings.model])
+        .args(["--warmup-s", &format!("{}", settings.warmup_s)])
+        .args(["--timeout-s", &format!("{}", settings.timeout_s)]);
+    if let Some(d) = settings.duration_s {
+        cmd.args(["--duration-s", &format!("{d}")]);
+    }
+    cmd
+}
+
+/// Starts `driver closed|open` against `url`: plan `plan`, rows into `out`, log into `log`.
+pub fn start_driver(
+    driver_bin: &Path,
+    url: &str,
+    plan: &Path,
+    out: &Path,
+    settings: &DriverSettings,
+    log: &Path,
+) -> Result<ChildGuard> {
+    ChildGuard::spawn(
+        "driver",
+        driver_command(driver_bin, url, plan, out, settings),
+        log,
+    )
+}
+
+/// Waits for the driver to exit successfully within `limit`, checking the fleet and
+/// `should_stop` (a Ctrl-C flag). `on_tick` runs about every 100 ms with the elapsed time (used
+/// to start evidence sampling once the warm-up is over).
+pub fn wait_driver(
+    driver: &mut ChildGuard,
+    fleet: &mut Fleet,
+    limit: Duration,
+    should_stop: &dyn Fn() -> bool,
+    mut on_tick: impl FnMut(Duration) -> Result<()>,
+) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        if should_stop() {
+            bail!("interrupted");
+        }
+        if let Some(status) = driver.try_wait()? {
+            if status.success() {
+                return Ok(());
+            }
+            bail!(
+                "the driver failed ({status}); see its log {}",
+                driver.log_path().display()
+            );
+        }
+        fleet.check_alive()?;
+        let elapsed = started.elapsed();
+        if elapsed > limit {
+            bail!(
+                "the driver did not finish within {:.0} s; see its log {}",
+                limit.as_secs_f64(),
+                driver.log_path().display()
+            );
+        }
+        on_tick(elapsed)?;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(cmd: &Command) -> Vec<String> {
+        cmd.get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn driver_command_line() {
+        let mut s = DriverSettings {
+            mode: "open",
+            warmup_s: 0.5,
+            duration_s: Some(4.0),
+            timeout_s: 20.0,
+            model: "kvroute/emulated-8b".into(),
+        };
+        let cmd = driver_command(
+            Path::new("/bin/driver"),
+            "http://127.0.0.1:9",
+            Path::new("p/plan.bin"),
+            Path::new("c/client.csv"),
+            &s,
+        );
+        assert_eq!(cmd.get_program(), "/bin/driver");
+        assert_eq!(
+            args(&cmd).join(" "),
+            "open --url http://127.0.0.1:9 --plan p/plan.bin --out c/client.csv --model kvroute/emulated-8b --warmup-s 0.5 --timeout-s 20 --duration-s 4"
+        );
+        s.mode = "closed";
+        s.duration_s = None;
+        let cmd = driver_command(Path::new("d"), "u", Path::new("p"), Path::new("o"), &s);
+        assert_eq!(
+            args(&cmd).join(" "),
+            "closed --url u --plan p --out o --model kvroute/emulated-8b --warmup-s 0.5 --timeout-s 20"
+        );
+    }
+}

@@ -1,0 +1,171 @@
+//! kvroute's router as the ingress: its command line and readiness.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Result, anyhow};
+use serde::Serialize;
+
+use crate::fleet::{Fleet, ReplicaInfo};
+use crate::process::ChildGuard;
+
+/// Router settings of one cell.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RouterSettings {
+    /// `--policy`.
+    pub policy: String,
+    /// `--model` (the block-key salt).
+    pub model: String,
+    /// `--seed`.
+    pub seed: u64,
+    /// `--index-ttl-s`, for belief-index policies.
+    pub index_ttl_s: Option<f64>,
+    /// `--index-node-cap`, for belief-index policies.
+    pub index_node_cap: Option<u64>,
+    /// Pass the replicas' KV event endpoints (`--kv-events`).
+    pub kv_events: bool,
+}
+
+/// The router's command line in front of `replicas` (in fleet order): `router_bin --host
+/// 127.0.0.1 --port 0 --replicas … --policy … --rows rows --model … --seed …`, then
+/// `--kv-events` (and `--kv-replay` when every replica's replay endpoint is known),
+/// `--index-ttl-s` and `--index-node-cap` as `settings` asks.
+pub fn router_command(
+    router_bin: &Path,
+    replicas: &[ReplicaInfo],
+    settings: &RouterSettings,
+    rows: &Path,
+) -> Result<Command> {
+    let urls: Vec<&str> = replicas.iter().map(|r| r.url.as_str()).collect();
+    let mut cmd = Command::new(router_bin);
+    cmd.args(["--host", "127.0.0.1", "--port", "0"])
+        .args(["--replicas", &urls.join(",")])
+        .args(["--policy", &settings.policy])
+        .arg("--rows")
+        .arg(rows)
+        .args(["--model", &settings.model])
+        .args(["--seed", &settings.seed.to_string()]);
+    if settings.kv_events {
+        let endpoints: Vec<String> = replicas
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                r.kv_events.clone().ok_or_else(|| {
+                    anyhow!(
+                        "replica {i} publishes no KV events, which policy {} needs",
+                        settings.policy
+                    )
+                })
+            })
+            .collect::<Result<_>>()?;
+        cmd.args(["--kv-events", &endpoints.join(",")]);
+        // Replay endpoints let the router repair sequence gaps; pass them only when all are known.
+        let replay: Option<Vec<String>> = replicas.iter().map(|r| r.kv_replay.clone()).collect();
+        if let Some(replay) = replay {
+            cmd.args(["--kv-replay", &replay.join(",")]);
+        }
+    }
+    if let Some(ttl) = settings.index_ttl_s {
+        cmd.args(["--index-ttl-s", &format!("{ttl}")]);
+    }
+    if let Some(cap) = settings.index_node_cap {
+        cmd.args(["--index-node-cap", &cap.to_string()]);
+    }
+    Ok(cmd)
+}
+
+/// Starts the router in front of `fleet`, rows into `rows`, log into `log`, and waits (30 s at
+/// most, polling `should_stop`) for its readiness line. Returns it and its URL.
+pub fn start_router(
+    router_bin: &Path,
+    fleet: &Fleet,
+    settings: &RouterSettings,
+    rows: &Path,
+    log: &Path,
+    should_stop: &dyn Fn() -> bool,
+) -> Result<(ChildGuard, String)> {
+    let cmd = router_command(router_bin, &fleet.replicas(), settings, rows)?;
+    let mut guard = ChildGuard::spawn("router", cmd, log)?;
+    let ready = guard.wait_ready(Duration::from_secs(30), should_stop)?;
+    Ok((guard, ready.url()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replica(index: usize, kv: bool, replay: bool) -> ReplicaInfo {
+        ReplicaInfo {
+            index,
+            url: format!("http://127.0.0.1:{}", 4000 + index),
+            kv_events: kv.then(|| format!("tcp://127.0.0.1:{}", 5000 + index)),
+            kv_replay: replay.then(|| format!("tcp://127.0.0.1:{}", 6000 + index)),
+            pid: None,
+            log_path: None,
+            slowdown: 1.0,
+        }
+    }
+
+    fn line(cmd: &Command) -> String {
+        let args: Vec<String> = cmd
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        args.join(" ")
+    }
+
+    #[test]
+    fn router_command_lines() {
+        let mut s = RouterSettings {
+            policy: "session-bounded".into(),
+            model: "kvroute/emulated-8b".into(),
+            seed: 3,
+            ..RouterSettings::default()
+        };
+        let two = [replica(0, true, false), replica(1, true, true)];
+        let cmd = router_command(
+            Path::new("/bin/router"),
+            &two,
+            &s,
+            Path::new("c/router.csv"),
+        )
+        .unwrap();
+        assert_eq!(cmd.get_program(), "/bin/router");
+        assert_eq!(
+            line(&cmd),
+            "--host 127.0.0.1 --port 0 --replicas http://127.0.0.1:4000,http://127.0.0.1:4001 --policy session-bounded --rows c/router.csv --model kvroute/emulated-8b --seed 3"
+        );
+        s.policy = "exact-residency".into();
+        s.kv_events = true;
+        s.index_ttl_s = Some(2.5);
+        s.index_node_cap = Some(1000);
+        let cmd = router_command(Path::new("r"), &two, &s, Path::new("rows")).unwrap();
+        assert!(
+            line(&cmd).ends_with(
+                "--seed 3 --kv-events tcp://127.0.0.1:5000,tcp://127.0.0.1:5001 --index-ttl-s 2.5 --index-node-cap 1000"
+            ),
+            "replay endpoints only when every replica has one: {}",
+            line(&cmd)
+        );
+        let both = [replica(0, true, true), replica(1, true, true)];
+        let cmd = router_command(Path::new("r"), &both, &s, Path::new("rows")).unwrap();
+        assert!(
+            line(&cmd)
+                .contains(" --kv-replay tcp://127.0.0.1:6000,tcp://127.0.0.1:6001 --index-ttl-s"),
+            "{}",
+            line(&cmd)
+        );
+        let e = router_command(
+            Path::new("r"),
+            &[replica(0, false, false)],
+            &s,
+            Path::new("x"),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "replica 0 publishes no KV events, which policy exact-residency needs"
+        );
+    }
+}
