@@ -1,95 +1,10 @@
 //! One repetition directory: `meta.json` (written last, atomically) and the resume rule.
 
-use anyhow::Result;
-use serde::{Deserialize, Serialize};
+/// `meta.json` and the SLO and window it names: one definition for every writer and reader
+/// (crates/schema).
+pub use schema::{Meta, Slo, Window};
 
-/// The SLO a request must meet (ms).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Slo {
-    /// TTFT bound.
-    pub ttft_ms: f64,
-    /// Per-request ITL p50 bound.
-    pub itl_ms: f64,
-}
-
-/// The measured window on the driver's clock (client.csv `_s` columns).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Window {
-    /// Discarded warm-up, s.
-    pub warmup_s: f64,
-    /// Start of the measured window, s.
-    pub measured_start_s: f64,
-    /// End of the measured window, s.
-    pub measured_end_s: f64,
-}
-
-/// `meta.json` (docs/CONTRACTS.md, "Measurements layout"), plus evidence and drift detail.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Meta {
-    /// Sweep name.
-    pub sweep: String,
-    /// Point name.
-    pub point: String,
-    /// Policy name.
-    pub policy: String,
-    /// Repetition number (1-based).
-    pub rep: u32,
-    /// Workload name.
-    pub workload_name: String,
-    /// Workload fingerprint.
-    pub workload_fingerprint: String,
-    /// Arrival-plan fingerprint.
-    pub plan_fingerprint: String,
-    /// Fleet description.
-    pub fleet: serde_json::Value,
-    /// SLO.
-    pub slo: Slo,
-    /// Measured window.
-    pub window: Window,
-    /// Git revision.
-    pub git_rev: Option<String>,
-    /// Tool versions.
-    pub versions: serde_json::Value,
-    /// Virtual time (always false here: these are live runs).
-    #[serde(rename = "virtual")]
-    pub virtual_time: bool,
-    /// The repetition finished and all its files are written.
-    pub complete: bool,
-    /// Counted in the comparison (false: set aside).
-    pub accepted: bool,
-    /// Why it was set aside.
-    pub set_aside_reason: Option<String>,
-    /// Attempts this repetition took (discarded attempts live under `_discarded/`).
-    #[serde(default)]
-    pub attempts: u32,
-    /// The evidence summary of the accepted attempt.
-    #[serde(default)]
-    pub evidence: serde_json::Value,
-    /// The drift verdict of the accepted attempt.
-    #[serde(default)]
-    pub drift: serde_json::Value,
-    /// Run settings (users, rate, durations, policy flags).
-    #[serde(default)]
-    pub run: serde_json::Value,
-}
-
-pub use experiment::cell::{CellState, clear, discard, write_atomic, write_meta};
-
-/// The measured window from the driver's send times, by the sweep's rule
-/// (`experiment::cell::measured_window`), as this crate's `Window`.
-pub fn measured_window(
-    sent_s: &[f64],
-    warmup_s: f64,
-    planned_end_s: f64,
-    closed_users: Option<usize>,
-) -> Result<Window> {
-    let w = experiment::cell::measured_window(sent_s, warmup_s, planned_end_s, closed_users)?;
-    Ok(Window {
-        warmup_s: w.warmup_s,
-        measured_start_s: w.measured_start_s,
-        measured_end_s: w.measured_end_s,
-    })
-}
+pub use experiment::cell::{CellState, clear, discard, measured_window, write_atomic, write_meta};
 
 #[cfg(test)]
 mod tests {
@@ -156,7 +71,7 @@ mod tests {
             assert!(v.get(field).is_some(), "meta.json lacks {field}");
         }
         let parsed = analysis::read_meta(&s.0.join("meta.json")).unwrap();
-        assert_eq!(parsed.accepted, Some(false));
+        assert!(!parsed.accepted);
         assert_eq!(parsed.capacity_tokens(), Some(1000));
         assert_eq!(parsed.window.measured_s(), 4.0);
     }

@@ -273,7 +273,7 @@ fn build_cell(policy: &str, reps: &[&RepData], cfg: &ReportConfig) -> (Cell, Ove
     let mut set_aside = Vec::new();
     let mut used: Vec<&RepData> = Vec::new();
     for r in reps {
-        if r.meta.accepted == Some(false) {
+        if !r.meta.accepted {
             set_aside.push(SetAside {
                 rep: r.rep,
                 reason: r
@@ -487,14 +487,16 @@ impl<'c> Builder<'c> {
         }
         for r in reps {
             let id = format!("{}/{}/rep-{}", r.point, r.policy, r.rep);
-            if let Some(p) = r.meta.point.as_deref().filter(|p| *p != r.point) {
+            // An empty name was not recorded.
+            let (point, policy) = (&r.meta.point, &r.meta.policy);
+            if !point.is_empty() && *point != r.point {
                 self.warnings.push(format!(
-                    "{id}: meta.json names point `{p}`; the directory name is used"
+                    "{id}: meta.json names point `{point}`; the directory name is used"
                 ));
             }
-            if let Some(p) = r.meta.policy.as_deref().filter(|p| *p != r.policy) {
+            if !policy.is_empty() && *policy != r.policy {
                 self.warnings.push(format!(
-                    "{id}: meta.json names policy `{p}`; the directory name is used"
+                    "{id}: meta.json names policy `{policy}`; the directory name is used"
                 ));
             }
         }

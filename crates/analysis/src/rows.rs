@@ -1,11 +1,14 @@
 //! Strict readers for `client.csv` (driver) and `router.csv` (router), columns as pinned in
-//! docs/CONTRACTS.md. Columns are found by header name, so added columns at the end are ignored;
-//! a missing column, a short or long row, an unparsable value, a duplicate `request_id` or a file
-//! cut off mid-line is an error naming the file and the 1-based line (header = line 1).
+//! docs/CONTRACTS.md and defined once in `schema::rows` (re-exported here). Columns are found by
+//! header name, so added columns at the end are ignored; a missing column, a short or long row,
+//! an unparsable value, a duplicate `request_id` or a file cut off mid-line is an error naming the
+//! file and the 1-based line (header = line 1).
 
 use std::path::Path;
 
 use ahash::AHashMap;
+
+pub use schema::rows::{CLIENT_COLUMNS, ROUTER_COLUMNS};
 
 use crate::error::{AnalysisError, Result};
 
@@ -99,11 +102,14 @@ struct Col {
 }
 
 /// Declares the columns a rows file must carry: a struct of resolved positions (looked up once
-/// per file, so reading a row is indexing, not hashing names) and the list of names.
+/// per file, so reading a row is indexing, not hashing names). The fields are named after the
+/// columns, and a compile-time check holds them to the schema's list, in order.
 macro_rules! columns {
-    ($(#[$doc:meta])* $list:ident, $cols:ident { $($field:ident),* $(,)? }) => {
-        $(#[$doc])*
-        pub const $list: &[&str] = &[$(stringify!($field)),*];
+    ($schema:path, $cols:ident { $($field:ident),* $(,)? }) => {
+        const _: () = assert!(
+            schema::rows::same_columns(&[$(stringify!($field)),*], &$schema),
+            concat!(stringify!($cols), " must name the columns of ", stringify!($schema), ", in order")
+        );
 
         struct $cols {
             $($field: Col,)*
@@ -128,7 +134,6 @@ fn find(path: &Path, header: &csv::StringRecord, name: &'static str) -> Result<C
 }
 
 columns!(
-    /// Columns `client.csv` must carry (CONTRACTS.md); extra columns are ignored.
     CLIENT_COLUMNS,
     ClientCols {
         request_id,
@@ -154,7 +159,6 @@ columns!(
 );
 
 columns!(
-    /// Columns `router.csv` must carry (CONTRACTS.md); extra columns are ignored.
     ROUTER_COLUMNS,
     RouterCols {
         request_id,

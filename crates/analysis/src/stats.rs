@@ -1,25 +1,11 @@
-//! Small statistics used throughout: quantiles, median-with-range, ordinary least squares.
+//! Small statistics used throughout: quantiles (`schema::stats`), median-with-range, ordinary
+//! least squares.
 
 use serde::{Deserialize, Serialize};
 
-/// Quantile `q` in [0, 1] by linear interpolation between closest ranks (R type 7, NumPy's
-/// default), so that p50 of an even count is the mean of the middle two. `None` when empty.
-pub fn quantile(values: &[f64], q: f64) -> Option<f64> {
-    if values.is_empty() {
-        return None;
-    }
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    let h = (v.len() - 1) as f64 * q.clamp(0.0, 1.0);
-    let lo = h.floor() as usize;
-    let hi = h.ceil() as usize;
-    Some(v[lo] + (h - lo as f64) * (v[hi] - v[lo]))
-}
-
-/// Median (see [`quantile`]).
-pub fn median(values: &[f64]) -> Option<f64> {
-    quantile(values, 0.5)
-}
+/// The one percentile definition (R type 7, linear interpolation between closest ranks; p50 of an
+/// even count is the mean of the middle two), shared with the driver and the simulator.
+pub use schema::stats::{median, quantile};
 
 /// Arithmetic mean; `None` when empty.
 pub fn mean(values: &[f64]) -> Option<f64> {
@@ -125,16 +111,6 @@ pub fn ols(x: &[f64], y: &[f64]) -> Option<Ols> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn quantile_interpolates_between_ranks() {
-        assert_eq!(quantile(&[4.0, 1.0, 3.0, 2.0], 0.5), Some(2.5));
-        assert_eq!(quantile(&[1.0, 2.0, 3.0], 0.5), Some(2.0));
-        assert_eq!(quantile(&[10.0], 0.99), Some(10.0));
-        let v: Vec<f64> = (1..=101).map(f64::from).collect();
-        assert_eq!(quantile(&v, 0.99), Some(100.0));
-        assert_eq!(quantile(&[], 0.5), None);
-    }
 
     #[test]
     fn spread_overlap_is_closed_interval() {

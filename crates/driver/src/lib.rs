@@ -5,7 +5,8 @@
 //! - [`client::Requester`]: one streaming request, timed per chunk on a monotonic clock.
 //! - [`sse`], [`chunk`], [`metrics`]: incremental SSE parsing, chunk interpretation and the
 //!   TTFT / ITL / TPOT definitions (pure, unit-tested).
-//! - [`rows`]: the `client.csv` schema, incremental writer with atomic finish, reader.
+//! - [`rows`]: the `client.csv` row (columns: `schema::CLIENT_COLUMNS`), incremental writer with
+//!   atomic finish, reader.
 
 pub mod chunk;
 pub mod client;
@@ -15,7 +16,7 @@ pub mod run;
 pub mod sse;
 pub mod testserver;
 
-pub use rows::{COLUMNS, ClientRow, read_rows};
+pub use rows::{ClientRow, read_rows};
 pub use run::{
     ProgressMode, Quantiles, RunConfig, RunSummary, run, run_blocking, run_closed, run_open,
 };

@@ -3,12 +3,14 @@
 //! Definitions (DESIGN.md §3.6):
 //! - TTFT = first content chunk − send.
 //! - ITL p50 = median over the request's gaps between consecutive content chunks, each gap
-//!   divided by the tokens that chunk carried (1 when the server did not say); an even count
-//!   takes the mean of the two middle values.
+//!   divided by the tokens that chunk carried (1 when the server did not say); the median is
+//!   `schema::stats`'s (type 7), so an even count takes the mean of the two middle values.
 //! - TPOT = (last content chunk − first content chunk) ÷ (output tokens − 1).
 //! - E2E = end of the response (or the failure) − send.
 
 use std::time::Duration;
+
+use schema::stats::quantile_in_place;
 
 /// One content chunk: when it arrived and how many tokens it carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,20 +38,6 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// Median of `values` (sorted in place); `None` when empty.
-pub fn median(values: &mut [f64]) -> Option<f64> {
-    if values.is_empty() {
-        return None;
-    }
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    Some(if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    })
-}
-
 /// Computes the latencies of one request.
 ///
 /// `output_tokens` is the server's count when it sent one, else the sum of chunk tokens.
@@ -71,7 +59,7 @@ pub fn latencies(
     };
     Latencies {
         ttft_ms: first.map(|f| ms(f.saturating_sub(sent))),
-        itl_p50_ms: median(&mut gaps),
+        itl_p50_ms: quantile_in_place(&mut gaps, 0.5),
         tpot_ms,
         e2el_ms: end.map(|e| ms(e.saturating_sub(sent))),
     }
@@ -106,8 +94,16 @@ mod tests {
 
     #[test]
     fn even_count_median_and_single_chunk() {
-        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), Some(2.5));
-        assert_eq!(median(&mut []), None);
+        // Gaps 10, 20, 40, 30: the mean of the middle two.
+        let even = [
+            at_ms(0, 1),
+            at_ms(10, 1),
+            at_ms(30, 1),
+            at_ms(70, 1),
+            at_ms(100, 1),
+        ];
+        let l = latencies(Duration::ZERO, &even, None, None);
+        assert_eq!(l.itl_p50_ms, Some(25.0));
         let l = latencies(Duration::ZERO, &[at_ms(5, 1)], None, Some(1));
         assert_eq!(l.ttft_ms, Some(5.0));
         assert_eq!(l.itl_p50_ms, None);

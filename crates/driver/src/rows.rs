@@ -1,4 +1,4 @@
-//! `client.csv`: one row per request (docs/CONTRACTS.md).
+//! `client.csv`: one row per request (docs/CONTRACTS.md; the columns are `schema::CLIENT_COLUMNS`).
 //!
 //! Rows are appended to `<out>.partial` as requests finish (flushed per row, so a crashed or
 //! running experiment can be inspected) and the file is renamed to `<out>` when the run ends:
@@ -8,32 +8,10 @@ use std::fs::File;
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 
+use schema::CLIENT_COLUMNS;
 use serde::Deserialize;
 
 use crate::DriverError;
-
-/// The columns, in order.
-pub const COLUMNS: [&str; 19] = [
-    "request_id",
-    "session_id",
-    "turn",
-    "scheduled_s",
-    "sent_s",
-    "first_token_s",
-    "last_s",
-    "ttft_ms",
-    "itl_p50_ms",
-    "tpot_ms",
-    "e2el_ms",
-    "prompt_tokens",
-    "output_tokens",
-    "cached_tokens",
-    "status",
-    "error",
-    "warmup",
-    "send_lag_ms",
-    "chunks",
-];
 
 /// One request's outcome. Times in `_s` are seconds since the driver's clock start.
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
@@ -89,7 +67,8 @@ impl ClientRow {
         self.error.split(':').next().unwrap_or("").trim()
     }
 
-    fn record(&self) -> [String; 19] {
+    /// The row's fields, in [`CLIENT_COLUMNS`] order.
+    fn record(&self) -> [String; CLIENT_COLUMNS.len()] {
         fn f(v: Option<f64>, decimals: usize) -> String {
             v.map(|x| format!("{x:.decimals$}")).unwrap_or_default()
         }
@@ -144,7 +123,7 @@ impl RowWriter {
         let partial = partial_path(out);
         let file = File::create(&partial).map_err(io)?;
         let mut csv = csv::Writer::from_writer(BufWriter::new(file));
-        csv.write_record(COLUMNS)
+        csv.write_record(CLIENT_COLUMNS)
             .map_err(|e| DriverError::Io(e.to_string()))?;
         csv.flush().map_err(io)?;
         Ok(Self {
@@ -190,8 +169,8 @@ pub fn read_rows(path: &Path) -> Result<Vec<ClientRow>, DriverError> {
         .clone();
     if header
         .iter()
-        .take(COLUMNS.len())
-        .ne(COLUMNS.iter().copied())
+        .take(CLIENT_COLUMNS.len())
+        .ne(CLIENT_COLUMNS.iter().copied())
     {
         return Err(DriverError::Io(format!(
             "{}: header is not client.csv's",

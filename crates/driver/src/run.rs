@@ -20,11 +20,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use schema::stats::quantile_in_place;
 use workload::{Pick, Plan, Schedule, WalkCursor, closed_request_id, open_request_id};
 
 use crate::DriverError;
 use crate::client::{ChatRequest, Outcome, Requester, chat_body};
-use crate::metrics::{latencies, median};
+use crate::metrics::latencies;
 use crate::rows::{ClientRow, RowWriter};
 
 /// Send lag (p90) above which the summary warns that the schedule was not kept.
@@ -111,20 +112,13 @@ pub struct Quantiles {
 }
 
 impl Quantiles {
-    /// Nearest-rank quantiles; `None` when there are no values.
+    /// The quantiles of `values` (reordered), by `schema::stats` — the report's definition;
+    /// `None` when there are no values.
     pub fn of(values: &mut [f64]) -> Option<Self> {
-        if values.is_empty() {
-            return None;
-        }
-        let p50 = median(values).unwrap_or(0.0);
-        let q = |p: f64| {
-            let rank = (p * values.len() as f64).ceil() as usize;
-            values[rank.clamp(1, values.len()) - 1]
-        };
         Some(Self {
-            p50,
-            p90: q(0.90),
-            p99: q(0.99),
+            p50: quantile_in_place(values, 0.5)?,
+            p90: quantile_in_place(values, 0.90)?,
+            p99: quantile_in_place(values, 0.99)?,
         })
     }
 }
@@ -820,10 +814,12 @@ mod tests {
     }
 
     #[test]
-    fn quantiles_use_nearest_rank() {
-        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+    fn quantiles_interpolate_between_ranks() {
+        let mut v: Vec<f64> = (1..=100).rev().map(f64::from).collect();
         let q = Quantiles::of(&mut v).unwrap();
-        assert_eq!((q.p50, q.p90, q.p99), (50.5, 90.0, 99.0));
+        assert_eq!(q.p50, 50.5);
+        assert!((q.p90 - 90.1).abs() < 1e-9, "{q:?}");
+        assert!((q.p99 - 99.01).abs() < 1e-9, "{q:?}");
         assert!(Quantiles::of(&mut []).is_none());
     }
 

@@ -4,10 +4,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use serde::Serialize;
 
-use analysis::Window;
+use schema::Window;
 
 /// What a repetition directory holds, for resuming.
 #[derive(Debug, Clone, PartialEq)]
@@ -134,42 +134,20 @@ pub fn discard(
     Ok(target)
 }
 
-/// The measured window from the driver's send times.
-///
-/// Starts at the end of the warm-up. Open loop: ends where the schedule ends. Closed loop with
-/// `users` users: ends at the send time of the request that leaves fewer than `users` unsent —
-/// past it some user must have run out of work, so the offered concurrency is no longer the
-/// point's; the tail is drain, not load. `planned_end_s` caps it (the window asked for).
+/// The measured window from the driver's send times: the sweep's rule, one definition in
+/// [`schema::Window::measured`], with its error as this crate's.
 pub fn measured_window(
     sent_s: &[f64],
     warmup_s: f64,
     planned_end_s: f64,
     closed_users: Option<usize>,
 ) -> Result<Window> {
-    let end = match closed_users {
-        None => planned_end_s,
-        Some(users) => {
-            let mut sorted: Vec<f64> = sent_s.iter().copied().filter(|t| t.is_finite()).collect();
-            sorted.sort_by(f64::total_cmp);
-            if sorted.len() <= users {
-                bail!(
-                    "only {} requests were sent by {users} users: too few for a measured window",
-                    sorted.len()
-                );
-            }
-            sorted[sorted.len() - users].min(planned_end_s)
-        }
-    };
-    if end <= warmup_s {
-        bail!(
-            "the run ended ({end:.2} s on the driver's clock) before its warm-up did ({warmup_s:.2} s): give it more requests or a shorter warm-up"
-        );
-    }
-    Ok(Window {
+    Ok(Window::measured(
+        sent_s,
         warmup_s,
-        measured_start_s: warmup_s,
-        measured_end_s: end,
-    })
+        planned_end_s,
+        closed_users,
+    )?)
 }
 
 #[cfg(test)]

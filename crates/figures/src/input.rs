@@ -149,7 +149,7 @@ fn one_slo(dir: &Path, report: &Report) -> Result<Slo> {
 /// The fleet every used repetition recorded; different fleets in one sweep are an error.
 fn fleet_text(dir: &Path, sweep: &SweepData) -> Result<String> {
     let mut fleets: BTreeMap<String, (serde_json::Value, String)> = BTreeMap::new();
-    for r in sweep.reps.iter().filter(|r| r.meta.accepted != Some(false)) {
+    for r in sweep.reps.iter().filter(|r| r.meta.accepted) {
         fleets.entry(r.meta.fleet.to_string()).or_insert_with(|| {
             (
                 r.meta.fleet.clone(),
@@ -353,11 +353,7 @@ pub fn load_fault(dir: &Path) -> Result<FaultInput> {
     let rows = read_timeline(&path)?;
     let sweep = analysis::load_sweep(dir)
         .with_context(|| format!("figures: cannot load the fault sweep at {}", dir.display()))?;
-    let used: Vec<_> = sweep
-        .reps
-        .iter()
-        .filter(|r| r.meta.accepted != Some(false))
-        .collect();
+    let used: Vec<_> = sweep.reps.iter().filter(|r| r.meta.accepted).collect();
     let mut by_policy: BTreeMap<(usize, String), Vec<TimelineRow>> = BTreeMap::new();
     for (policy, row) in rows {
         by_policy

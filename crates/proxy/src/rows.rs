@@ -1,4 +1,5 @@
-//! Router rows (`router.csv`, DESIGN.md §3.7), written off the request path.
+//! Router rows (`router.csv`, DESIGN.md §3.7; the columns are `schema::ROUTER_COLUMNS`), written
+//! off the request path.
 //!
 //! Request tasks hand finished rows to a bounded channel with `try_send` (never blocking a
 //! stream); a dedicated OS thread owns the file, drains the queue every 20 ms and flushes every
@@ -15,27 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-
-/// The `router.csv` header, in contract order (docs/CONTRACTS.md).
-pub const HEADER: [&str; 17] = [
-    "request_id",
-    "session_id",
-    "arrival_s",
-    "policy",
-    "replica",
-    "branch",
-    "predicted_match_tokens",
-    "outstanding_chosen",
-    "outstanding_min",
-    "decide_ns",
-    "overhead_us",
-    "tokenize_ms",
-    "upstream_status",
-    "cached_tokens",
-    "prompt_tokens",
-    "error",
-    "attempts",
-];
+use schema::ROUTER_COLUMNS;
 
 /// Rows queued but not yet written when the queue is full are dropped (and counted).
 pub const DEFAULT_QUEUE_ROWS: usize = 1 << 16;
@@ -81,6 +62,7 @@ pub struct Row {
 }
 
 impl Row {
+    /// Writes the row's fields, in [`ROUTER_COLUMNS`] order.
     fn write_to(
         &self,
         w: &mut csv::Writer<BufWriter<File>>,
@@ -152,7 +134,8 @@ impl RowSink {
     pub fn create(path: &Path, queue_rows: usize) -> std::io::Result<Self> {
         let file = File::create(path)?;
         let mut w = csv::WriterBuilder::new().from_writer(BufWriter::with_capacity(1 << 16, file));
-        w.write_record(HEADER).map_err(std::io::Error::other)?;
+        w.write_record(ROUTER_COLUMNS)
+            .map_err(std::io::Error::other)?;
         w.flush()?;
         let (tx, rx) = sync_channel(queue_rows.max(1));
         let stats = Arc::new(RowStats::default());
@@ -211,7 +194,7 @@ const DRAIN_EVERY: Duration = Duration::from_millis(20);
 const FLUSH_EVERY: Duration = Duration::from_millis(200);
 
 fn writer_loop(mut w: csv::Writer<BufWriter<File>>, rx: Receiver<Msg>, stats: &RowStats) {
-    let mut buf = Vec::with_capacity(HEADER.len());
+    let mut buf = Vec::with_capacity(ROUTER_COLUMNS.len());
     let mut write =
         |w: &mut csv::Writer<BufWriter<File>>, row: &Row| match row.write_to(w, &mut buf) {
             Ok(()) => stats.written.fetch_add(1, Ordering::Relaxed),
@@ -290,7 +273,7 @@ mod tests {
         let mut rd = csv::Reader::from_path(&path).unwrap();
         assert_eq!(
             rd.headers().unwrap().iter().collect::<Vec<_>>(),
-            HEADER.to_vec()
+            ROUTER_COLUMNS.to_vec()
         );
         let recs: Vec<csv::StringRecord> = rd.records().map(Result::unwrap).collect();
         assert_eq!(recs.len(), 1);

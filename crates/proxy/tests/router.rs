@@ -762,7 +762,7 @@ async fn rows_join_with_engine_usage() {
         .iter()
         .map(str::to_string)
         .collect();
-    assert_eq!(header, proxy::rows::HEADER.to_vec());
+    assert_eq!(header, schema::ROUTER_COLUMNS.to_vec());
     let mut reported = a.state.reported.lock().clone();
     reported.extend(b.state.reported.lock().clone());
     assert!(

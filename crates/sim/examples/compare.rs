@@ -70,17 +70,12 @@ fn main() {
         if std::env::var("SIM_DEBUG").is_ok() {
             // Distributions behind the medians: TTFT quantiles (µs), load at decision, spread of
             // requests over replicas, and the engine totals.
-            let mut ttft: Vec<u64> = out
+            let mut ttft: Vec<f64> = out
                 .outcomes
                 .iter()
-                .filter_map(|o| o.first_us.map(|f| f - o.sent_us))
+                .filter_map(|o| o.first_us.map(|f| (f - o.sent_us) as f64))
                 .collect();
-            ttft.sort_unstable();
-            let q = |p: f64| {
-                ttft.get(((ttft.len() as f64 * p) as usize).min(ttft.len().saturating_sub(1)))
-                    .copied()
-                    .unwrap_or(0)
-            };
+            let mut q = |p: f64| schema::stats::quantile_in_place(&mut ttft, p).unwrap_or(0.0);
             let mut oc: Vec<u32> = out
                 .outcomes
                 .iter()
@@ -89,7 +84,7 @@ fn main() {
             oc.sort_unstable();
             let pr = &out.per_replica_requests;
             eprintln!(
-                "  ttft_us p10 {} p50 {} p90 {}; outstanding_chosen max {}; requests per replica {}..{}; {:?}",
+                "  ttft_us p10 {:.0} p50 {:.0} p90 {:.0}; outstanding_chosen max {}; requests per replica {}..{}; {:?}",
                 q(0.1),
                 q(0.5),
                 q(0.9),

@@ -25,12 +25,9 @@ struct Stats {
     replicas_used: usize,
 }
 
+/// Quantile `p` of `v` (`schema::stats`, as the report computes it); NaN when empty.
 fn q(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[((v.len() as f64 * p) as usize).min(v.len() - 1)]
+    schema::stats::quantile_in_place(v, p).unwrap_or(f64::NAN)
 }
 
 fn stats(dir: &Path, slo: &Slo, users: Option<usize>) -> Stats {
@@ -44,17 +41,13 @@ fn stats(dir: &Path, slo: &Slo, users: Option<usize>) -> Stats {
     let mut e2e: Vec<f64> = ok.iter().filter_map(|r| r.e2el_ms).collect();
     let cached: u64 = ok.iter().filter_map(|r| r.cached_tokens).sum();
     let prompt: u64 = ok.iter().filter_map(|r| r.prompt_tokens).sum();
-    let a_slo = analysis::Slo {
-        ttft_ms: slo.ttft_ms,
-        itl_ms: slo.itl_ms,
-    };
     let good = client
         .iter()
         .filter(|r| {
             r.sent_s
                 .is_some_and(|s| s >= window.measured_start_s && s < window.measured_end_s)
         })
-        .filter(|r| analysis::is_good(r, &a_slo))
+        .filter(|r| analysis::is_good(r, slo))
         .count();
     let mut replicas: Vec<u32> = router.iter().filter_map(|r| r.replica).collect();
     replicas.sort_unstable();

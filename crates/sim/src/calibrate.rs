@@ -5,7 +5,9 @@ use serde::Serialize;
 use workload::{ArrivalSpec, Plan, Sizing, WorkloadSpec};
 
 use crate::SimError;
-use crate::cell::{Slo, median};
+use schema::stats::quantile_in_place;
+
+use crate::cell::Slo;
 use crate::config::SimConfig;
 use crate::sim::simulate;
 
@@ -65,7 +67,10 @@ pub fn calibrate(
         .collect();
     let mut ttft: Vec<f64> = unseen.iter().filter_map(|o| o.ttft_ms()).collect();
     let mut itl: Vec<f64> = unseen.iter().filter_map(|o| o.itl_p50_ms()).collect();
-    let (Some(ttft_p50_ms), Some(itl_p50_ms)) = (median(&mut ttft), median(&mut itl)) else {
+    let (Some(ttft_p50_ms), Some(itl_p50_ms)) = (
+        quantile_in_place(&mut ttft, 0.5),
+        quantile_in_place(&mut itl, 0.5),
+    ) else {
         return Err(SimError::Window(
             "no unseen request completed with two or more tokens".into(),
         ));

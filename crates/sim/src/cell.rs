@@ -10,80 +10,31 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
+use schema::stats::quantile_in_place;
+use serde::Serialize;
 use workload::{ArrivalSpec, Plan, Schedule};
 
 use crate::SimError;
 use crate::config::SimConfig;
 use crate::prompts::PromptBook;
-use crate::rows::{CLIENT_COLUMNS, ROUTER_COLUMNS, client_record, router_record, to_csv};
+use crate::rows::{client_record, router_record, to_csv};
 use crate::sim::{SimOutput, simulate_with};
+use schema::{CLIENT_COLUMNS, ROUTER_COLUMNS};
 
-/// The SLO a request must meet (ms): TTFT below `ttft_ms` and per-request ITL p50 below
-/// `itl_ms`, no error.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Slo {
-    /// TTFT bound.
-    pub ttft_ms: f64,
-    /// Per-request ITL p50 bound.
-    pub itl_ms: f64,
-}
+/// `meta.json`, the SLO and the window: one definition for every writer and reader
+/// (crates/schema).
+pub use schema::{Meta, Slo, Window};
 
-impl Default for Slo {
-    /// 3× the reference floors (REFERENCE.md §1): TTFT < 990 ms, ITL p50 < 24 ms.
-    fn default() -> Self {
-        Self {
-            ttft_ms: 990.0,
-            itl_ms: 24.0,
-        }
-    }
-}
-
-/// The measured window on the driver's clock (client.csv `_s` columns).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Window {
-    /// Discarded warm-up, s.
-    pub warmup_s: f64,
-    /// Start of the measured window, s.
-    pub measured_start_s: f64,
-    /// End of the measured window, s.
-    pub measured_end_s: f64,
-}
-
-/// The measured window from the send times — the sweep's rule for live cells: it starts at the
-/// end of the warm-up; open loop ends at `planned_end_s`; closed loop with `users` users ends at
-/// the send time of the request that leaves fewer than `users` unsent (past it the offered
-/// concurrency is no longer the point's), capped by `planned_end_s`.
+/// The measured window from the send times: the sweep's rule for live cells,
+/// [`Window::measured`].
 pub fn measured_window(
     sent_s: &[f64],
     warmup_s: f64,
     planned_end_s: f64,
     closed_users: Option<usize>,
 ) -> Result<Window, SimError> {
-    let end = match closed_users {
-        None => planned_end_s,
-        Some(users) => {
-            let mut sorted: Vec<f64> = sent_s.iter().copied().filter(|t| t.is_finite()).collect();
-            sorted.sort_by(f64::total_cmp);
-            if sorted.len() <= users {
-                return Err(SimError::Window(format!(
-                    "only {} requests were sent by {users} users",
-                    sorted.len()
-                )));
-            }
-            sorted[sorted.len() - users].min(planned_end_s)
-        }
-    };
-    if end <= warmup_s {
-        return Err(SimError::Window(format!(
-            "the run ended ({end:.2} s) before its warm-up did ({warmup_s:.2} s)"
-        )));
-    }
-    Ok(Window {
-        warmup_s,
-        measured_start_s: warmup_s,
-        measured_end_s: end,
-    })
+    Window::measured(sent_s, warmup_s, planned_end_s, closed_users)
+        .map_err(|e| SimError::Window(e.to_string()))
 }
 
 /// What the sweep knows about a cell that the simulation does not: its place in the sweep and
@@ -156,26 +107,9 @@ pub struct CellSummary {
     pub skipped_draws: u64,
 }
 
-fn percentile(sorted: &[u64], p: f64) -> Option<u64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = (p * sorted.len() as f64).ceil() as usize;
-    Some(sorted[rank.clamp(1, sorted.len()) - 1])
-}
-
-/// Median of `v` (sorted in place); the mean of the middle two for an even count.
-pub(crate) fn median(v: &mut [f64]) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    })
+/// A quantile of measured wall times in whole nanoseconds (the timer's resolution).
+fn wall_ns_quantile(ns: &mut [f64], q: f64) -> Option<u64> {
+    quantile_in_place(ns, q).map(|v| v.round() as u64)
 }
 
 fn closed_users(plan: &Plan) -> Option<usize> {
@@ -254,8 +188,7 @@ pub fn summarize(
     let len_s = window.measured_end_s - window.measured_start_s;
     let total: u64 = out.per_replica_requests.iter().sum();
     let busiest = out.per_replica_requests.iter().copied().max().unwrap_or(0);
-    let mut decide = out.decide_wall_ns.clone();
-    decide.sort_unstable();
+    let mut decide: Vec<f64> = out.decide_wall_ns.iter().map(|&ns| ns as f64).collect();
     Ok(CellSummary {
         policy: out.policy.clone(),
         replicas: cfg.replicas,
@@ -264,8 +197,8 @@ pub fn summarize(
         window,
         goodput_rps: good as f64 / len_s,
         throughput_rps: in_window as f64 / len_s,
-        ttft_p50_ms: median(&mut ttft),
-        itl_p50_ms: median(&mut itl),
+        ttft_p50_ms: quantile_in_place(&mut ttft, 0.5),
+        itl_p50_ms: quantile_in_place(&mut itl, 0.5),
         hit_rate: if prompt == 0 {
             0.0
         } else {
@@ -284,8 +217,8 @@ pub fn summarize(
         preemptions: out.engine.preemptions,
         index_nodes: out.index.as_ref().map(|s| s.nodes),
         index_bytes: out.index.as_ref().map(|s| s.bytes),
-        decide_wall_ns_p50: percentile(&decide, 0.5),
-        decide_wall_ns_p99: percentile(&decide, 0.99),
+        decide_wall_ns_p50: wall_ns_quantile(&mut decide, 0.5),
+        decide_wall_ns_p99: wall_ns_quantile(&mut decide, 0.99),
         virtual_s: out.end_us as f64 / 1e6,
         wall_s,
         events: out.events,
@@ -351,15 +284,15 @@ fn meta_json(
         .map(|i| cfg.slowdown(i))
         .collect();
     let r = &cfg.router;
-    Ok(serde_json::json!({
-        "sweep": meta.sweep,
-        "point": meta.point,
-        "policy": summary.policy,
-        "rep": meta.rep,
-        "workload_name": plan.spec.name(),
-        "workload_fingerprint": fp(plan.workload_fingerprint_hex())?,
-        "plan_fingerprint": fp(plan.fingerprint_hex())?,
-        "fleet": {
+    let written = Meta {
+        sweep: meta.sweep.clone(),
+        point: meta.point.clone(),
+        policy: summary.policy.clone(),
+        rep: meta.rep,
+        workload_name: plan.spec.name(),
+        workload_fingerprint: fp(plan.workload_fingerprint_hex())?,
+        plan_fingerprint: fp(plan.fingerprint_hex())?,
+        fleet: serde_json::json!({
             "source": "virtual",
             "replicas": cfg.replicas,
             "speed": cfg.engine.model.speed,
@@ -367,18 +300,19 @@ fn meta_json(
             "capacity_tokens": cfg.capacity_tokens(),
             "num_gpu_blocks": cfg.engine.num_gpu_blocks,
             "block_size": cfg.engine.block_size,
-        },
-        "slo": meta.slo,
-        "window": summary.window,
-        "git_rev": meta.git_rev,
-        "versions": meta.versions,
-        "virtual": true,
-        "complete": true,
-        "accepted": true,
-        "set_aside_reason": null,
-        "attempts": 1,
-        "evidence": {"source": "virtual", "lateness_p99_ms": 0.0},
-        "run": {
+        }),
+        slo: meta.slo,
+        window: summary.window,
+        git_rev: meta.git_rev.clone(),
+        versions: meta.versions.clone(),
+        virtual_time: true,
+        complete: true,
+        accepted: true,
+        set_aside_reason: None,
+        attempts: 1,
+        evidence: serde_json::json!({"source": "virtual", "lateness_p99_ms": 0.0}),
+        drift: serde_json::Value::Null,
+        run: serde_json::json!({
             "plan_name": plan.name(),
             "model": cfg.model,
             "policy_seed": cfg.policy.seed,
@@ -393,9 +327,18 @@ fn meta_json(
             "block_bytes": r.block_bytes,
             "bytes_per_token": r.bytes_per_token,
             "sweep": meta.run,
-        },
-        "sim": summary,
-    }))
+        }),
+    };
+    let json = |e: serde_json::Error| SimError::Io(format!("meta.json: {e}"));
+    // A JSON value (its keys sorted), not the struct, so that a sweep can still set `accepted`
+    // and `set_aside_reason` after its drift check; the summary rides along under `sim`.
+    let mut value = serde_json::to_value(&written).map_err(json)?;
+    if let Some(fields) = value.as_object_mut() {
+        // The simulator runs no drift check; a sweep that does records its verdict here.
+        fields.remove("drift");
+        fields.insert("sim".into(), serde_json::to_value(summary).map_err(json)?);
+    }
+    Ok(value)
 }
 
 /// Simulates one repetition and writes it into `out_dir` (created if needed): `client.csv`,
@@ -555,24 +498,6 @@ pub fn run_grid(mut jobs: Vec<GridJob>, threads: usize) -> Vec<Result<CellSummar
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn window_rules_match_the_sweep() {
-        let sent = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
-        let open = measured_window(&sent, 1.5, 10.0, None).expect("open");
-        assert_eq!((open.measured_start_s, open.measured_end_s), (1.5, 10.0));
-        // Closed loop with 2 users ends at the send that leaves fewer than 2 unsent.
-        let closed = measured_window(&sent, 1.5, 10.0, Some(2)).expect("closed");
-        assert_eq!(closed.measured_end_s, 5.0);
-        assert_eq!(
-            measured_window(&sent, 1.5, 4.5, Some(2))
-                .expect("capped")
-                .measured_end_s,
-            4.5
-        );
-        assert!(measured_window(&sent, 0.0, 10.0, Some(6)).is_err());
-        assert!(measured_window(&sent, 5.0, 10.0, Some(2)).is_err());
-    }
 
     #[test]
     fn atomic_write_replaces_the_whole_file_and_leaves_no_temp() {

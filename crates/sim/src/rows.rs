@@ -1,51 +1,8 @@
-//! `client.csv` and `router.csv` rows in the live schema (docs/CONTRACTS.md), formatted exactly
-//! as the driver and the router format them (`_s` with 6 decimals, `_ms` with 3, empty = none).
+//! `client.csv` and `router.csv` records in the live schema (`schema::rows`, docs/CONTRACTS.md),
+//! formatted exactly as the driver and the router format them (`_s` with 6 decimals, `_ms` with 3,
+//! empty = none).
 
 use std::fmt::Write as _;
-
-/// `client.csv` columns, in contract order.
-pub const CLIENT_COLUMNS: [&str; 19] = [
-    "request_id",
-    "session_id",
-    "turn",
-    "scheduled_s",
-    "sent_s",
-    "first_token_s",
-    "last_s",
-    "ttft_ms",
-    "itl_p50_ms",
-    "tpot_ms",
-    "e2el_ms",
-    "prompt_tokens",
-    "output_tokens",
-    "cached_tokens",
-    "status",
-    "error",
-    "warmup",
-    "send_lag_ms",
-    "chunks",
-];
-
-/// `router.csv` columns, in contract order.
-pub const ROUTER_COLUMNS: [&str; 17] = [
-    "request_id",
-    "session_id",
-    "arrival_s",
-    "policy",
-    "replica",
-    "branch",
-    "predicted_match_tokens",
-    "outstanding_chosen",
-    "outstanding_min",
-    "decide_ns",
-    "overhead_us",
-    "tokenize_ms",
-    "upstream_status",
-    "cached_tokens",
-    "prompt_tokens",
-    "error",
-    "attempts",
-];
 
 /// Who sent a request: closed-loop user `u`'s `k`-th request, or open-loop arrival `i`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,8 +53,9 @@ pub struct Outcome {
     pub last_us: Option<u64>,
     /// End of the response or failure.
     pub end_us: u64,
-    /// Median inter-token gap ×2, µs (kept doubled so an even count's mean stays an integer).
-    pub itl_p50_x2_us: Option<u64>,
+    /// Median inter-token gap, µs (`schema::stats`: an even count takes the mean of the middle
+    /// two, a whole or half µs, exact in an f64).
+    pub itl_p50_us: Option<f64>,
     /// Engine prompt tokens (known once the engine accepted the request).
     pub prompt_tokens: Option<u32>,
     /// Tokens generated.
@@ -148,7 +106,7 @@ impl Outcome {
 
     /// Per-request ITL p50 in ms.
     pub fn itl_p50_ms(&self) -> Option<f64> {
-        self.itl_p50_x2_us.map(|x| x as f64 / 2e3)
+        self.itl_p50_us.map(|us| us / 1e3)
     }
 
     /// Engine cached tokens as the usage chunk reports them: vLLM omits `prompt_tokens_details`

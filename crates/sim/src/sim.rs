@@ -143,7 +143,8 @@ impl Ord for Item {
 struct Live {
     out: Outcome,
     replica: Option<u32>,
-    gaps: Vec<u32>,
+    /// Inter-token gaps, µs (whole µs: the virtual clock's unit).
+    gaps: Vec<f64>,
     done: bool,
 }
 
@@ -233,7 +234,7 @@ struct Sim<'a> {
     conv_waiters: Vec<VecDeque<u32>>,
     batches: Vec<Option<(u32, Vec<engine::KvEvent>)>>,
     free_batches: Vec<u32>,
-    gap_pool: Vec<Vec<u32>>,
+    gap_pool: Vec<Vec<f64>>,
     session_ids: Vec<String>,
     keys_buf: Vec<u64>,
     /// Finished requests, in completion order.
@@ -574,7 +575,7 @@ impl Sim<'_> {
                 first_us: None,
                 last_us: None,
                 end_us: t,
-                itl_p50_x2_us: None,
+                itl_p50_us: None,
                 prompt_tokens: None,
                 output_tokens: 0,
                 cached_tokens: 0,
@@ -818,7 +819,7 @@ impl Sim<'_> {
                 live.out.cached_tokens = tok.cached_tokens;
                 live.out.status = 200;
             } else if let Some(last) = live.out.last_us {
-                live.gaps.push((t - last) as u32);
+                live.gaps.push((t - last) as f64);
             }
             live.out.last_us = Some(t);
             live.out.output_tokens += 1;
@@ -843,7 +844,7 @@ impl Sim<'_> {
         let live = &mut self.reqs[r as usize];
         live.done = true;
         live.out.end_us = t;
-        live.out.itl_p50_x2_us = median_x2(&mut live.gaps);
+        live.out.itl_p50_us = schema::stats::quantile_in_place(&mut live.gaps, 0.5);
         self.finish(r, t);
     }
 
@@ -900,34 +901,9 @@ impl Sim<'_> {
     }
 }
 
-/// Twice the median of `gaps` (an even count takes the mean of the two middle values, as the
-/// driver does; doubling keeps it an integer). `None` when empty.
-fn median_x2(gaps: &mut [u32]) -> Option<u64> {
-    let n = gaps.len();
-    if n == 0 {
-        return None;
-    }
-    let (below, &mut hi, _) = gaps.select_nth_unstable(n / 2);
-    Some(if n % 2 == 1 {
-        2 * u64::from(hi)
-    } else {
-        let lo = below.iter().copied().max().unwrap_or(hi);
-        u64::from(lo) + u64::from(hi)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn median_matches_the_drivers_definition() {
-        assert_eq!(median_x2(&mut []), None);
-        assert_eq!(median_x2(&mut [7]), Some(14));
-        assert_eq!(median_x2(&mut [30, 10, 20]), Some(40));
-        assert_eq!(median_x2(&mut [40, 10, 30, 20]), Some(50));
-        assert_eq!(median_x2(&mut [5, 5, 9, 1]), Some(10));
-    }
 
     #[test]
     fn events_pop_in_time_then_creation_order() {

@@ -1,0 +1,17 @@
+//! What kvroute's rows and repetitions *are*: one definition each, shared by every crate that
+//! writes or reads them.
+//!
+//! - [`meta`]: a repetition's `meta.json` ([`Meta`]), its SLO ([`Slo`]) and measured window
+//!   ([`Window`], with the sweep's window rule [`Window::measured`]).
+//! - [`rows`]: the `client.csv` and `router.csv` columns ([`CLIENT_COLUMNS`],
+//!   [`ROUTER_COLUMNS`]), in contract order (docs/CONTRACTS.md, "Rows").
+//! - [`stats`]: the one percentile definition ([`stats::quantile`], R type 7).
+//!
+//! Pure data and arithmetic: no I/O, no clock, no async.
+
+pub mod meta;
+pub mod rows;
+pub mod stats;
+
+pub use meta::{Meta, Slo, Window, WindowError};
+pub use rows::{CLIENT_COLUMNS, ROUTER_COLUMNS};
