@@ -4,6 +4,8 @@
 use std::io::Write;
 use std::path::Path;
 
+use atomic_write_file::AtomicWriteFile;
+
 use crate::error::{AnalysisError, Result};
 
 /// One file of the output: its name in the analysed directory and its bytes.
@@ -23,26 +25,11 @@ pub fn write_files(dir: &Path, files: &[OutputFile]) -> Result<()> {
     Ok(())
 }
 
-/// Writes via a hidden temporary name in the same directory, synced, then a rename, so a reader
-/// never sees half a file.
+/// Writes through a temporary file in the same directory, synced, then renamed over `path` (the
+/// `atomic-write-file` crate, which also syncs the directory), so a reader never sees half a file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let written = std::fs::File::create(&tmp).and_then(|mut f| {
-        f.write_all(bytes)?;
-        f.sync_all()
-    });
-    if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(AnalysisError::io(path, e));
-    }
-    // The rename is durable once the directory entry is.
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(())
+    let mut f = AtomicWriteFile::open(path).map_err(|e| AnalysisError::io(path, e))?;
+    f.write_all(bytes)
+        .and_then(|()| f.commit())
+        .map_err(|e| AnalysisError::io(path, e))
 }

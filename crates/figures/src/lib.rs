@@ -249,9 +249,12 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
     Ok(vec![png, svg, csv])
 }
 
+/// Writes through a synced temp file and a rename (the `atomic-write-file` crate): a figure's data
+/// file is never half written.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("csv.tmp");
-    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
+    let mut f = atomic_write_file::AtomicWriteFile::open(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    std::io::Write::write_all(&mut f, bytes)
+        .and_then(|()| f.commit())
+        .with_context(|| format!("cannot write {}", path.display()))
 }

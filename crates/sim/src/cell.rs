@@ -226,25 +226,13 @@ pub fn summarize(
     })
 }
 
-/// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename.
+/// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename (the
+/// `atomic-write-file` crate).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SimError> {
     let io = |e: std::io::Error| SimError::Io(format!("{}: {e}", path.display()));
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| SimError::Io(format!("{}: not a file path", path.display())))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(".tmp");
-    let tmp = dir.join(tmp_name);
-    let mut f = std::fs::File::create(&tmp).map_err(io)?;
+    let mut f = atomic_write_file::AtomicWriteFile::open(path).map_err(io)?;
     f.write_all(bytes).map_err(io)?;
-    f.sync_all().map_err(io)?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(io)
+    f.commit().map_err(io)
 }
 
 /// The rows of a run as `client.csv` and `router.csv` bytes.
