@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # System packages the tests and experiments need, installed only when missing (idempotent).
-# - haproxy: the `--ingress haproxy` baseline (Debian's package; xtask starts it as a child).
+# - haproxy: the `--ingress haproxy` baseline (Debian's package; fleet::ingress starts it as a child).
 # - nginx-light: the proxy benchmark's second reference proxy (`cargo xtask proxy-bench`).
 set -euo pipefail
 
