@@ -122,6 +122,10 @@ struct RunArgs {
     /// Progress line on stderr.
     #[arg(long, value_enum, default_value_t = Progress::Auto)]
     progress: Progress,
+    /// Also rewrite the progress line into this file every second (for an orchestrator that
+    /// logs stderr and shows progress on its own terminal).
+    #[arg(long)]
+    progress_file: Option<PathBuf>,
     /// Skip the GET /v1/models check (requires --model).
     #[arg(long)]
     no_preflight: bool,
@@ -232,6 +236,7 @@ fn drive(a: &RunArgs, mode: Arrival) -> Result<()> {
             Progress::On => ProgressMode::On,
             Progress::Off => ProgressMode::Off,
         },
+        progress_file: a.progress_file.clone(),
     };
     // One core: the benchmark in crates/driver/README.md was measured this way.
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -62,6 +62,10 @@ pub struct RunConfig {
     pub preflight: bool,
     /// Progress line on stderr.
     pub progress: ProgressMode,
+    /// Also rewrite the progress line into this file once a second, whatever `progress` says: an
+    /// orchestrator that sends the driver's stderr to a log reads it from there and shows it on
+    /// its own terminal.
+    pub progress_file: Option<PathBuf>,
 }
 
 impl RunConfig {
@@ -77,6 +81,7 @@ impl RunConfig {
             duration_s: None,
             preflight: true,
             progress: ProgressMode::Auto,
+            progress_file: None,
         }
     }
 
@@ -594,7 +599,8 @@ fn spawn_progress(
         ProgressMode::On => true,
         ProgressMode::Off => false,
     };
-    if !on {
+    let file = cfg.progress_file.clone();
+    if !on && file.is_none() {
         return None;
     }
     let shared = shared.clone();
@@ -611,11 +617,29 @@ fn spawn_progress(
                 Ok(s) => progress_line(&s, total, elapsed, plan_end),
                 Err(_) => break,
             };
-            let mut err = std::io::stderr().lock();
-            let _ = write!(err, "\r\x1b[2K{line}");
-            let _ = err.flush();
+            if let Some(path) = &file {
+                // Best effort: a reader sees the last whole line or none (one short write).
+                let _ = std::fs::write(path, format!("{line}\n"));
+            }
+            if on {
+                let mut err = std::io::stderr().lock();
+                let _ = write!(err, "\r\x1b[2K{line}");
+                let _ = err.flush();
+            }
         }
-        let _ = writeln!(std::io::stderr());
+        if on {
+            let _ = writeln!(std::io::stderr());
+        }
+        // The file ends on the run's final count, not on the last tick's.
+        if let Some(path) = &file
+            && let Ok(s) = shared.sink.lock()
+        {
+            let elapsed = shared.requester.clock_start().elapsed();
+            let _ = std::fs::write(
+                path,
+                format!("{}\n", progress_line(&s, total, elapsed, plan_end)),
+            );
+        }
     });
     Some((handle, tx))
 }

@@ -487,3 +487,24 @@ async fn duration_cap_stops_new_requests_and_wrong_driver_is_refused() {
     let err = run_open(&plan, &cfg).await.unwrap_err();
     assert!(err.to_string().contains("driver closed"), "{err}");
 }
+
+/// `progress_file` gets the progress line even with the terminal line off (an orchestrator logs
+/// the driver's stderr and shows this file instead), and it ends on the final count.
+#[tokio::test]
+async fn the_progress_file_ends_on_the_final_count() {
+    let server =
+        ScriptedServer::start(|_| Reply::Stream(StreamScript::uniform(ms(1), ms(1), 2, 50)))
+            .await
+            .unwrap();
+    let plan = closed_plan(2, 2, 0.0, 3);
+    let dir = out_dir("progress-file");
+    let progress = dir.join("driver.progress");
+    let cfg = RunConfig {
+        progress_file: Some(progress.clone()),
+        ..config(server.url(), dir.join("client.csv"))
+    };
+    let summary = run_closed(&plan, &cfg).await.unwrap();
+    assert_eq!(summary.requests, 6);
+    let text = std::fs::read_to_string(&progress).unwrap();
+    assert!(text.starts_with("6/6 done"), "{text}");
+}

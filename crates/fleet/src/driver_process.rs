@@ -1,7 +1,8 @@
 //! The load driver (`driver closed|open`) as a process: its command line, and waiting for it
 //! while watching the fleet.
 
-use std::path::Path;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -51,6 +52,13 @@ pub fn driver_command(
     cmd
 }
 
+/// Where the driver rewrites its progress line (`--progress-file`): beside its log
+/// (`driver.log` → `driver.progress`), so [`wait_driver`] can show it on an interactive terminal
+/// while the driver's stderr goes to the log.
+pub fn progress_file(log: &Path) -> PathBuf {
+    log.with_extension("progress")
+}
+
 /// Starts `driver closed|open` against `url`: plan `plan`, rows into `out`, log into `log`.
 pub fn start_driver(
     driver_bin: &Path,
@@ -60,11 +68,9 @@ pub fn start_driver(
     settings: &DriverSettings,
     log: &Path,
 ) -> Result<ChildGuard> {
-    ChildGuard::spawn(
-        "driver",
-        driver_command(driver_bin, url, plan, out, settings),
-        log,
-    )
+    let mut cmd = driver_command(driver_bin, url, plan, out, settings);
+    cmd.arg("--progress-file").arg(progress_file(log));
+    ChildGuard::spawn("driver", cmd, log)
 }
 
 /// Waits for the driver to exit successfully within `limit`, checking the fleet and
@@ -78,11 +84,13 @@ pub fn wait_driver(
     mut on_tick: impl FnMut(Duration) -> Result<()>,
 ) -> Result<()> {
     let started = Instant::now();
+    let mut shown = TerminalProgress::new(progress_file(driver.log_path()));
     loop {
         if should_stop() {
             bail!("interrupted");
         }
         if let Some(status) = driver.try_wait()? {
+            shown.clear();
             if status.success() {
                 return Ok(());
             }
@@ -101,7 +109,60 @@ pub fn wait_driver(
             );
         }
         on_tick(elapsed)?;
+        shown.refresh();
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The driver's progress line redrawn on this process's stderr, once a second, only when stderr
+/// is a terminal (a log or a pipe gets nothing: the driver's own log has its summary).
+struct TerminalProgress {
+    path: PathBuf,
+    on: bool,
+    drawn: bool,
+    last: Option<Instant>,
+}
+
+impl TerminalProgress {
+    fn new(path: PathBuf) -> Self {
+        Self {
+            path,
+            on: std::io::stderr().is_terminal(),
+            drawn: false,
+            last: None,
+        }
+    }
+
+    fn refresh(&mut self) {
+        if !self.on
+            || self
+                .last
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return;
+        }
+        self.last = Some(Instant::now());
+        if let Ok(text) = std::fs::read_to_string(&self.path)
+            && let Some(line) = text.lines().next_back()
+        {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[2K  driver: {line}");
+            let _ = err.flush();
+            self.drawn = true;
+        }
+    }
+
+    fn clear(&mut self) {
+        if self.drawn {
+            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+            self.drawn = false;
+        }
+    }
+}
+
+impl Drop for TerminalProgress {
+    fn drop(&mut self) {
+        self.clear();
     }
 }
 
@@ -142,6 +203,14 @@ mod tests {
         assert_eq!(
             args(&cmd).join(" "),
             "closed --url u --plan p --out o --model kvroute/emulated-8b --warmup-s 0.5 --timeout-s 20"
+        );
+    }
+
+    #[test]
+    fn the_progress_file_sits_beside_the_log() {
+        assert_eq!(
+            progress_file(Path::new("m/s/p/rep-1/driver.log")),
+            Path::new("m/s/p/rep-1/driver.progress")
         );
     }
 }
