@@ -11,13 +11,14 @@ use std::path::{Path, PathBuf};
 /// missing here fails the test, so a new crate states its place before it lands.
 const LAYERS: &[(&str, &[&str])] = &[
     ("schema", &[]),
+    ("prom-text", &[]),
     ("kv-index", &[]),
     ("workload", &[]),
     ("engine", &[]),
     ("policies", &["kv-index"]),
-    ("proxy", &["kv-index", "policies", "schema"]),
+    ("proxy", &["kv-index", "policies", "schema", "prom-text"]),
     ("driver", &["workload", "schema"]),
-    ("fleet", &["schema"]),
+    ("fleet", &["schema", "prom-text"]),
     ("analysis", &["workload", "schema"]),
     ("figures", &["analysis", "schema"]),
     (
