@@ -1,9 +1,11 @@
-//! The workspace around xtask: where it is, building the binaries, git revision, versions.
+//! The workspace around xtask: where it is, building the binaries (`experiment::Bins`), git
+//! revision, versions.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
+use experiment::Bins;
 
 /// The packages whose binaries the experiment drives.
 pub const BIN_PACKAGES: &[&str] = &["engine-bin", "router-bin", "driver-bin", "report-bin"];
@@ -29,40 +31,9 @@ pub fn target_dir() -> PathBuf {
     }
 }
 
-/// Paths of the release binaries.
-#[derive(Debug, Clone)]
-pub struct Bins {
-    /// `engine`.
-    pub engine: PathBuf,
-    /// `router`.
-    pub router: PathBuf,
-    /// `driver`.
-    pub driver: PathBuf,
-}
-
-impl Bins {
-    /// The release binaries under the target dir (not checked).
-    pub fn release() -> Bins {
-        let dir = target_dir().join("release");
-        Bins {
-            engine: dir.join("engine"),
-            router: dir.join("router"),
-            driver: dir.join("driver"),
-        }
-    }
-
-    /// Fails naming the first binary that does not exist.
-    pub fn check(&self) -> Result<()> {
-        for bin in [&self.engine, &self.router, &self.driver] {
-            if !bin.is_file() {
-                bail!(
-                    "{} is missing; build it with `cargo build --release -p engine-bin -p router-bin -p driver-bin` (or drop --no-build)",
-                    bin.display()
-                );
-            }
-        }
-        Ok(())
-    }
+/// The release binaries under the target dir (not checked).
+pub fn release_bins() -> Bins {
+    Bins::in_dir(&target_dir().join("release"))
 }
 
 /// `cargo build --release -p engine-bin -p router-bin -p driver-bin -p report-bin`.
@@ -79,7 +50,7 @@ pub fn build_release_bins() -> Result<Bins> {
     if !status.success() {
         bail!("cargo build --release of the experiment binaries failed ({status})");
     }
-    let bins = Bins::release();
+    let bins = release_bins();
     bins.check()?;
     Ok(bins)
 }

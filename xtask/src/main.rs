@@ -1,23 +1,19 @@
 //! `cargo xtask …`: the experiment loop — calibrate, sweep, report — and CI convenience.
 //!
-//! Orchestration only: the engines, router and driver run as processes through their CLIs
-//! (docs/CONTRACTS.md), the fleet crate manages their lifecycles and evidence, the workload crate
-//! builds the plans, the experiment crate defines the grids, the measurements layout, publication
-//! and the calibration record, and the analysis crate turns rows into verdicts.
+//! A thin driver: clap flags become the experiment crate's settings, and this crate keeps the
+//! resumable loops, their progress lines and the Ctrl-C handler. The procedures (calibration, a
+//! sweep's cell, a fault repetition, the virtual sweep's cell) are `experiment`'s; they run the
+//! engines, router and driver as processes (docs/CONTRACTS.md) through the fleet crate, and the
+//! analysis crate turns rows into verdicts.
 
 mod calibration;
-mod cell;
 mod env;
 mod fault;
 mod figures_cmd;
 mod fleetargs;
 mod interrupt;
-mod progress;
 mod publish;
 mod report;
-mod run;
-#[cfg(test)]
-mod scratch;
 mod sweep;
 mod virtual_sweep;
 
@@ -26,8 +22,6 @@ use std::process::Command;
 
 use anyhow::{Result, bail};
 use clap::{Parser, Subcommand};
-// The sweeps' definitions, as `crate::grid` for the commands that run them.
-use experiment::grid;
 
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "kvroute's experiment loop")]
@@ -91,10 +85,10 @@ fn main() {
     }
 }
 
-fn bins(no_build: bool) -> Result<env::Bins> {
+fn bins(no_build: bool) -> Result<experiment::Bins> {
     to_workspace_root()?;
     if no_build {
-        let b = env::Bins::release();
+        let b = env::release_bins();
         b.check()?;
         Ok(b)
     } else {
@@ -158,8 +152,47 @@ mod tests {
         };
         assert!(args.quick);
         assert_eq!(args.reps, 3);
-        assert_eq!(args.fleet.speed, fleetargs::DEFAULT_SPEED);
+        assert_eq!(args.fleet.speed, experiment::fleet_spec::DEFAULT_SPEED);
         assert!(Cli::try_parse_from(["xtask", "sweep", "pressure-grid", "--open-loop"]).is_err());
         assert!(Cli::try_parse_from(["xtask", "sweep", "nonsense"]).is_err());
+    }
+
+    #[test]
+    fn flags_become_the_library_settings_with_the_quick_defaults() {
+        let parse = |args: &[&str]| Cli::try_parse_from(args).unwrap().command;
+        let Cmd::Calibrate(c) = parse(&["xtask", "calibrate", "--quick", "--requests", "4"]) else {
+            panic!("not calibrate")
+        };
+        let c = c.settings();
+        assert_eq!((c.requests_per_replica, c.users), (4, 32));
+        assert_eq!((c.warmup_s, c.measure_s, c.fleet.replicas), (5.0, 8.0, 3));
+        assert_eq!(c.fleet.num_gpu_blocks, experiment::fleet_spec::QUICK_BLOCKS);
+        let Cmd::Sweep(s) = parse(&["xtask", "sweep", "load", "--open-loop", "--rate", "2"]) else {
+            panic!("not a sweep")
+        };
+        let s = s.settings();
+        assert_eq!(
+            (s.open_rate_rps, s.warmup_s, s.fleet.replicas),
+            (Some(2.0), 20.0, 5)
+        );
+        assert_eq!(s.ingress, fleet::Ingress::Router);
+        let Cmd::Fault(f) = parse(&[
+            "xtask",
+            "fault",
+            "drain",
+            "--quick",
+            "--slo-ttft-ms",
+            "100",
+            "--slo-itl-ms",
+            "5",
+        ]) else {
+            panic!("not a fault")
+        };
+        assert_eq!(f.dir(), PathBuf::from("measurements/fault-drain-quick"));
+        let f = f.settings();
+        assert_eq!(f.kind, analysis::fault::FaultKind::Drain);
+        assert_eq!((f.warmup_s, f.before_s, f.after_s), (3.0, 10.0, 20.0));
+        assert_eq!(f.slo.map(|s| (s.ttft_ms, s.itl_ms)), Some((100.0, 5.0)));
+        f.check().unwrap();
     }
 }

@@ -2,7 +2,7 @@
 //! derive them from measurements (DESIGN.md §3.9): floors → SLO, throttling outliers, KV capacity,
 //! requests per closed-loop user, and the reference run's belief decay → index TTL and node cap.
 //!
-//! Measuring is `cargo xtask calibrate` (it starts the fleet and drives the load); everything here
+//! Measuring is [`crate::calibrate`] (it starts the fleet and drives the load); everything here
 //! is a pure function of what it measured, except reading and writing the record.
 
 use std::path::{Path, PathBuf};
@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use analysis::Slo;
 use fleet::evidence::GpuSummary;
 use fleet::metrics::CacheConfig;
+use schema::Slo;
 
 use crate::cell;
 

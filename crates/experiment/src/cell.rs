@@ -92,6 +92,14 @@ pub fn write_meta<M: Serialize + ?Sized>(dir: &Path, meta: &M) -> Result<()> {
     write_atomic(&dir.join("meta.json"), &text)
 }
 
+/// A repetition's directory: `<sweep>/<point>/<policy>/rep-<k>`.
+pub fn rep_dir(sweep_dir: &Path, point: &str, policy: &str, rep: u32) -> PathBuf {
+    sweep_dir
+        .join(point)
+        .join(policy)
+        .join(format!("rep-{rep}"))
+}
+
 /// Empties a half-written repetition directory so it can be redone.
 pub fn clear(dir: &Path) -> Result<()> {
     if dir.exists() {
@@ -256,5 +264,73 @@ mod tests {
         assert_eq!(capped.measured_end_s, 12.0);
         assert!(measured_window(&sent, 17.0, 100.0, Some(4)).is_err());
         assert!(measured_window(&sent[..3], 0.0, 100.0, Some(4)).is_err());
+    }
+
+    fn full_meta(complete: bool, accepted: bool) -> schema::Meta {
+        schema::Meta {
+            sweep: "s".into(),
+            point: "ws1-s0".into(),
+            policy: "round-robin".into(),
+            rep: 1,
+            workload_name: "w".into(),
+            workload_fingerprint: "f".into(),
+            plan_fingerprint: "p".into(),
+            fleet: serde_json::json!({"source": "emulated", "capacity_tokens": 1000}),
+            slo: schema::Slo {
+                ttft_ms: 100.0,
+                itl_ms: 3.0,
+            },
+            window: Window {
+                warmup_s: 1.0,
+                measured_start_s: 1.0,
+                measured_end_s: 5.0,
+            },
+            git_rev: None,
+            versions: serde_json::Value::Null,
+            virtual_time: false,
+            complete,
+            accepted,
+            set_aside_reason: (!accepted).then(|| "drift".to_string()),
+            attempts: 1,
+            evidence: serde_json::Value::Null,
+            drift: serde_json::Value::Null,
+            run: serde_json::Value::Null,
+        }
+    }
+
+    #[test]
+    fn meta_has_the_contract_fields_and_analysis_reads_it() {
+        let s = Scratch::new("meta");
+        let dir = rep_dir(&s.0, "ws1-s0", "round-robin", 1);
+        assert_eq!(dir, s.0.join("ws1-s0/round-robin/rep-1"));
+        clear(&dir).unwrap();
+        write_meta(&dir, &full_meta(true, false)).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+        for field in [
+            "sweep",
+            "point",
+            "policy",
+            "rep",
+            "workload_name",
+            "workload_fingerprint",
+            "plan_fingerprint",
+            "fleet",
+            "slo",
+            "window",
+            "git_rev",
+            "versions",
+            "virtual",
+            "complete",
+            "accepted",
+            "set_aside_reason",
+        ] {
+            assert!(v.get(field).is_some(), "meta.json lacks {field}");
+        }
+        let parsed = analysis::read_meta(&dir.join("meta.json")).unwrap();
+        assert!(!parsed.accepted);
+        assert_eq!(parsed.capacity_tokens(), Some(1000));
+        assert_eq!(parsed.window.measured_s(), 4.0);
+        assert_eq!(CellState::of(&dir), CellState::Complete { accepted: false });
     }
 }

@@ -24,6 +24,30 @@ pub const ALL_POLICIES: &[&str] = &[
 /// baseline and the cache-aware router.
 pub const QUICK_POLICIES: &[&str] = &["round-robin", "session-affinity", "prefix-affinity"];
 
+/// Warm-up per cell, wall s: long enough for the caches to fill and the users' turns to fall out
+/// of step after their simultaneous start.
+pub const FULL_WARMUP_S: f64 = 20.0;
+/// Measured window per cell, wall s.
+pub const FULL_MEASURE_S: f64 = 40.0;
+/// Warm-up per cell with `--quick`, wall s.
+pub const QUICK_WARMUP_S: f64 = 5.0;
+/// Measured window per cell with `--quick`, wall s.
+pub const QUICK_MEASURE_S: f64 = 8.0;
+
+/// Default warm-up of a cell (and of the calibration's reference run), wall s.
+pub fn default_warmup_s(quick: bool) -> f64 {
+    if quick { QUICK_WARMUP_S } else { FULL_WARMUP_S }
+}
+
+/// Default measured window of a cell (and of the calibration's reference run), wall s.
+pub fn default_measure_s(quick: bool) -> f64 {
+    if quick {
+        QUICK_MEASURE_S
+    } else {
+        FULL_MEASURE_S
+    }
+}
+
 /// The sweeps `cargo xtask sweep <name>` knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
@@ -217,6 +241,24 @@ pub fn points(name: SweepName, p: &GridParams) -> Result<Vec<Point>> {
     })
 }
 
+/// Keeps the points named in `only` (all when empty); an unknown name is an error.
+pub fn select_points(points: Vec<Point>, only: &[String]) -> Result<Vec<Point>> {
+    if only.is_empty() {
+        return Ok(points);
+    }
+    if let Some(unknown) = only.iter().find(|n| !points.iter().any(|p| &p.name == *n)) {
+        let names: Vec<&str> = points.iter().map(|p| p.name.as_str()).collect();
+        bail!(
+            "no point `{unknown}` in this sweep; its points are {}",
+            names.join(", ")
+        );
+    }
+    Ok(points
+        .into_iter()
+        .filter(|p| only.contains(&p.name))
+        .collect())
+}
+
 /// The policies to compare: `--policies` when given (checked), else the defaults.
 pub fn policies(chosen: &[String], quick: bool) -> Result<Vec<String>> {
     if chosen.is_empty() {
@@ -316,5 +358,18 @@ mod tests {
         theirs.sort_unstable();
         assert_eq!(ours, theirs);
         assert!(QUICK_POLICIES.iter().all(|p| ALL_POLICIES.contains(p)));
+    }
+
+    #[test]
+    fn points_are_selected_by_name() {
+        let grid = || points(SweepName::PressureGrid, &params(true)).unwrap();
+        assert_eq!(select_points(grid(), &[]).unwrap().len(), 4);
+        let one = select_points(grid(), &["ws3-s0".to_string()]).unwrap();
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0].ratio, 3.0);
+        let err = select_points(grid(), &["ws9-s0".to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ws9-s0") && err.contains("ws1-s0"), "{err}");
     }
 }

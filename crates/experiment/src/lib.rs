@@ -1,24 +1,46 @@
-//! `experiment`: what a kvroute experiment is, as a library.
+//! `experiment`: what a kvroute experiment is and how it is run, as a library.
 //!
 //! The sweeps' grids (points, the load axis, quick variants, the policies compared), the
 //! measurements directory layout and its resume rule, publication into `docs/measurements/`, the
-//! calibration record and the rules that derive it from measurements, and the virtual sweep's
-//! cell (one repetition simulated through `sim`, drift-checked, recorded). `xtask` drives these:
-//! it keeps argument parsing, the resumable loop, progress and the processes.
+//! calibration record and the rules that derive it from measurements — and the procedures that
+//! measure: the calibration, one live sweep cell, one fault repetition, the virtual sweep's cell.
+//! The procedures start and stop processes through `fleet` and take a `should_stop` callback for
+//! interrupts. `xtask` drives them: it keeps argument parsing, the resumable loops, progress
+//! lines and the interrupt handler.
 //!
 //! Module map:
-//! - [`grid`]: [`grid::SweepName`], [`grid::Point`], [`grid::points`], [`grid::policies`].
+//! - [`grid`]: [`grid::SweepName`], [`grid::Point`], [`grid::points`], [`grid::policies`], the
+//!   default windows.
 //! - [`cell`]: one repetition directory — [`cell::CellState`] (the resume rule), atomic writes,
 //!   `meta.json` written last, discarded attempts, the measured-window rule.
-//! - [`publish`]: a finished sweep or fault run → `docs/measurements/<name>/`.
+//! - [`plan_file`]: a point's plan on disk, written once and replayed.
+//! - [`fleet_spec`]: [`FleetSpec`], the fleet as settings → `fleet::Source`, the fleet key.
+//! - [`bins`]: [`Bins`], the release binaries the procedures run.
+//! - [`attempt`]: one measured attempt (fleet cycled, ingress, driver, evidence, window).
+//! - [`sweep`]: [`sweep::SweepSettings`] and the live sweep ([`sweep::LiveSweep`]).
 //! - [`calibration`]: `calibration.json` ([`calibration::Calibration`]) and its derivation rules.
-//! - [`virtual_sweep`]: the virtual sweep's fleet, calibration and cell.
+//! - [`calibrate`]: the calibration procedure, its phases printed with an ETA.
+//! - [`fault`]: the fault procedure ([`fault::FaultRun`]).
+//! - [`virtual_sweep`]: the virtual sweep's fleet, calibration, preparation and cell.
+//! - [`publish`]: a finished sweep or fault run → `docs/measurements/<name>/`.
+//! - [`progress`]: count-and-ETA lines for long loops.
 
+pub mod attempt;
+pub mod bins;
+pub mod calibrate;
 pub mod calibration;
 pub mod cell;
+pub mod fault;
+pub mod fleet_spec;
 pub mod grid;
+pub mod plan_file;
+pub mod progress;
 pub mod publish;
+pub mod sweep;
 pub mod virtual_sweep;
+
+pub use bins::Bins;
+pub use fleet_spec::{FleetKind, FleetSpec};
 
 #[cfg(test)]
 mod scratch;

@@ -1,6 +1,10 @@
 //! The virtual sweep's pieces, which `cargo xtask sweep <name> --virtual` drives: the simulated
-//! fleet, the virtual calibration in the live record's shape, and one repetition simulated through
-//! `sim`, drift-checked and recorded.
+//! fleet, the virtual calibration in the live record's shape, the preparation of a sweep
+//! directory (calibration, `sweep.json`, one job per unfinished repetition) and one repetition
+//! simulated through `sim`, drift-checked and recorded. The points, policies and plans are the
+//! live sweep's ([`SweepSettings::sweep_points`], [`grid::policies`],
+//! [`SweepSettings::plan_for`]), so each `plan.bin` is byte-identical to what a live sweep of the
+//! same settings writes.
 //!
 //! The simulated fleet is the emulated fleet the live flags describe (replicas, blocks, speed,
 //! slowdowns), so a plan's wall-scaled think times and rates mean the same thing. The SLO comes
@@ -10,16 +14,20 @@
 //! its `meta.json` (`"virtual": true`) is written; a drifting repetition is set aside at once,
 //! since re-running a deterministic cell would only repeat it.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 
-use analysis::Slo;
+use fleet::Ingress;
+use schema::Slo;
 use workload::{Plan, WorkloadSpec};
 
 use crate::calibration::{Calibration, FleetKey, IndexCalibration, SLO_FACTOR};
-use crate::cell;
+use crate::cell::{self, CellState};
+use crate::fleet_spec::{FleetKind, FleetSpec};
+use crate::grid::{self, Point};
+use crate::sweep::SweepSettings;
 
 /// Step-time jitter of every virtual engine: enough that repetitions differ.
 pub const JITTER: f64 = 0.02;
@@ -47,6 +55,19 @@ pub struct EmulatedFleet {
 }
 
 impl EmulatedFleet {
+    /// The emulated fleet `spec` describes.
+    pub fn of(spec: &FleetSpec) -> Result<EmulatedFleet> {
+        let blocks = u32::try_from(spec.num_gpu_blocks)
+            .map_err(|_| anyhow!("--num-gpu-blocks {} is too large", spec.num_gpu_blocks))?;
+        Ok(EmulatedFleet {
+            replicas: spec.replica_count(),
+            num_gpu_blocks: blocks,
+            speed: spec.speed,
+            slowdowns: spec.slowdowns.clone(),
+            model: spec.model.clone(),
+        })
+    }
+
     fn slowdown(&self, i: usize) -> f64 {
         self.slowdowns.get(i).copied().unwrap_or(1.0)
     }
@@ -193,10 +214,7 @@ pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
         sweep: s.sweep.clone(),
         point: job.point.clone(),
         rep: job.rep,
-        slo: sim::Slo {
-            ttft_ms: s.slo.ttft_ms,
-            itl_ms: s.slo.itl_ms,
-        },
+        slo: s.slo,
         planned_end_s: Some(s.run_s),
         git_rev: s.git_rev.clone(),
         versions: s.versions.clone(),
@@ -205,15 +223,10 @@ pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
     let (summary, mut meta_json) =
         sim::write_cell_rows(&cfg, &job.plan, &job.book, &job.dir, &meta)
             .map_err(|e| anyhow!("{e}"))?;
-    let w = summary.window;
     let drift = analysis::check_rep_dir(
         &job.dir,
         &s.slo,
-        &analysis::Window {
-            warmup_s: w.warmup_s,
-            measured_start_s: w.measured_start_s,
-            measured_end_s: w.measured_end_s,
-        },
+        &summary.window,
         &analysis::DriftConfig::default(),
     )
     .map_err(|e| anyhow!("drift check of {}: {e}", job.dir.display()))?;
@@ -230,6 +243,139 @@ pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
     meta_json["drift"] = serde_json::to_value(&drift)?;
     sim::write_meta(&job.dir, &meta_json).map_err(|e| anyhow!("{e}"))?;
     Ok(accepted)
+}
+
+/// Refuses settings the simulator cannot model (before anything is written).
+pub fn check(s: &SweepSettings) -> Result<()> {
+    if !matches!(s.fleet.kind, FleetKind::Emulated) {
+        bail!(
+            "--virtual simulates the emulated fleet its flags describe; --fleet command/static cannot be simulated"
+        );
+    }
+    if !matches!(s.ingress, Ingress::Router) {
+        bail!("--virtual models kvroute's router only; HAProxy ingress is live-only");
+    }
+    if s.reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    Ok(())
+}
+
+/// A virtual sweep ready to run: what it runs under and the repetitions left to simulate.
+pub struct Prepared {
+    /// The virtual calibration (also in `<dir>/calibration.json`).
+    pub calibration: Calibration,
+    /// The points, in order.
+    pub points: Vec<Point>,
+    /// The policies compared.
+    pub policies: Vec<String>,
+    /// The repetitions not yet done, in the live sweep's order.
+    pub jobs: Vec<Job>,
+    /// Repetitions already done (skipped on a resume).
+    pub skipped: usize,
+    /// What every repetition shares.
+    pub cells: CellSettings,
+}
+
+/// Prepares `dir` (created): the simulated fleet, its calibration, `sweep.json`, each point's
+/// plan and prompts, and a job for every repetition not yet done.
+pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
+    let n = s.fleet.replica_count();
+    if n == 0 {
+        bail!("the fleet has no replicas");
+    }
+    if !s.fleet.slowdowns.is_empty() && s.fleet.slowdowns.len() != n {
+        bail!(
+            "--slowdowns gives {} factors for {n} replicas",
+            s.fleet.slowdowns.len()
+        );
+    }
+    let fleet = EmulatedFleet::of(&s.fleet)?;
+    let used = fleet.used_replicas();
+    let base = fleet.base_config(&used)?;
+    let cal = calibrate(
+        &base,
+        s.seed,
+        used,
+        s.fleet.key(),
+        s.git_rev.clone(),
+        s.versions.clone(),
+    )?;
+    cal.write(&dir.join("calibration.json"))?;
+    let policies = grid::policies(&s.policies, s.quick)?;
+    let points = s.sweep_points(cal.used_replicas.len())?;
+    cell::write_atomic(
+        &dir.join("sweep.json"),
+        serde_json::to_string_pretty(&serde_json::json!({
+            "sweep": s.name.as_str(),
+            "virtual": true,
+            "quick": s.quick,
+            "points": points,
+            "policies": policies,
+            "reps": s.reps,
+            "warmup_s": s.warmup_s,
+            "measure_s": s.measure_s,
+            "think_model_s": s.think_model_s,
+            "speed": s.fleet.speed,
+            "jitter": JITTER,
+            "calibration": cal,
+        }))?
+        .as_bytes(),
+    )?;
+    let mut jobs = Vec::new();
+    let mut skipped = 0usize;
+    for point in &points {
+        let plan_file = s.plan_for(point, &cal, dir)?;
+        let bytes = std::fs::read(&plan_file.path)
+            .with_context(|| format!("reading {}", plan_file.path.display()))?;
+        let plan = Arc::new(Plan::from_bytes(&bytes).map_err(|e| anyhow!("{e}"))?);
+        let book = Arc::new(
+            sim::PromptBook::new(&plan, &base.model, base.router.block_bytes, true)
+                .map_err(|e| anyhow!("prompts of {}: {e}", point.name))?,
+        );
+        for rep in 1..=s.reps {
+            for policy in &policies {
+                let rep_dir = cell::rep_dir(dir, &point.name, policy, rep);
+                if CellState::of(&rep_dir).is_done() {
+                    skipped += 1;
+                    continue;
+                }
+                jobs.push(Job {
+                    point: point.name.clone(),
+                    policy: policy.clone(),
+                    rep,
+                    plan: plan.clone(),
+                    book: book.clone(),
+                    dir: rep_dir,
+                    run: serde_json::json!({
+                        "plan": plan_file.name,
+                        "think_model_s": s.think_model_s,
+                        "arrival": point.arrival,
+                    }),
+                });
+            }
+        }
+    }
+    let cells = CellSettings {
+        base,
+        sweep: s.name.as_str().to_string(),
+        seed: s.seed,
+        engine_seed: s.fleet.engine_seed,
+        warmup_s: s.warmup_s,
+        run_s: s.run_s(),
+        timeout_s: s.request_timeout_s,
+        slo: cal.slo,
+        git_rev: s.git_rev.clone(),
+        versions: s.versions.clone(),
+    };
+    Ok(Prepared {
+        calibration: cal,
+        points,
+        policies,
+        jobs,
+        skipped,
+        cells,
+    })
 }
 
 #[cfg(test)]

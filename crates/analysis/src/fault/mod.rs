@@ -1,7 +1,8 @@
 //! The fault experiment's analysis (DESIGN.md §3.12): what one repetition of `cargo xtask fault
 //! kill|drain` shows, from its rows and its `fault.json`, and the summary of a fault run's
 //! directory (`summary.md`, `summary.json`, `timeline.csv`; docs/CONTRACTS.md, "Fault timeline").
-//! The procedure that produces the rows (fleet, router admin API, clock probes) stays in xtask.
+//! The procedure that produces the rows (fleet, router admin API, clock probes) is
+//! `experiment::fault`.
 //!
 //! Loss bounds: a kill may lose only the requests in flight on the victim at the kill, none that
 //! were not yet dispatched; a drain may lose nothing.

@@ -1,5 +1,6 @@
-//! Progress over the units of a long command (a fault run's repetitions; a sweep's cells): a
-//! count and an ETA from the units run so far, printed as the sweep prints it.
+//! Progress over the units of a long command (a sweep's cells, a fault run's repetitions, a
+//! calibration's replicas): a count and an ETA from the units run so far, in one format for every
+//! command, and `fmt_duration` for the calibration's phase lines.
 
 use std::time::{Duration, Instant};
 

@@ -1,103 +1,23 @@
-//! Running things: plans on disk, `--ingress`, one measured attempt. The router, HAProxy and
-//! the driver are started and stopped through `fleet` (`fleet::ingress`,
-//! `fleet::driver_process`).
+//! One measured attempt at a cell: cycle the fleet, start the ingress (the router or HAProxy),
+//! drive the plan, sample evidence after the warm-up, stop the ingress and compute the measured
+//! window. The processes are started and stopped through `fleet` (`fleet::ingress`,
+//! `fleet::driver_process`); what counts as a good request is `analysis`'s.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
-use clap::ValueEnum;
-use serde::{Deserialize, Serialize};
+use anyhow::{Result, anyhow, bail};
 
 use fleet::evidence::{EvidenceBounds, EvidenceConfig, EvidenceSampler, EvidenceSummary};
 use fleet::ingress::HaproxySettings;
 use fleet::{
     DriverSettings, Fleet, Ingress, IngressProcess, RouterSettings, start_driver, wait_driver,
 };
-use workload::{ArrivalSpec, Plan, WorkloadSpec};
+use schema::{Slo, Window};
 
-use crate::cell::{Slo, Window, measured_window};
-use crate::env::Bins;
-use crate::interrupt;
-
-/// A plan written once per point and replayed for every policy and repetition.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PlanFile {
-    /// The bincode plan the driver reads.
-    pub path: PathBuf,
-    /// Plan name (content + arrival).
-    pub name: String,
-    /// Workload (content) name.
-    pub workload_name: String,
-    /// Content fingerprint.
-    pub workload_fingerprint: String,
-    /// Whole-plan fingerprint (what the comparison checks).
-    pub plan_fingerprint: String,
-    /// Requests in the plan.
-    pub requests: usize,
-}
-
-/// Writes `dir/plan.bin` (+ `plan.json`) for `spec`/`arrival`, or reuses the one already there.
-///
-/// A plan already on disk must be the same plan (same bytes); otherwise the sweep's parameters
-/// changed under a resumed sweep, which would mix workloads, and that is an error.
-pub fn ensure_plan(dir: &Path, spec: &WorkloadSpec, arrival: &ArrivalSpec) -> Result<PlanFile> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join("plan.bin");
-    let plan = Plan::build(spec, arrival).map_err(|e| anyhow!("building the plan: {e}"))?;
-    let bytes = plan
-        .to_bytes()
-        .map_err(|e| anyhow!("encoding the plan: {e}"))?;
-    if path.exists() {
-        let old = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-        if old != bytes {
-            let old_name = Plan::from_bytes(&old)
-                .map(|p| p.name())
-                .unwrap_or_else(|e| format!("unreadable ({e})"));
-            bail!(
-                "{} holds plan `{old_name}` but this sweep now asks for `{}`; the sweep's parameters (or its calibration) changed since it started — resume with the same flags, or start a new sweep with --out or --fresh",
-                path.display(),
-                plan.name()
-            );
-        }
-    } else {
-        crate::cell::write_atomic(&path, &bytes)?;
-    }
-    let file = PlanFile {
-        path,
-        name: plan.name(),
-        workload_name: plan.spec.name(),
-        workload_fingerprint: plan
-            .workload_fingerprint_hex()
-            .map_err(|e| anyhow!("{e}"))?,
-        plan_fingerprint: plan.fingerprint_hex().map_err(|e| anyhow!("{e}"))?,
-        requests: plan.request_count(),
-    };
-    crate::cell::write_atomic(
-        &dir.join("plan.json"),
-        serde_json::to_string_pretty(&file)?.as_bytes(),
-    )?;
-    Ok(file)
-}
-
-/// `--ingress`: what sits in front of the replicas (the command-line face of
-/// [`fleet::Ingress`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum IngressArg {
-    /// kvroute's router (policy from `--policies`).
-    Router,
-    /// HAProxy with bounded-load consistent hashing on `x-session-id`.
-    Haproxy,
-}
-
-impl From<IngressArg> for Ingress {
-    fn from(arg: IngressArg) -> Ingress {
-        match arg {
-            IngressArg::Router => Ingress::Router,
-            IngressArg::Haproxy => Ingress::Haproxy,
-        }
-    }
-}
+use crate::bins::Bins;
+use crate::cell::measured_window;
+use crate::plan_file::PlanFile;
 
 /// Everything one measured attempt needs.
 pub struct Attempt<'a> {
@@ -115,7 +35,7 @@ pub struct Attempt<'a> {
     pub closed_users: Option<usize>,
     /// Where the measured window ends at the latest (driver clock), s.
     pub planned_end_s: f64,
-    /// SLO for the drift check.
+    /// SLO for the goodput on the progress line.
     pub slo: Slo,
     /// Evidence sampling; its URLs and process groups are filled in after the fleet cycles.
     pub evidence: EvidenceConfig,
@@ -145,9 +65,13 @@ pub struct AttemptResult {
 
 /// Cycle the fleet, start the ingress (the router or HAProxy), drive the plan, sample evidence
 /// after the warm-up, stop the ingress (the router flushes its rows on SIGTERM) and compute the
-/// measured window.
-pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
-    fleet.cycle(&interrupt::requested)?;
+/// measured window. Every wait gives up with "interrupted" once `should_stop` says so.
+pub fn run_attempt(
+    fleet: &mut Fleet,
+    a: Attempt<'_>,
+    should_stop: &dyn Fn() -> bool,
+) -> Result<AttemptResult> {
+    fleet.cycle(should_stop)?;
     // Cycling restarts processes on new ports: evidence must follow the fleet as it is now.
     let mut evidence_base = a.evidence.clone();
     if a.sample_lateness {
@@ -161,7 +85,7 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
         &a.router,
         &a.haproxy,
         a.dir,
-        &interrupt::requested,
+        should_stop,
     )?;
     let client_csv = a.dir.join("client.csv");
     let mut driver = start_driver(
@@ -176,20 +100,14 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
     let evidence_path = a.dir.join("evidence.jsonl");
     let mut sampler: Option<EvidenceSampler> = None;
     let mut evidence_cfg = Some(evidence_base.clone());
-    wait_driver(
-        &mut driver,
-        fleet,
-        a.limit,
-        &interrupt::requested,
-        |elapsed| {
-            if elapsed >= warmup
-                && let Some(cfg) = evidence_cfg.take()
-            {
-                sampler = Some(EvidenceSampler::start(cfg, &evidence_path)?);
-            }
-            Ok(())
-        },
-    )?;
+    wait_driver(&mut driver, fleet, a.limit, should_stop, |elapsed| {
+        if elapsed >= warmup
+            && let Some(cfg) = evidence_cfg.take()
+        {
+            sampler = Some(EvidenceSampler::start(cfg, &evidence_path)?);
+        }
+        Ok(())
+    })?;
     let sampler = match sampler {
         Some(s) => s,
         // The driver ended before the warm-up did; sample once so the cell still has evidence.
@@ -213,10 +131,6 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
         .map_err(|e| anyhow!("reading the driver's rows: {e}"))?;
     let sent: Vec<f64> = rows.iter().filter_map(|r| r.sent_s).collect();
     let window = measured_window(&sent, a.driver.warmup_s, a.planned_end_s, a.closed_users)?;
-    let slo = analysis::Slo {
-        ttft_ms: a.slo.ttft_ms,
-        itl_ms: a.slo.itl_ms,
-    };
     let good = rows
         .iter()
         .filter(|r| {
@@ -224,7 +138,7 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
                 && r.sent_s
                     .is_some_and(|t| t >= window.measured_start_s && t < window.measured_end_s)
         })
-        .filter(|r| analysis::is_good(r, &slo))
+        .filter(|r| analysis::is_good(r, &a.slo))
         .count();
     Ok(AttemptResult {
         window,

@@ -1,0 +1,255 @@
+//! The fleet an experiment runs against, as settings: where the replicas come from (emulated,
+//! a command template, static URLs), how many and how fast. `FleetSpec::source` turns it into a
+//! `fleet::Source` (with a calibration's exclusions), `FleetSpec::key` into the `FleetKey` a
+//! calibration is valid for and `meta.json` records.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use serde::{Deserialize, Serialize};
+
+use fleet::{CommandSpec, EmulatedSpec, FleetOptions, Source, StaticSpec};
+
+use crate::calibration::FleetKey;
+
+/// Default emulator speed-up. Chosen so that `sweep pressure-grid --quick` fits a fresh 2-core
+/// machine's 20-minute budget while engine lateness stays within its bound (see xtask's README).
+pub const DEFAULT_SPEED: f64 = 6.0;
+
+/// KV blocks per emulated replica: about a 3090's pool for a 4-bit 8B model (REFERENCE.md §1:
+/// ~16 GB of KV at 128 KiB per token ≈ 125k tokens ≈ 7,800 blocks), so that even working set
+/// 0.25 holds many more conversations than the 32 users (a closed-loop user waits while
+/// another holds the same conversation's turn).
+pub const FULL_BLOCKS: u64 = 8192;
+/// KV blocks per replica with `--quick`: half the pool, so the cache fills within the short
+/// warm-up, while working set 1 still holds ~70 conversations for 32 users.
+pub const QUICK_BLOCKS: u64 = 4096;
+
+/// Replicas by default: 5, or 3 with `--quick`.
+pub fn default_replicas(quick: bool) -> usize {
+    if quick { 3 } else { 5 }
+}
+
+/// KV blocks per emulated replica by default.
+pub fn default_blocks(quick: bool) -> u64 {
+    if quick { QUICK_BLOCKS } else { FULL_BLOCKS }
+}
+
+/// Where replicas come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum FleetKind {
+    /// Spawn `engine` processes on loopback.
+    Emulated,
+    /// Start replicas from `--command` (vLLM, SGLang).
+    Command,
+    /// Use `--urls` managed elsewhere.
+    Static,
+}
+
+/// The fleet a procedure runs against (defaults already applied).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FleetSpec {
+    /// Replica source.
+    pub kind: FleetKind,
+    /// Replicas (emulated, command; a static fleet has one per URL).
+    pub replicas: usize,
+    /// Emulator speed-up: every modelled duration is divided by it.
+    pub speed: f64,
+    /// Per-replica emulated slowdown factors; empty = all 1.
+    pub slowdowns: Vec<f64>,
+    /// KV blocks per emulated replica.
+    pub num_gpu_blocks: u64,
+    /// Model name (served by the replicas; the router's salt).
+    pub model: String,
+    /// Base seed of the emulated engines.
+    pub engine_seed: u64,
+    /// Command template for a command fleet.
+    pub command: Option<String>,
+    /// Host the command replicas listen on.
+    pub host: String,
+    /// First port of the command replicas (replica i: base + i).
+    pub base_port: u16,
+    /// First KV-event port of the command replicas.
+    pub kv_base_port: Option<u16>,
+    /// GPU ids of the command replicas.
+    pub gpus: Vec<String>,
+    /// Replica URLs of a static fleet.
+    pub urls: Vec<String>,
+    /// KV event endpoints of the static replicas, same order.
+    pub kv_events: Vec<String>,
+    /// Seconds a replica may take to become healthy.
+    pub ready_timeout_s: f64,
+}
+
+impl FleetSpec {
+    /// The replica count (before any exclusion).
+    pub fn replica_count(&self) -> usize {
+        match self.kind {
+            FleetKind::Static => self.urls.len(),
+            _ => self.replicas,
+        }
+    }
+
+    /// The speed the timings run at (real engines: 1).
+    pub fn effective_speed(&self) -> f64 {
+        match self.kind {
+            FleetKind::Emulated => self.speed,
+            _ => 1.0,
+        }
+    }
+
+    /// The fleet source, keeping only the replicas in `keep` (all when `None`).
+    pub fn source(
+        &self,
+        engine_bin: &Path,
+        kv_events: bool,
+        keep: Option<&[usize]>,
+    ) -> Result<Source> {
+        let n = self.replica_count();
+        if n == 0 {
+            bail!("the fleet has no replicas (give --replicas, or --urls for --fleet static)");
+        }
+        let all: Vec<usize> = (0..n).collect();
+        let keep: Vec<usize> = keep.map_or(all, |k| k.to_vec());
+        if let Some(bad) = keep.iter().find(|&&i| i >= n) {
+            bail!("replica {bad} is outside a fleet of {n}");
+        }
+        if !self.slowdowns.is_empty() && self.slowdowns.len() != n {
+            bail!(
+                "--slowdowns gives {} factors for {n} replicas",
+                self.slowdowns.len()
+            );
+        }
+        Ok(match self.kind {
+            FleetKind::Emulated => Source::Emulated(EmulatedSpec {
+                engine_bin: engine_bin.to_path_buf(),
+                replicas: keep.len(),
+                speed: self.speed,
+                slowdowns: keep.iter().map(|&i| self.slowdown(i)).collect(),
+                num_gpu_blocks: Some(self.num_gpu_blocks),
+                model: self.model.clone(),
+                seed: self.engine_seed,
+                kv_events,
+                extra_args: Vec::new(),
+            }),
+            FleetKind::Command => {
+                let Some(template) = self.command.clone() else {
+                    bail!("--fleet command needs --command TEMPLATE");
+                };
+                if keep.len() != n && self.gpus.is_empty() {
+                    bail!(
+                        "excluding replicas of a command fleet needs --gpus to say which card each one uses"
+                    );
+                }
+                let gpus: Vec<String> = keep
+                    .iter()
+                    .map(|&i| self.gpus.get(i).cloned().unwrap_or_else(|| i.to_string()))
+                    .collect();
+                Source::Command(CommandSpec {
+                    template,
+                    model: self.model.clone(),
+                    replicas: keep.len(),
+                    host: self.host.clone(),
+                    base_port: self.base_port,
+                    kv_base_port: self.kv_base_port,
+                    gpus,
+                })
+            }
+            FleetKind::Static => Source::Static(StaticSpec {
+                urls: keep.iter().map(|&i| self.urls[i].clone()).collect(),
+                kv_events: keep
+                    .iter()
+                    .filter_map(|&i| self.kv_events.get(i).cloned())
+                    .collect(),
+            }),
+        })
+    }
+
+    /// Log directory and timeouts.
+    pub fn options(&self, log_dir: &Path) -> FleetOptions {
+        FleetOptions {
+            ready_timeout: Duration::from_secs_f64(self.ready_timeout_s.max(1.0)),
+            ..FleetOptions::new(log_dir)
+        }
+    }
+
+    /// The key a calibration is valid for (before any exclusion).
+    pub fn key(&self) -> FleetKey {
+        let n = self.replica_count();
+        FleetKey {
+            source: format!("{:?}", self.kind).to_lowercase(),
+            replicas: n,
+            speed: self.effective_speed(),
+            slowdowns: (0..n).map(|i| self.slowdown(i)).collect(),
+            num_gpu_blocks: matches!(self.kind, FleetKind::Emulated).then_some(self.num_gpu_blocks),
+            model: self.model.clone(),
+            detail: match self.kind {
+                FleetKind::Emulated => None,
+                FleetKind::Command => self.command.clone(),
+                FleetKind::Static => Some(self.urls.join(",")),
+            },
+        }
+    }
+
+    /// Replica `i`'s slowdown (1 when not given).
+    fn slowdown(&self, i: usize) -> f64 {
+        self.slowdowns.get(i).copied().unwrap_or(1.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn emulated() -> FleetSpec {
+        FleetSpec {
+            kind: FleetKind::Emulated,
+            replicas: 3,
+            speed: DEFAULT_SPEED,
+            slowdowns: vec![],
+            num_gpu_blocks: QUICK_BLOCKS,
+            model: "m".into(),
+            engine_seed: 1,
+            command: None,
+            host: "127.0.0.1".into(),
+            base_port: 8100,
+            kv_base_port: None,
+            gpus: vec![],
+            urls: vec![],
+            kv_events: vec![],
+            ready_timeout_s: 120.0,
+        }
+    }
+
+    #[test]
+    fn the_key_and_the_source_follow_the_spec() {
+        let mut spec = emulated();
+        spec.slowdowns = vec![1.0, 1.0, 1.5];
+        let key = spec.key();
+        assert_eq!(key.source, "emulated");
+        assert_eq!(key.slowdowns, [1.0, 1.0, 1.5]);
+        assert_eq!(key.num_gpu_blocks, Some(QUICK_BLOCKS));
+        let Source::Emulated(e) = spec
+            .source(Path::new("engine"), true, Some(&[0, 2]))
+            .unwrap()
+        else {
+            panic!("not emulated")
+        };
+        assert_eq!(
+            (e.replicas, e.slowdowns, e.kv_events),
+            (2, vec![1.0, 1.5], true)
+        );
+        assert!(spec.source(Path::new("engine"), false, Some(&[3])).is_err());
+        spec.slowdowns = vec![1.0];
+        assert!(spec.source(Path::new("engine"), false, None).is_err());
+        // Real engines run at speed 1; a static fleet has one replica per URL.
+        spec.kind = FleetKind::Static;
+        spec.urls = vec!["http://a".into(), "http://b".into()];
+        assert_eq!((spec.replica_count(), spec.effective_speed()), (2, 1.0));
+        assert_eq!(spec.key().num_gpu_blocks, None);
+        assert_eq!(spec.key().detail.as_deref(), Some("http://a,http://b"));
+    }
+}
