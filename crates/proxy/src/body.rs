@@ -233,15 +233,11 @@ impl Drop for ProxyBody {
                 self.complete(None);
                 return;
             }
-            if let Some(f) = &self.finish {
-                f.shared
-                    .metrics
-                    .client_disconnects
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            self.complete(Some(
-                "client: disconnected before the response ended".into(),
-            ));
+            let error = self
+                .finish
+                .as_ref()
+                .map(|f| f.shared.dropped_error("before the response ended"));
+            self.complete(error);
         }
     }
 }

@@ -40,7 +40,8 @@ pub struct Metrics {
     pub retries: AtomicU64,
     /// Streams whose upstream failed after headers were sent to the client.
     pub stream_errors: AtomicU64,
-    /// Responses the client dropped before their end.
+    /// LLM requests whose client went away before their response ended (while sending the
+    /// body, waiting for the head, or mid-stream).
     pub client_disconnects: AtomicU64,
     /// Tokenize round trips that failed (the request was routed without exact keys).
     pub tokenize_errors: AtomicU64,
@@ -128,7 +129,7 @@ impl Metrics {
         c(
             out,
             "kvroute_router_client_disconnects_total",
-            "Responses dropped by the client before their end.",
+            "LLM requests whose client went away before the response ended.",
             &self.client_disconnects,
         );
         c(

@@ -49,15 +49,16 @@ pub struct Row {
     pub overhead_us: Option<u64>,
     /// Tokenize round trip (exact residency), milliseconds.
     pub tokenize_ms: Option<f64>,
-    /// Upstream HTTP status (the router's own status when it answered itself).
+    /// Upstream HTTP status (the router's own status when it answered itself; `None` when no
+    /// head came back and nobody got an answer: the client went away or shutdown cut it).
     pub upstream_status: Option<u16>,
     /// `usage.prompt_tokens_details.cached_tokens` from the response.
     pub cached_tokens: Option<u64>,
     /// `usage.prompt_tokens` from the response.
     pub prompt_tokens: Option<u64>,
-    /// Empty on success, else `kind: message`.
+    /// Empty on success, else `kind: message` (kinds in docs/CONTRACTS.md, "Rows").
     pub error: Option<String>,
-    /// Upstream attempts made (0 when the router answered itself).
+    /// Upstream attempts made (0 when no replica was tried).
     pub attempts: u32,
 }
 

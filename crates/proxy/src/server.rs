@@ -155,8 +155,9 @@ impl Router {
         let _ = self.stop_tx.send(true);
         let _ = self.accept.await;
         if !self.conns.wait_idle(grace).await {
-            // Past the grace period: cut what is left. Dropped bodies finish their rows (with
-            // an error) before the row file is closed below.
+            // Past the grace period: cut what is left. Dropped handlers and bodies write their
+            // rows (`shutdown: cut …`) before the row file is closed below.
+            self.shared.cut_in_flight();
             let _ = self.kill_tx.send(true);
             self.conns.wait_idle(Duration::from_secs(5)).await;
         }

@@ -67,22 +67,35 @@ fn json_response(status: StatusCode, body: String) -> Response<RouterBody> {
 }
 
 /// Entry point for every request on a router connection.
-pub async fn handle(
+///
+/// Not an `async fn`: an LLM request's row is created here, when hyper hands the request over,
+/// because hyper may drop the returned future before ever polling it (a client whose hang-up
+/// arrives in the same read as its request).
+pub fn handle(
     shared: Arc<Shared>,
     req: Request<Incoming>,
-) -> Result<Response<RouterBody>, Infallible> {
-    let arrival_ns = shared.clock.now_ns();
+) -> impl Future<Output = Result<Response<RouterBody>, Infallible>> + Send + 'static {
+    let endpoint = match (req.method(), req.uri().path()) {
+        (&Method::POST, "/v1/completions") => Some(Endpoint::Completions),
+        (&Method::POST, "/v1/chat/completions") => Some(Endpoint::Chat),
+        _ => None,
+    };
+    let pending = endpoint.map(|e| (e, PendingRow::new(&shared, req.headers())));
+    async move {
+        Ok(match pending {
+            Some((endpoint, row)) => llm(&shared, req, endpoint, row).await,
+            None => not_llm(&shared, req).await,
+        })
+    }
+}
+
+/// Every request but the two LLM endpoints: models, health, metrics, admin, and errors.
+async fn not_llm(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<RouterBody> {
     let path = req.uri().path();
-    let resp = match (req.method(), path) {
-        (&Method::POST, "/v1/completions") => {
-            llm(shared, req, Endpoint::Completions, arrival_ns).await
-        }
-        (&Method::POST, "/v1/chat/completions") => {
-            llm(shared, req, Endpoint::Chat, arrival_ns).await
-        }
-        (&Method::GET, "/v1/models") => models(&shared).await,
-        (&Method::GET, "/health") => health(&shared),
-        (&Method::GET, "/metrics") => metrics(&shared),
+    match (req.method(), path) {
+        (&Method::GET, "/v1/models") => models(shared).await,
+        (&Method::GET, "/health") => health(shared),
+        (&Method::GET, "/metrics") => metrics(shared),
         (_, "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/metrics") => {
             error_response(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -91,11 +104,63 @@ pub async fn handle(
             )
         }
         (_, p) if p == "/admin/replicas" || p.starts_with("/admin/replicas/") => {
-            admin(&shared, req).await
+            admin(shared, req).await
         }
         (_, p) => error_response(StatusCode::NOT_FOUND, &format!("no route for {p}"), None),
-    };
-    Ok(resp)
+    }
+}
+
+/// An LLM request's row, from the moment hyper hands the request over until it is written —
+/// exactly once: by the handler (taken for a refusal's row, or for the response body, which
+/// writes it when it ends or is dropped), or here on drop, with what is known so far, when hyper
+/// drops the handler before the response head (the client went away, or shutdown cut it).
+struct PendingRow {
+    shared: Arc<Shared>,
+    row: Row,
+    arrival_ns: u64,
+    armed: bool,
+}
+
+impl PendingRow {
+    /// Stamps the arrival and names the request (`x-request-id`, else a generated id).
+    fn new(shared: &Arc<Shared>, headers: &HeaderMap) -> Self {
+        let arrival_ns = shared.clock.now_ns();
+        shared.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        let request_id = match header_str(headers, REQUEST_ID_HEADER) {
+            Some(id) => id.to_string(),
+            None => shared.new_request_id(),
+        };
+        PendingRow {
+            shared: shared.clone(),
+            row: Row {
+                request_id,
+                session_id: header_str(headers, SESSION_HEADER).map(str::to_string),
+                arrival_s: arrival_ns as f64 / 1e9,
+                policy: shared.policy_name.clone(),
+                ..Row::default()
+            },
+            arrival_ns,
+            armed: true,
+        }
+    }
+
+    /// The row, for whoever writes it now; this guard writes nothing more.
+    fn take(&mut self) -> Row {
+        self.armed = false;
+        std::mem::take(&mut self.row)
+    }
+}
+
+impl Drop for PendingRow {
+    fn drop(&mut self) {
+        if self.armed {
+            // Whatever the router did so far (replica, branch, decide_ns, attempts) stays: the
+            // request was dispatched there even though no answer will be relayed.
+            let mut row = std::mem::take(&mut self.row);
+            row.error = Some(self.shared.dropped_error("before the response head"));
+            self.shared.rows.send(row);
+        }
+    }
 }
 
 fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
@@ -120,46 +185,39 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 }
 
 struct Refusal {
-    status: StatusCode,
+    /// The router's answer; `None` when the client is gone and the answer reaches nobody.
+    status: Option<StatusCode>,
     message: String,
     param: Option<&'static str>,
     kind: &'static str,
 }
 
 async fn llm(
-    shared: Arc<Shared>,
+    shared: &Arc<Shared>,
     req: Request<Incoming>,
     endpoint: Endpoint,
-    arrival_ns: u64,
+    mut pending: PendingRow,
 ) -> Response<RouterBody> {
-    shared.metrics.requests.fetch_add(1, Ordering::Relaxed);
     let (parts, body) = req.into_parts();
-    let request_id = match header_str(&parts.headers, REQUEST_ID_HEADER) {
-        Some(id) => id.to_string(),
-        None => shared.new_request_id(),
-    };
-    let mut row = Row {
-        request_id,
-        session_id: header_str(&parts.headers, SESSION_HEADER).map(str::to_string),
-        arrival_s: arrival_ns as f64 / 1e9,
-        policy: shared.policy_name.clone(),
-        ..Row::default()
-    };
-    match proxy_llm(&shared, parts, body, endpoint, arrival_ns, &mut row).await {
+    let arrival_ns = pending.arrival_ns;
+    match proxy_llm(shared, parts, body, endpoint, arrival_ns, &mut pending).await {
         Ok(resp) => resp,
         Err(r) => {
+            let mut row = pending.take();
             let counter = match r.status {
-                StatusCode::BAD_REQUEST => Some(&shared.metrics.bad_requests),
-                StatusCode::PAYLOAD_TOO_LARGE => Some(&shared.metrics.too_large),
-                StatusCode::SERVICE_UNAVAILABLE => Some(&shared.metrics.no_replica),
+                None => Some(&shared.metrics.client_disconnects),
+                Some(StatusCode::BAD_REQUEST) => Some(&shared.metrics.bad_requests),
+                Some(StatusCode::PAYLOAD_TOO_LARGE) => Some(&shared.metrics.too_large),
+                Some(StatusCode::SERVICE_UNAVAILABLE) => Some(&shared.metrics.no_replica),
                 _ => None,
             };
             if let Some(c) = counter {
                 c.fetch_add(1, Ordering::Relaxed);
             }
-            row.upstream_status = Some(r.status.as_u16());
+            row.upstream_status = r.status.map(|s| s.as_u16());
             row.error = Some(format!("{}: {}", r.kind, r.message));
-            let mut resp = error_response(r.status, &r.message, r.param);
+            let status = r.status.unwrap_or(StatusCode::BAD_REQUEST);
+            let mut resp = error_response(status, &r.message, r.param);
             if let Ok(v) = HeaderValue::from_str(&row.request_id) {
                 resp.headers_mut().insert(REQUEST_ID_HEADER, v);
             }
@@ -176,7 +234,7 @@ async fn read_body(
 ) -> Result<Bytes, Refusal> {
     let limit = shared.settings.max_body_bytes;
     let too_large = || Refusal {
-        status: StatusCode::PAYLOAD_TOO_LARGE,
+        status: Some(StatusCode::PAYLOAD_TOO_LARGE),
         message: format!("request body exceeds {limit} bytes"),
         param: None,
         kind: "too_large",
@@ -190,13 +248,44 @@ async fn read_body(
     match Limited::new(body, limit).collect().await {
         Ok(c) => Ok(c.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(e) if client_went_away(e.as_ref()) => Err(Refusal {
+            status: None,
+            message: "disconnected while sending the request body".into(),
+            param: None,
+            kind: "client",
+        }),
         Err(e) => Err(Refusal {
-            status: StatusCode::BAD_REQUEST,
+            status: Some(StatusCode::BAD_REQUEST),
             message: format!("failed to read request body: {e}"),
             param: None,
             kind: "bad_request",
         }),
     }
+}
+
+/// Whether reading a request body failed because its client went away (the connection ended or
+/// was reset mid-body), not because the body was malformed.
+fn client_went_away(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(err) = cause {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+            );
+        }
+        if err
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_incomplete_message)
+        {
+            return true;
+        }
+        cause = err.source();
+    }
+    false
 }
 
 async fn proxy_llm(
@@ -205,11 +294,12 @@ async fn proxy_llm(
     body: Incoming,
     endpoint: Endpoint,
     arrival_ns: u64,
-    row: &mut Row,
+    pending: &mut PendingRow,
 ) -> Result<Response<RouterBody>, Refusal> {
+    let row = &mut pending.row;
     let body = read_body(shared, &parts, body).await?;
     let parsed = parse(endpoint, &body).map_err(|e| Refusal {
-        status: StatusCode::BAD_REQUEST,
+        status: Some(StatusCode::BAD_REQUEST),
         message: e.to_string(),
         param: e.param(),
         kind: "bad_request",
@@ -292,7 +382,7 @@ async fn proxy_llm(
         let routed = shared
             .route_excluding(&route_req, &excluded)
             .map_err(|e| Refusal {
-                status: StatusCode::SERVICE_UNAVAILABLE,
+                status: Some(StatusCode::SERVICE_UNAVAILABLE),
                 message: format!("no replica available: {e:?}"),
                 param: None,
                 kind: "no_replica",
@@ -318,7 +408,7 @@ async fn proxy_llm(
             shared,
         )
         .map_err(|e| Refusal {
-            status: StatusCode::BAD_GATEWAY,
+            status: Some(StatusCode::BAD_GATEWAY),
             message: format!("cannot build upstream request: {e}"),
             param: None,
             kind: "upstream",
@@ -343,7 +433,7 @@ async fn proxy_llm(
                 return Ok(response(
                     shared,
                     resp,
-                    std::mem::take(row),
+                    pending.take(),
                     routed.guard,
                     pre_us,
                     upstream_first_ns,
@@ -359,7 +449,7 @@ async fn proxy_llm(
                 drop(routed);
                 if row.attempts as usize >= MAX_ATTEMPTS {
                     return Err(Refusal {
-                        status: StatusCode::BAD_GATEWAY,
+                        status: Some(StatusCode::BAD_GATEWAY),
                         message: format!("upstream failed after {} attempts: {e}", row.attempts),
                         param: None,
                         kind: "upstream",

@@ -160,6 +160,9 @@ pub struct Shared {
     pub clock: Clock,
     /// Static settings.
     pub settings: Settings,
+    /// Set once shutdown's grace period has passed: requests dropped from then on were cut by
+    /// the router, not abandoned by their clients.
+    cutting: AtomicBool,
     next_id: AtomicU32,
     request_seq: AtomicU64,
     request_salt: u64,
@@ -214,11 +217,31 @@ impl Shared {
             client: crate::upstream::client(),
             clock: Clock::new(),
             settings,
+            cutting: AtomicBool::new(false),
             next_id: AtomicU32::new(specs.len() as u32),
             request_seq: AtomicU64::new(0),
             request_salt,
             tokenize_cursor: AtomicU32::new(0),
         })
+    }
+
+    /// Marks the requests still in flight as cut by the router (shutdown past its grace period).
+    pub(crate) fn cut_in_flight(&self) {
+        self.cutting.store(true, Ordering::Release);
+    }
+
+    /// The row error of a request dropped before it finished, `stage` saying when (`before the
+    /// response head`): `shutdown: cut …` once shutdown cuts, else `client: disconnected …`
+    /// (counted in `client_disconnects`).
+    pub(crate) fn dropped_error(&self, stage: &str) -> String {
+        if self.cutting.load(Ordering::Acquire) {
+            format!("shutdown: cut {stage}")
+        } else {
+            self.metrics
+                .client_disconnects
+                .fetch_add(1, Ordering::Relaxed);
+            format!("client: disconnected {stage}")
+        }
     }
 
     /// Decides and takes load, atomically with respect to other decisions.

@@ -1271,6 +1271,225 @@ async fn a_client_hanging_up_releases_its_load() {
     assert!(rows[0]["error"].starts_with("client:"), "{:?}", rows[0]);
 }
 
+/// Waits until hyper has handed `n` LLM requests to the router (a connection still in the
+/// listener's backlog at shutdown never reaches it).
+async fn handed_over(shared: &std::sync::Arc<proxy::state::Shared>, n: u64) {
+    eventually(|| {
+        let shared = shared.clone();
+        async move { shared.metrics.requests.load(Ordering::Relaxed) >= n }
+    })
+    .await;
+}
+
+/// The one router row of `request_id`, after checking it is the only row.
+fn only_row(dir: &std::path::Path, request_id: &str) -> std::collections::HashMap<String, String> {
+    let rows = read_rows(&dir.join("router.csv"));
+    assert_eq!(rows.len(), 1, "exactly one row per request: {rows:?}");
+    assert_eq!(rows[0]["request_id"], request_id);
+    rows.into_iter().next().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_before_the_head_leaves_its_row() {
+    let a = MockReplica::start(Script::default()).await;
+    let b = MockReplica::start(Script {
+        hold_head: true,
+        ..Script::default()
+    })
+    .await;
+    let dir = temp_dir("gone-before-head");
+    let mut cfg = router_config(&[&a, &b], "least-outstanding");
+    cfg.rows = Some(dir.join("router.csv"));
+    let router = start_router(cfg).await;
+    let shared = router.shared().clone();
+    // Replica 0 drained, so the choice (replica 1) is not the column's first value.
+    shared
+        .replica(0)
+        .unwrap()
+        .draining
+        .store(true, Ordering::Relaxed);
+    let body = completion("bye").to_string();
+    let conn = raw_post(
+        router.local_addr(),
+        "/v1/completions",
+        body.len(),
+        body.as_bytes(),
+        &[("x-request-id", "gone-early"), ("x-session-id", "s-gone")],
+    )
+    .await;
+    // The replica holds the whole request and has not answered: the router waits for the head.
+    b.state.wait_requests(1).await;
+    let chosen = shared.replica(1).unwrap();
+    assert_eq!(chosen.outstanding.load(Ordering::Acquire), 1);
+    drop(conn);
+    // The router notices the closed connection and drops the request: its load is released.
+    eventually(|| {
+        let chosen = chosen.clone();
+        async move { chosen.outstanding.load(Ordering::Acquire) == 0 }
+    })
+    .await;
+    b.state.release_heads(1);
+    router.shutdown(Duration::from_secs(5)).await;
+    let row = only_row(&dir, "gone-early");
+    assert_eq!(row["session_id"], "s-gone");
+    assert_eq!(row["replica"], "1", "{row:?}");
+    assert_eq!(row["branch"], "least", "{row:?}");
+    assert_eq!(row["attempts"], "1");
+    assert!(!row["decide_ns"].is_empty() && !row["arrival_s"].is_empty());
+    assert_eq!(row["upstream_status"], "", "no head came back");
+    assert_eq!(row["overhead_us"], "");
+    assert_eq!(
+        row["error"], "client: disconnected before the response head",
+        "{row:?}"
+    );
+    assert_eq!(a.state.count(), 0);
+    assert_eq!(shared.metrics.client_disconnects.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_as_soon_as_it_sent_leaves_its_row() {
+    // The hang-up can reach the router in the same read as the request: hyper may then drop
+    // the handler before ever polling it. The row must exist from the moment hyper calls it.
+    let a = MockReplica::start(Script {
+        hold_head: true,
+        ..Script::default()
+    })
+    .await;
+    let dir = temp_dir("gone-at-once");
+    let mut cfg = router_config(&[&a], "round-robin");
+    cfg.rows = Some(dir.join("router.csv"));
+    let router = start_router(cfg).await;
+    let shared = router.shared().clone();
+    let body = completion("hit and run").to_string();
+    let conn = raw_post(
+        router.local_addr(),
+        "/v1/completions",
+        body.len(),
+        body.as_bytes(),
+        &[("x-request-id", "gone-at-once")],
+    )
+    .await;
+    drop(conn);
+    handed_over(&shared, 1).await;
+    // Shutdown waits for the connection, which ends on its own once the hang-up is read.
+    router.shutdown(Duration::from_secs(5)).await;
+    a.state.release_heads(1);
+    let row = only_row(&dir, "gone-at-once");
+    assert!(
+        row["error"].starts_with("client: disconnected before the response head"),
+        "{row:?}"
+    );
+    assert_eq!(row["upstream_status"], "");
+    // Dispatched or not, the row says what the router did: a replica exactly when it tried one.
+    assert_eq!(row["replica"].is_empty(), row["attempts"] == "0", "{row:?}");
+    assert_eq!(shared.metrics.client_disconnects.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        shared
+            .replica(0)
+            .unwrap()
+            .outstanding
+            .load(Ordering::Acquire),
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_while_sending_its_body_leaves_its_row() {
+    let a = MockReplica::start(Script::default()).await;
+    let dir = temp_dir("gone-in-body");
+    let mut cfg = router_config(&[&a], "round-robin");
+    cfg.rows = Some(dir.join("router.csv"));
+    let router = start_router(cfg).await;
+    let shared = router.shared().clone();
+    let conn = raw_post(
+        router.local_addr(),
+        "/v1/completions",
+        1000,
+        b"{\"prompt\":\"cut sh",
+        &[("x-request-id", "gone-in-body")],
+    )
+    .await;
+    drop(conn);
+    handed_over(&shared, 1).await;
+    router.shutdown(Duration::from_secs(5)).await;
+    let row = only_row(&dir, "gone-in-body");
+    assert!(
+        row["error"].starts_with("client: disconnected while sending the request body"),
+        "{row:?}"
+    );
+    assert_eq!(row["replica"], "");
+    assert_eq!(row["attempts"], "0");
+    assert_eq!(row["upstream_status"], "", "nobody got the router's answer");
+    assert_eq!(shared.metrics.client_disconnects.load(Ordering::Relaxed), 1);
+    assert_eq!(shared.metrics.bad_requests.load(Ordering::Relaxed), 0);
+    assert_eq!(a.state.count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_past_its_grace_cuts_with_rows_that_say_so() {
+    let a = MockReplica::start(Script {
+        hold: true,
+        ..Script::default()
+    })
+    .await;
+    let dir = temp_dir("cut");
+    let mut cfg = router_config(&[&a], "round-robin");
+    cfg.rows = Some(dir.join("router.csv"));
+    let router = start_router(cfg).await;
+    let shared = router.shared().clone();
+    let url = format!("http://{}", router.local_addr());
+    // One request streaming (held after its first event), one waiting for its head.
+    let mut streaming = post(
+        &url,
+        "/v1/completions",
+        completion("long"),
+        &[("x-request-id", "cut-streaming")],
+    )
+    .await;
+    assert!(streaming.next_event().await.is_some());
+    a.state.script.lock().hold_head = true;
+    let waiting = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let req = http::Request::post(format!("{url}/v1/completions"))
+                .header("x-request-id", "cut-waiting")
+                .body(http_body_util::Full::new(bytes::Bytes::from(
+                    completion("short").to_string(),
+                )))
+                .unwrap();
+            client().request(req).await.is_err()
+        }
+    });
+    a.state.wait_requests(2).await;
+    router.shutdown(Duration::ZERO).await;
+    assert!(waiting.await.unwrap(), "the waiting client got no answer");
+    let _ = streaming.finish().await;
+    let mut rows = read_rows(&dir.join("router.csv"));
+    rows.sort_by(|x, y| x["request_id"].cmp(&y["request_id"]));
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(rows[0]["request_id"], "cut-streaming");
+    assert_eq!(
+        rows[0]["error"], "shutdown: cut before the response ended",
+        "{:?}",
+        rows[0]
+    );
+    assert_eq!(rows[0]["upstream_status"], "200");
+    assert_eq!(rows[1]["request_id"], "cut-waiting");
+    assert_eq!(
+        rows[1]["error"], "shutdown: cut before the response head",
+        "{:?}",
+        rows[1]
+    );
+    assert_eq!(rows[1]["replica"], "0");
+    assert_eq!(
+        shared.metrics.client_disconnects.load(Ordering::Relaxed),
+        0,
+        "the router cut them; no client left"
+    );
+    a.state.release(1);
+    a.state.release_heads(1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_residency_spec_trusts_what_it_just_routed() {
     // No KV events at all: only the speculative layer (fed by on_served with exact keys) can

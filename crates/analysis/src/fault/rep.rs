@@ -169,6 +169,8 @@ pub fn analyse_rep(
             .unwrap_or_else(|| format!("status {}", c.status));
         let why = match (events.kind, row) {
             (FaultKind::Drain, _) => Some("a drain may lose nothing".to_string()),
+            // The router writes a row for every request that reached it, whatever its client
+            // did (a hang-up before the response head included): no row, never dispatched.
             (FaultKind::Kill, None) => {
                 Some("the router never recorded it: it was not dispatched".to_string())
             }

@@ -188,6 +188,69 @@ fn kill_loses_only_what_was_in_flight_on_the_victim() {
 }
 
 #[test]
+fn a_client_gone_before_the_head_is_judged_by_where_the_router_sent_it() {
+    // The router writes a row for a request whose client hung up before the response head
+    // (`client: disconnected before the response head`, no upstream status): the request is
+    // judged by what the router did with it, never as "not dispatched".
+    let e = events(FaultKind::Kill);
+    let gone = |id: &str, arrival: f64, replica: u32| RouterRow {
+        upstream_status: None,
+        overhead_us: None,
+        error: Some("client: disconnected before the response head".into()),
+        ..routed(id, arrival, Some(replica))
+    };
+    let c = vec![
+        client("ok", 5.0, Some(20.0), None),
+        // Timed out while waiting on the victim across the kill: in flight there, allowed.
+        client(
+            "on-victim",
+            9.9,
+            None,
+            Some("timeout: no response within 30s"),
+        ),
+        // Timed out while waiting on a replica that was never killed.
+        client(
+            "elsewhere",
+            9.95,
+            None,
+            Some("timeout: no response within 30s"),
+        ),
+    ];
+    let r = vec![
+        routed("ok", 105.0, Some(0)),
+        gone("on-victim", 109.9, 1),
+        gone("elsewhere", 109.95, 2),
+    ];
+    let out = analyse_rep("p", 1, &e, &c, &r, &slo());
+    assert_eq!(out.lost.len(), 2);
+    let on_victim = out
+        .lost
+        .iter()
+        .find(|l| l.request_id == "on-victim")
+        .unwrap();
+    assert!(on_victim.allowed, "{on_victim:?}");
+    assert_eq!(on_victim.replica, Some(1));
+    let elsewhere = out
+        .lost
+        .iter()
+        .find(|l| l.request_id == "elsewhere")
+        .unwrap();
+    assert!(!elsewhere.allowed);
+    assert_eq!(elsewhere.replica, Some(2));
+    assert_eq!(out.violations.len(), 1, "{:?}", out.violations);
+    assert!(
+        out.violations[0].starts_with("elsewhere:")
+            && out.violations[0].contains("dispatched to replica 2")
+            && !out.violations[0].contains("not dispatched"),
+        "{:?}",
+        out.violations
+    );
+    // Both count in the share of their replica: the router did send them there.
+    let before = out.shares.iter().find(|w| w.window == "before").unwrap();
+    assert_eq!(before.requests, 3);
+}
+
+#[test]
 fn a_drain_may_lose_nothing() {
     let mut e = events(FaultKind::Drain);
     e.xtask.drained_s = Some(60.5);

@@ -36,6 +36,9 @@ pub struct Script {
     pub cached_tokens: Option<u64>,
     /// After the first event, wait for a permit from [`MockState::release`] before the rest.
     pub hold: bool,
+    /// Before the response head of an LLM request (whose body was read whole and counted in
+    /// [`MockState::wait_requests`]), wait for a permit from [`MockState::release_heads`].
+    pub hold_head: bool,
     /// Extra bytes of text per event (to exercise backpressure).
     pub pad_bytes: usize,
     /// Answer LLM requests with this error status instead (vLLM-style error body).
@@ -49,6 +52,7 @@ impl Default for Script {
             gap: Duration::ZERO,
             cached_tokens: Some(16),
             hold: false,
+            hold_head: false,
             pad_bytes: 0,
             fail_status: None,
         }
@@ -81,6 +85,7 @@ pub struct MockState {
     /// Health checks answered.
     pub health_calls: AtomicU64,
     gate: Semaphore,
+    head_gate: Semaphore,
     arrived: Notify,
     /// Streams whose first event was sent.
     pub first_sent: AtomicU64,
@@ -97,6 +102,7 @@ impl MockState {
             tokenize_calls: AtomicU64::new(0),
             health_calls: AtomicU64::new(0),
             gate: Semaphore::new(0),
+            head_gate: Semaphore::new(0),
             arrived: Notify::new(),
             first_sent: AtomicU64::new(0),
             first_notify: Notify::new(),
@@ -106,6 +112,11 @@ impl MockState {
     /// Lets `n` held streams finish.
     pub fn release(&self, n: usize) {
         self.gate.add_permits(n);
+    }
+
+    /// Lets `n` held response heads go.
+    pub fn release_heads(&self, n: usize) {
+        self.head_gate.add_permits(n);
     }
 
     /// LLM requests seen so far.
@@ -291,6 +302,12 @@ async fn handle(
                 body: body.clone(),
             });
             st.arrived.notify_waiters();
+            if script.hold_head {
+                // Dropped here when the router abandons the request: the permit is never taken.
+                if let Ok(p) = st.head_gate.acquire().await {
+                    p.forget();
+                }
+            }
             let mut usage = serde_json::json!({"prompt_tokens": prompt_tokens, "completion_tokens": script.events, "total_tokens": prompt_tokens + script.events as u64});
             if let Some(c) = script.cached_tokens {
                 usage["prompt_tokens_details"] = serde_json::json!({"cached_tokens": c});
@@ -628,6 +645,30 @@ pub async fn post_raw(url: &str, path: &str, body: Bytes, headers: &[(&str, &str
         body,
         buf: Vec::new(),
     }
+}
+
+/// Writes a raw HTTP/1.1 POST to `addr`: the head (with `content-length` as given) and `body`,
+/// which may be shorter than declared. The connection is returned open; dropping it hangs up.
+pub async fn raw_post(
+    addr: SocketAddr,
+    path: &str,
+    content_length: usize,
+    body: &[u8],
+    headers: &[(&str, &str)],
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {content_length}\r\n"
+    );
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body).await.unwrap();
+    conn.flush().await.unwrap();
+    conn
 }
 
 /// Reads a whole (small) response body as JSON.
