@@ -108,6 +108,7 @@ pub fn calibrate(args: &CalibrateArgs, bins: &Bins) -> Result<Calibration> {
             check_foreign: !matches!(args.fleet.fleet, crate::fleetargs::FleetKind::Static),
             gpu: true,
             interval: Duration::from_secs(1),
+            fleet_gpus: fleet.gpus(),
         },
         &{
             std::fs::create_dir_all(&work)?;
@@ -358,6 +359,7 @@ fn reference_run(
                 check_foreign: false,
                 gpu: false,
                 interval: Duration::from_secs(1),
+                fleet_gpus: Default::default(),
             },
             sample_lateness: matches!(args.fleet.fleet, crate::fleetargs::FleetKind::Emulated),
             ingress: fleet::Ingress::Router,

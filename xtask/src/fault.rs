@@ -642,6 +642,7 @@ fn run_rep(fleet: &mut Fleet, c: &RepContext<'_>) -> Result<String> {
         check_foreign: false,
         gpu: true,
         interval: Duration::from_secs_f64(args.evidence_interval_s.max(0.05)),
+        fleet_gpus: fleet.gpus(),
     };
     let mut sampler: Option<EvidenceSampler> = None;
     let warm_at = spawned + args.warmup();

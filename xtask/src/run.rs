@@ -154,6 +154,7 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
         evidence_base.lateness_urls = fleet.urls();
     }
     evidence_base.fleet_process_groups = fleet.process_groups();
+    evidence_base.fleet_gpus = fleet.gpus();
     let (mut ingress, url) = IngressProcess::start(
         a.ingress,
         &a.bins.router,
@@ -238,5 +239,6 @@ pub fn run_attempt(fleet: &mut Fleet, a: Attempt<'_>) -> Result<AttemptResult> {
 pub fn bounds(max_lateness_p99_ms: f64) -> EvidenceBounds {
     EvidenceBounds {
         max_lateness_p99_ms,
+        max_throttle_share: None,
     }
 }

@@ -550,6 +550,7 @@ fn run_cell(
                     check_foreign: !matches!(args.fleet.fleet, FleetKind::Static),
                     gpu: true,
                     interval: Duration::from_secs_f64(args.evidence_interval_s.max(0.05)),
+                    fleet_gpus: Default::default(),
                 },
                 sample_lateness: emulated,
                 ingress: args.ingress.into(),
