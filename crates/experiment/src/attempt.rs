@@ -78,6 +78,7 @@ pub fn run_attempt(
         evidence_base.lateness_urls = fleet.urls();
     }
     evidence_base.fleet_process_groups = fleet.process_groups();
+    evidence_base.fleet_gpus = fleet.gpus();
     let (mut ingress, url) = IngressProcess::start(
         a.ingress,
         &a.bins.router,
@@ -152,5 +153,6 @@ pub fn run_attempt(
 pub fn bounds(max_lateness_p99_ms: f64) -> EvidenceBounds {
     EvidenceBounds {
         max_lateness_p99_ms,
+        max_throttle_share: None,
     }
 }

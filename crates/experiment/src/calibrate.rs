@@ -168,6 +168,7 @@ pub fn calibrate(
             check_foreign: !matches!(s.fleet.kind, FleetKind::Static),
             gpu: true,
             interval: Duration::from_secs(1),
+            fleet_gpus: fleet.gpus(),
         },
         &{
             std::fs::create_dir_all(&work)?;
@@ -439,6 +440,7 @@ fn reference_run(
                 check_foreign: false,
                 gpu: false,
                 interval: Duration::from_secs(1),
+                fleet_gpus: Default::default(),
             },
             sample_lateness: matches!(s.fleet.kind, FleetKind::Emulated),
             ingress: fleet::Ingress::Router,

@@ -456,6 +456,7 @@ impl<'a> FaultRun<'a> {
             check_foreign: false,
             gpu: true,
             interval: Duration::from_secs_f64(s.evidence_interval_s.max(0.05)),
+            fleet_gpus: fleet.gpus(),
         };
         let mut sampler: Option<EvidenceSampler> = None;
         let warm_at = spawned + s.warmup_s;

@@ -400,6 +400,8 @@ impl<'a> LiveSweep<'a> {
                         check_foreign: !matches!(s.fleet.kind, FleetKind::Static),
                         gpu: true,
                         interval: Duration::from_secs_f64(s.evidence_interval_s.max(0.05)),
+                        // run_attempt fills it from the fleet it runs on.
+                        fleet_gpus: Default::default(),
                     },
                     sample_lateness: matches!(s.fleet.kind, FleetKind::Emulated),
                     ingress: s.ingress,

@@ -1,11 +1,15 @@
 //! Evidence that a measured window was clean, sampled while it runs into `evidence.jsonl`.
 //!
-//! On GPUs (NVML): the processes on each card — any process outside the fleet's process groups
-//! is foreign and spoils the cell —, SM clock, temperature and throttle reasons. On the emulated
-//! fleet: each engine's lateness (`kvroute_engine_lateness_seconds` from `/metrics`), the
-//! emulator's stand-in for a clean GPU, and the host's CPU load. No NVML library (or no driver)
-//! is recorded as "no GPU", never an error.
+//! On GPUs (through [`crate::gpu::GpuBackend`], NVML on a real fleet): the compute processes on
+//! the fleet's cards — one that is not the fleet's is foreign and spoils the cell; graphics-only
+//! ones (a desktop compositor) never do —, SM clock, temperature and throttle reasons, whose
+//! share per card is held against the calibrated bound. On the emulated fleet no GPU is read:
+//! each engine's lateness (`kvroute_engine_lateness_seconds` from `/metrics`) is the emulator's
+//! stand-in for a clean GPU, with the host's CPU load. No NVML library (or no driver) is recorded
+//! as "no GPU", never an error, and a check that cannot be made says so and why
+//! ([`CheckStatus`]).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -15,9 +19,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use crate::gpu::{self, FleetGpus, GpuBackend};
 use crate::http;
 use crate::metrics::Histogram;
 
@@ -29,18 +34,22 @@ pub const LATENESS_METRIC: &str = "kvroute_engine_lateness_seconds";
 pub struct EvidenceConfig {
     /// Replica base URLs whose `/metrics` carry the lateness histogram (empty: none).
     pub lateness_urls: Vec<String>,
-    /// Process groups that belong to the fleet; a GPU process outside them is foreign.
+    /// Process groups that belong to the fleet; a compute process on the fleet's cards outside
+    /// them (and not recorded there at fleet start) is foreign.
     pub fleet_process_groups: Vec<u32>,
     /// Check GPU processes for foreigners (off for static fleets, whose processes are not ours).
     pub check_foreign: bool,
-    /// Try NVML at all.
+    /// Read the GPUs at all (never on an emulated fleet, whatever this says).
     pub gpu: bool,
     /// Time between samples.
     pub interval: Duration,
+    /// The fleet's GPUs ([`crate::Fleet::gpus`]): none for an emulated fleet, whose GPUs are not
+    /// read at all; the default (`Unknown`) samples every card NVML shows.
+    pub fleet_gpus: FleetGpus,
 }
 
 /// Per-replica lateness over the whole sampled window (first scrape to last).
-#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LatenessSummary {
     /// Replica index.
     pub replica: usize,
@@ -53,7 +62,7 @@ pub struct LatenessSummary {
 }
 
 /// Per-card GPU observations over the window.
-#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GpuSummary {
     /// NVML device index.
     pub device: u32,
@@ -72,7 +81,7 @@ pub struct GpuSummary {
 }
 
 /// Everything the evidence check needs, also written as the last line of `evidence.jsonl`.
-#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EvidenceSummary {
     /// Seconds sampled.
     pub duration_s: f64,
@@ -94,6 +103,75 @@ pub struct EvidenceSummary {
     pub cpu_busy_mean: Option<f64>,
     /// Host CPUs.
     pub cpus: usize,
+    /// The cards the GPU checks cover (the fleet's; every card when those are not known), with
+    /// their replicas and the share of samples per throttle reason.
+    #[serde(default)]
+    pub gpu_throttle: Vec<GpuThrottle>,
+    /// Whether the throttle share could be measured on the fleet's cards, and why not.
+    #[serde(default)]
+    pub throttle_check: CheckStatus,
+    /// Whether every compute process on the fleet's cards could be told the fleet's or foreign,
+    /// and why not.
+    #[serde(default)]
+    pub foreign_check: CheckStatus,
+}
+
+/// Whether a check could be made over the window.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", content = "reason", rename_all = "lowercase")]
+pub enum CheckStatus {
+    /// Made on everything it covers.
+    Done,
+    /// Not made, on purpose (an emulated fleet, a caller that turned it off).
+    Off(String),
+    /// Not made (or not on everything), because the data was missing: why.
+    Unavailable(String),
+}
+
+impl Default for CheckStatus {
+    /// What a summary written before the check existed reads as.
+    fn default() -> CheckStatus {
+        CheckStatus::Unavailable("not recorded".into())
+    }
+}
+
+impl CheckStatus {
+    fn from_gaps(gaps: &BTreeSet<String>) -> CheckStatus {
+        if gaps.is_empty() {
+            CheckStatus::Done
+        } else {
+            CheckStatus::Unavailable(gaps.iter().cloned().collect::<Vec<_>>().join("; "))
+        }
+    }
+}
+
+/// Throttling of one card the checks cover.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuThrottle {
+    /// NVML device index.
+    pub device: u32,
+    /// Replicas on this card (empty when the fleet's cards are not known).
+    pub replicas: Vec<usize>,
+    /// Samples taken of this card.
+    pub samples: u32,
+    /// Share of samples with a throttle reason other than idle / application clocks (the share
+    /// calibration measures, as [`GpuSummary::throttle_share`]).
+    pub throttle_share: f64,
+    /// Share of samples per reason ([`gpu::throttle_groups`]: `thermal slowdown`, `power cap`, …).
+    pub reason_shares: BTreeMap<String, f64>,
+}
+
+impl GpuThrottle {
+    /// The reasons seen, most frequent first.
+    pub fn reasons_by_share(&self) -> Vec<&str> {
+        let mut reasons: Vec<(&str, f64)> = self
+            .reason_shares
+            .iter()
+            .map(|(name, share)| (name.as_str(), *share))
+            .collect();
+        reasons.sort_by(|a, b| b.1.total_cmp(&a.1));
+        reasons.into_iter().map(|(name, _)| name).collect()
+    }
 }
 
 /// Limits a clean cell respects.
@@ -101,6 +179,9 @@ pub struct EvidenceSummary {
 pub struct EvidenceBounds {
     /// Largest acceptable engine lateness p99, ms.
     pub max_lateness_p99_ms: f64,
+    /// Largest acceptable share of samples in which one of the fleet's cards throttled — the
+    /// calibrated outlier bound, filled by the caller from calibration; `None`: not checked.
+    pub max_throttle_share: Option<f64>,
 }
 
 impl EvidenceSummary {
@@ -111,6 +192,24 @@ impl EvidenceSummary {
                 "foreign process {pid} on GPU {device} ({why}); {} foreign in all",
                 self.foreign_processes.len()
             ));
+        }
+        if let Some(bound) = bounds.max_throttle_share {
+            for g in &self.gpu_throttle {
+                if g.samples > 0 && g.throttle_share > bound {
+                    return Err(format!(
+                        "GPU {}{} throttled ({}) in {:.0}% of samples, above the calibrated bound {:.0}%",
+                        g.device,
+                        match g.replicas.as_slice() {
+                            [] => String::new(),
+                            [r] => format!(" (replica {r})"),
+                            rs => format!(" (replicas {rs:?})"),
+                        },
+                        g.reasons_by_share().join(", "),
+                        g.throttle_share * 100.0,
+                        bound * 100.0
+                    ));
+                }
+            }
         }
         for l in &self.lateness {
             match l.p99_ms {
@@ -146,7 +245,7 @@ impl EvidenceSampler {
         let file = File::create(out).with_context(|| format!("creating {}", out.display()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
-        let mut state = SamplerState::new(config, BufWriter::new(file));
+        let mut state = SamplerState::new(config, BufWriter::new(file), gpu::open_nvml);
         // Baseline first, so the window's deltas start now and not when the thread is scheduled.
         state.sample()?;
         let handle = std::thread::Builder::new()
@@ -195,9 +294,109 @@ impl Drop for EvidenceSampler {
 }
 
 struct GpuState {
-    nvml: nvml_wrapper::Nvml,
+    backend: Arc<dyn GpuBackend>,
     summaries: Vec<GpuSummary>,
     throttled: Vec<u32>,
+    /// Per card: samples per throttle group.
+    reason_counts: Vec<BTreeMap<&'static str, u32>>,
+    /// Cards the checks cover → replicas on them; `None`: every card (the fleet's not known).
+    fleet_devices: Option<BTreeMap<u32, Vec<usize>>>,
+    /// Per fleet card: the compute pids that appeared while the fleet started; `None`: the
+    /// fleet's cards are not known.
+    started_pids: Option<gpu::PidsByDevice>,
+    /// Why the throttle check is not complete.
+    throttle_gaps: BTreeSet<String>,
+    /// Why the foreign-process check is not complete.
+    foreign_gaps: BTreeSet<String>,
+}
+
+impl GpuState {
+    fn new(backend: Arc<dyn GpuBackend>, fleet: Option<&gpu::StartedGpus>) -> GpuState {
+        let mut throttle_gaps = BTreeSet::new();
+        let mut foreign_gaps = BTreeSet::new();
+        let count = backend.device_count().unwrap_or_else(|e| {
+            let gap = format!("NVML could not count the cards ({e})");
+            throttle_gaps.insert(gap.clone());
+            foreign_gaps.insert(gap);
+            0
+        });
+        let summaries: Vec<GpuSummary> = (0..count)
+            .map(|device| GpuSummary {
+                device,
+                name: backend.name(device).unwrap_or_default(),
+                sm_clock_mhz_min: None,
+                sm_clock_mhz_max: None,
+                temperature_c_max: None,
+                throttle_share: 0.0,
+                samples: 0,
+            })
+            .collect();
+        let fleet_devices = fleet.map(|f| {
+            for gap in f.replica_devices.iter().filter_map(|d| d.as_ref().err()) {
+                throttle_gaps.insert(gap.clone());
+                foreign_gaps.insert(gap.clone());
+            }
+            let devices = f.devices();
+            for (device, replicas) in &devices {
+                if *device >= count {
+                    let gap =
+                        format!("GPU {device} of replicas {replicas:?} is not among the {count} cards NVML shows");
+                    throttle_gaps.insert(gap.clone());
+                    foreign_gaps.insert(gap);
+                }
+            }
+            devices
+        });
+        GpuState {
+            backend,
+            throttled: vec![0; summaries.len()],
+            reason_counts: vec![BTreeMap::new(); summaries.len()],
+            summaries,
+            fleet_devices,
+            started_pids: fleet.map(|f| f.started_pids.clone()),
+            throttle_gaps,
+            foreign_gaps,
+        }
+    }
+
+    /// Whether the checks cover `device`.
+    fn checks(&self, device: u32) -> bool {
+        self.fleet_devices
+            .as_ref()
+            .is_none_or(|d| d.contains_key(&device))
+    }
+
+    /// The cards the checks cover, with their throttle shares.
+    fn throttle(&self) -> Vec<GpuThrottle> {
+        self.summaries
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| self.checks(s.device))
+            .map(|(slot, s)| {
+                let share = |n: u32| {
+                    if s.samples == 0 {
+                        0.0
+                    } else {
+                        f64::from(n) / f64::from(s.samples)
+                    }
+                };
+                GpuThrottle {
+                    device: s.device,
+                    replicas: self
+                        .fleet_devices
+                        .as_ref()
+                        .and_then(|d| d.get(&s.device).cloned())
+                        .unwrap_or_default(),
+                    samples: s.samples,
+                    throttle_share: share(self.throttled[slot]),
+                    reason_shares: self.reason_counts[slot]
+                        .iter()
+                        .map(|(name, n)| (name.to_string(), share(*n)))
+                        .collect(),
+                }
+            })
+            .collect()
+    }
 }
 
 struct SamplerState {
@@ -215,40 +414,33 @@ struct SamplerState {
     loadavg_max: Option<f64>,
 }
 
+/// Reason recorded for an emulated fleet's GPUs.
+const EMULATED_NO_GPU: &str =
+    "emulated fleet: GPUs are not read (the engines' lateness is the evidence)";
+
 impl SamplerState {
-    fn new(config: EvidenceConfig, out: BufWriter<File>) -> SamplerState {
+    /// `open_nvml` is called only when the fleet's GPUs are not known and GPU sampling is on;
+    /// never for an emulated fleet.
+    fn new(
+        config: EvidenceConfig,
+        out: BufWriter<File>,
+        open_nvml: fn() -> Result<Arc<dyn GpuBackend>, String>,
+    ) -> SamplerState {
         let n = config.lateness_urls.len();
-        let (gpu, gpu_reason) = if config.gpu {
-            match nvml_wrapper::Nvml::init() {
-                Ok(nvml) => {
-                    let count = nvml.device_count().unwrap_or(0);
-                    let summaries = (0..count)
-                        .map(|device| GpuSummary {
-                            device,
-                            name: nvml
-                                .device_by_index(device)
-                                .and_then(|d| d.name())
-                                .unwrap_or_default(),
-                            sm_clock_mhz_min: None,
-                            sm_clock_mhz_max: None,
-                            temperature_c_max: None,
-                            throttle_share: 0.0,
-                            samples: 0,
-                        })
-                        .collect();
-                    (
-                        Some(GpuState {
-                            nvml,
-                            summaries,
-                            throttled: vec![0; count as usize],
-                        }),
-                        None,
-                    )
-                }
-                Err(e) => (None, Some(format!("NVML unavailable: {e}"))),
-            }
-        } else {
+        let (gpu, gpu_reason) = if !config.gpu {
             (None, Some("GPU sampling off".to_string()))
+        } else {
+            match &config.fleet_gpus {
+                FleetGpus::Emulated => (None, Some(EMULATED_NO_GPU.to_string())),
+                FleetGpus::Unknown => match open_nvml() {
+                    Ok(backend) => (Some(GpuState::new(backend, None)), None),
+                    Err(e) => (None, Some(e)),
+                },
+                FleetGpus::Started(fleet) => match &fleet.backend {
+                    Ok(backend) => (Some(GpuState::new(Arc::clone(backend), Some(fleet))), None),
+                    Err(e) => (None, Some(e.clone())),
+                },
+            }
         };
         SamplerState {
             config,
@@ -351,70 +543,152 @@ impl SamplerState {
             return Ok(());
         };
         let mut lines = Vec::new();
-        for (slot, summary) in gpu.summaries.iter_mut().enumerate() {
-            let Ok(device) = gpu.nvml.device_by_index(summary.device) else {
-                continue;
+        for slot in 0..gpu.summaries.len() {
+            let device = gpu.summaries[slot].device;
+            let checked = gpu.checks(device);
+            let reading = match gpu.backend.read(device) {
+                Ok(r) => r,
+                Err(e) => {
+                    // A card NVML cannot reach is not sampled at all this round.
+                    if checked {
+                        let gap = format!("GPU {device} not readable ({e})");
+                        if self.config.check_foreign {
+                            gpu.foreign_gaps.insert(gap.clone());
+                        }
+                        gpu.throttle_gaps.insert(gap);
+                    }
+                    continue;
+                }
             };
+            let summary = &mut gpu.summaries[slot];
             summary.samples += 1;
-            let sm = device
-                .clock_info(nvml_wrapper::enum_wrappers::device::Clock::SM)
-                .ok();
-            let temp = device
-                .temperature(nvml_wrapper::enum_wrappers::device::TemperatureSensor::Gpu)
-                .ok();
-            let reasons = device.current_throttle_reasons().ok();
-            if let Some(sm) = sm {
+            if let Some(sm) = reading.sm_clock_mhz {
                 summary.sm_clock_mhz_min = Some(summary.sm_clock_mhz_min.map_or(sm, |m| m.min(sm)));
                 summary.sm_clock_mhz_max = Some(summary.sm_clock_mhz_max.map_or(sm, |m| m.max(sm)));
             }
-            if let Some(t) = temp {
+            if let Some(t) = reading.temperature_c {
                 summary.temperature_c_max = Some(summary.temperature_c_max.map_or(t, |m| m.max(t)));
             }
             let mut reason_names = Vec::new();
-            let mut throttling = false;
-            if let Some(r) = reasons {
-                use nvml_wrapper::bitmasks::device::ThrottleReasons as T;
-                for (name, flag) in r.iter_names() {
-                    reason_names.push(name.to_string());
-                    if flag != T::GPU_IDLE && flag != T::APPLICATIONS_CLOCKS_SETTING {
-                        throttling = true;
+            match reading.throttle {
+                Ok(r) => {
+                    reason_names = r.iter_names().map(|(name, _)| name.to_string()).collect();
+                    if gpu::is_throttling(r) {
+                        gpu.throttled[slot] += 1;
+                    }
+                    for group in gpu::throttle_groups(r) {
+                        *gpu.reason_counts[slot].entry(group).or_default() += 1;
                     }
                 }
-            }
-            if throttling {
-                gpu.throttled[slot] += 1;
+                Err(e) if checked => {
+                    gpu.throttle_gaps
+                        .insert(format!("GPU {device}: throttle reasons not readable ({e})"));
+                }
+                Err(_) => {}
             }
             summary.throttle_share = f64::from(gpu.throttled[slot]) / f64::from(summary.samples);
+
+            let processes = gpu.backend.processes(device);
+            let compute = processes.compute.unwrap_or_else(|e| {
+                if checked && self.config.check_foreign {
+                    gpu.foreign_gaps
+                        .insert(format!("GPU {device}: compute processes not listed ({e})"));
+                }
+                Vec::new()
+            });
+            let graphics: Vec<u32> = processes
+                .graphics
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|p| !compute.contains(p))
+                .collect();
+            let started = gpu.started_pids.as_ref().map(|s| {
+                s.get(&device)
+                    .cloned()
+                    .unwrap_or_else(|| Ok(BTreeSet::new()))
+            });
             let mut procs = Vec::new();
-            let compute = device.running_compute_processes().unwrap_or_default();
-            let graphics = device.running_graphics_processes().unwrap_or_default();
-            for p in compute.iter().chain(graphics.iter()) {
-                let group = process_group_of(p.pid);
-                let ours = group.is_some_and(|g| self.config.fleet_process_groups.contains(&g));
-                if self.config.check_foreign && !ours {
-                    let why = match group {
-                        Some(g) => format!("process group {g} is not the fleet's"),
-                        None => "pid not visible in /proc".to_string(),
+            for (pid, kind) in compute
+                .iter()
+                .map(|p| (*p, "compute"))
+                .chain(graphics.iter().map(|p| (*p, "graphics")))
+            {
+                let group = process_group_of(pid);
+                let ours = group.is_some_and(|g| self.config.fleet_process_groups.contains(&g))
+                    || matches!(&started, Some(Ok(s)) if s.contains(&pid));
+                // Only a compute process on one of the fleet's cards can spoil the cell.
+                if !ours && kind == "compute" && checked && self.config.check_foreign {
+                    let why = match (group, &started) {
+                        (Some(g), _) => Some(format!("process group {g} is not the fleet's")),
+                        (None, Some(Ok(_))) => Some(format!(
+                            "pid not visible in /proc and not among the processes the fleet started on GPU {device}"
+                        )),
+                        (None, Some(Err(e))) => {
+                            gpu.foreign_gaps.insert(format!(
+                                "pid {pid} on GPU {device} is not visible in /proc and the fleet's processes there are not known ({e})"
+                            ));
+                            None
+                        }
+                        (None, None) => {
+                            gpu.foreign_gaps.insert(format!(
+                                "pid {pid} on GPU {device} is not visible in /proc (a container sees host pids) and the fleet's cards and processes are not known"
+                            ));
+                            None
+                        }
                     };
-                    if !self
-                        .foreign
-                        .iter()
-                        .any(|f| f.0 == summary.device && f.1 == p.pid)
+                    if let Some(why) = why
+                        && !self.foreign.iter().any(|f| f.0 == device && f.1 == pid)
                     {
-                        self.foreign.push((summary.device, p.pid, why));
+                        self.foreign.push((device, pid, why));
                     }
                 }
-                procs.push(json!({"pid": p.pid, "fleet": ours}));
+                procs.push(json!({"pid": pid, "fleet": ours, "kind": kind}));
             }
             lines.push(json!({
-                "t_s": t_s, "kind": "gpu", "device": summary.device, "sm_clock_mhz": sm,
-                "temperature_c": temp, "throttle_reasons": reason_names, "processes": procs,
+                "t_s": t_s, "kind": "gpu", "device": device, "sm_clock_mhz": reading.sm_clock_mhz,
+                "temperature_c": reading.temperature_c, "throttle_reasons": reason_names,
+                "processes": procs,
             }));
         }
         for line in lines {
             self.write(line)?;
         }
         Ok(())
+    }
+
+    /// The throttle and foreign-process checks' status over the window.
+    fn check_status(&self) -> (CheckStatus, CheckStatus) {
+        if matches!(self.config.fleet_gpus, FleetGpus::Emulated) {
+            let off = CheckStatus::Off(EMULATED_NO_GPU.into());
+            return (off.clone(), off);
+        }
+        let Some(gpu) = &self.gpu else {
+            let why = self.gpu_reason.clone().unwrap_or_default();
+            let status = if self.config.gpu {
+                CheckStatus::Unavailable(why)
+            } else {
+                CheckStatus::Off(why)
+            };
+            return (status.clone(), status);
+        };
+        let mut throttle_gaps = gpu.throttle_gaps.clone();
+        if !gpu.summaries.iter().any(|s| gpu.checks(s.device)) {
+            throttle_gaps.insert(format!(
+                "no card to check among the {} NVML shows",
+                gpu.summaries.len()
+            ));
+        }
+        for s in gpu.summaries.iter().filter(|s| gpu.checks(s.device)) {
+            if s.samples == 0 {
+                throttle_gaps.insert(format!("GPU {} never sampled", s.device));
+            }
+        }
+        let foreign = if self.config.check_foreign {
+            CheckStatus::from_gaps(&gpu.foreign_gaps)
+        } else {
+            CheckStatus::Off("turned off for this run (a static fleet's processes are not ours to know; a fault run restarts a replica)".into())
+        };
+        (CheckStatus::from_gaps(&throttle_gaps), foreign)
     }
 
     fn finish(mut self) -> Result<EvidenceSummary> {
@@ -434,6 +708,7 @@ impl SamplerState {
             .collect();
         let cpu_busy_mean = (!self.cpu_busy.is_empty())
             .then(|| self.cpu_busy.iter().sum::<f64>() / self.cpu_busy.len() as f64);
+        let (throttle_check, foreign_check) = self.check_status();
         let summary = EvidenceSummary {
             duration_s: self.t_s(),
             samples: self.samples,
@@ -449,6 +724,13 @@ impl SamplerState {
             loadavg_1m_max: self.loadavg_max,
             cpu_busy_mean,
             cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            gpu_throttle: self
+                .gpu
+                .as_ref()
+                .map(GpuState::throttle)
+                .unwrap_or_default(),
+            throttle_check,
+            foreign_check,
         };
         let mut line = serde_json::to_value(&summary)?;
         if let Some(obj) = line.as_object_mut() {
@@ -508,6 +790,7 @@ pub fn process_group_of(pid: u32) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpu::{ScriptedGpus, StartedGpus, ThrottleReasons};
 
     fn summary() -> EvidenceSummary {
         EvidenceSummary {
@@ -526,39 +809,129 @@ mod tests {
             loadavg_1m_max: Some(1.0),
             cpu_busy_mean: Some(0.5),
             cpus: 2,
+            gpu_throttle: vec![],
+            throttle_check: CheckStatus::Unavailable("NVML unavailable".into()),
+            foreign_check: CheckStatus::Unavailable("NVML unavailable".into()),
         }
+    }
+
+    fn lateness(max_lateness_p99_ms: f64) -> EvidenceBounds {
+        EvidenceBounds {
+            max_lateness_p99_ms,
+            max_throttle_share: None,
+        }
+    }
+
+    /// The calibrated throttle bound of these tests: 12% of samples.
+    const THROTTLE_BOUND: EvidenceBounds = EvidenceBounds {
+        max_lateness_p99_ms: 5.0,
+        max_throttle_share: Some(0.12),
+    };
+
+    /// A pid above Linux's largest `pid_max` (2^22): never visible in /proc, like a host pid
+    /// seen from a container.
+    const HOST_PID: u32 = 5_000_000;
+    const OTHER_HOST_PID: u32 = 5_000_001;
+
+    /// Scratch files for one test, removed at the end.
+    struct Scratch(std::path::PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Scratch {
+            let dir =
+                std::env::temp_dir().join(format!("fleet-evidence-{name}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            std::fs::remove_dir_all(&self.0).ok();
+        }
+    }
+
+    fn config(fleet_gpus: FleetGpus) -> EvidenceConfig {
+        EvidenceConfig {
+            lateness_urls: vec![],
+            fleet_process_groups: vec![],
+            check_foreign: true,
+            gpu: true,
+            interval: Duration::from_millis(10),
+            fleet_gpus,
+        }
+    }
+
+    /// A command fleet of one replica per card `0..replicas`, on `backend`, whose processes at
+    /// start were `started` (per card).
+    fn started(backend: &Arc<ScriptedGpus>, started: &[&[u32]]) -> FleetGpus {
+        FleetGpus::Started(StartedGpus {
+            backend: Ok(Arc::clone(backend) as Arc<dyn GpuBackend>),
+            replica_devices: (0..started.len() as u32).map(|d| Ok(vec![d])).collect(),
+            started_pids: started
+                .iter()
+                .enumerate()
+                .map(|(d, pids)| (d as u32, Ok(pids.iter().copied().collect())))
+                .collect(),
+        })
+    }
+
+    fn no_nvml() -> Result<Arc<dyn GpuBackend>, String> {
+        Err("NVML unavailable: libnvidia-ml.so: cannot open shared object file".into())
+    }
+
+    fn nvml_must_not_open() -> Result<Arc<dyn GpuBackend>, String> {
+        panic!("NVML opened")
+    }
+
+    /// Samples `rounds` times (deterministically, without the thread) and summarises.
+    fn sample(
+        name: &str,
+        config: EvidenceConfig,
+        open_nvml: fn() -> Result<Arc<dyn GpuBackend>, String>,
+        rounds: u32,
+    ) -> (EvidenceSummary, String) {
+        let scratch = Scratch::new(name);
+        let path = scratch.0.join("evidence.jsonl");
+        let out = BufWriter::new(File::create(&path).unwrap());
+        let mut state = SamplerState::new(config, out, open_nvml);
+        for _ in 0..rounds {
+            state.sample().unwrap();
+        }
+        let summary = state.finish().unwrap();
+        (summary, std::fs::read_to_string(&path).unwrap())
+    }
+
+    /// Card 0 throttles for thermal reasons in `hot` of 50 samples (idle otherwise); card 1,
+    /// not the fleet's, throttles in every sample.
+    fn thermal(hot: u32) -> (EvidenceSummary, String) {
+        let gpus = Arc::new(ScriptedGpus::new(2));
+        for i in 0..50 {
+            gpus.push_throttle(
+                0,
+                if i < hot {
+                    ThrottleReasons::SW_THERMAL_SLOWDOWN | ThrottleReasons::HW_THERMAL_SLOWDOWN
+                } else {
+                    ThrottleReasons::GPU_IDLE
+                },
+            );
+        }
+        gpus.push_throttle(1, ThrottleReasons::HW_SLOWDOWN);
+        let config = config(started(&gpus, &[&[]]));
+        sample(&format!("thermal-{hot}"), config, nvml_must_not_open, 50)
     }
 
     #[test]
     fn lateness_bound_discards_and_passes() {
         let s = summary();
-        assert!(
-            s.check(&EvidenceBounds {
-                max_lateness_p99_ms: 5.0
-            })
-            .is_ok()
-        );
-        let err = s
-            .check(&EvidenceBounds {
-                max_lateness_p99_ms: 1.0,
-            })
-            .unwrap_err();
+        assert!(s.check(&lateness(5.0)).is_ok());
+        let err = s.check(&lateness(1.0)).unwrap_err();
         assert!(err.contains("replica 0") && err.contains("2.500"), "{err}");
         let mut past = summary();
         past.lateness[0].p99_ms = None;
-        assert!(
-            past.check(&EvidenceBounds {
-                max_lateness_p99_ms: 5.0
-            })
-            .is_err()
-        );
+        assert!(past.check(&lateness(5.0)).is_err());
         past.lateness[0].steps = 0.0;
-        assert!(
-            past.check(&EvidenceBounds {
-                max_lateness_p99_ms: 5.0
-            })
-            .is_ok()
-        );
+        assert!(past.check(&lateness(5.0)).is_ok());
     }
 
     #[test]
@@ -566,12 +939,175 @@ mod tests {
         let mut s = summary();
         s.foreign_processes
             .push((1, 4242, "process group 7 is not the fleet's".into()));
-        let err = s
-            .check(&EvidenceBounds {
-                max_lateness_p99_ms: 5.0,
-            })
-            .unwrap_err();
+        let err = s.check(&lateness(5.0)).unwrap_err();
         assert!(err.contains("4242") && err.contains("GPU 1"), "{err}");
+    }
+
+    #[test]
+    fn a_card_that_throttled_above_the_calibrated_bound_sets_the_cell_aside() {
+        let (s, text) = thermal(17);
+        assert_eq!(s.throttle_check, CheckStatus::Done);
+        assert_eq!(s.gpu_throttle.len(), 1, "only the fleet's card is checked");
+        assert_eq!(s.gpu_throttle[0].reason_shares["thermal slowdown"], 0.34);
+        let err = s.check(&THROTTLE_BOUND).unwrap_err();
+        assert_eq!(
+            err,
+            "GPU 0 (replica 0) throttled (thermal slowdown) in 34% of samples, above the calibrated bound 12%"
+        );
+        assert!(
+            s.check(&lateness(5.0)).is_ok(),
+            "no bound from calibration, no throttle check"
+        );
+        assert!(
+            text.contains("\"throttle_check\":{\"status\":\"done\"}"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_card_that_throttled_below_the_bound_is_accepted() {
+        let (s, _) = thermal(5);
+        assert_eq!(s.gpu_throttle[0].throttle_share, 0.1);
+        assert_eq!(s.check(&THROTTLE_BOUND), Ok(()));
+    }
+
+    #[test]
+    fn a_graphics_only_process_never_spoils_a_cell() {
+        let gpus = Arc::new(ScriptedGpus::new(1));
+        gpus.push_throttle(0, ThrottleReasons::GPU_IDLE);
+        // pid 1 is visible and not in the fleet's process group: a compositor-like stranger.
+        gpus.push_processes(0, &[], &[1]);
+        let (s, text) = sample("graphics", config(started(&gpus, &[&[]])), no_nvml, 3);
+        assert_eq!(s.foreign_processes, vec![]);
+        assert_eq!(s.foreign_check, CheckStatus::Done);
+        assert_eq!(s.check(&THROTTLE_BOUND), Ok(()));
+        assert!(
+            text.contains("{\"fleet\":false,\"kind\":\"graphics\",\"pid\":1}"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_compute_process_outside_the_fleet_sets_the_cell_aside() {
+        let gpus = Arc::new(ScriptedGpus::new(1));
+        gpus.push_throttle(0, ThrottleReasons::GPU_IDLE);
+        gpus.push_processes(0, &[1], &[1]);
+        let (s, _) = sample("compute", config(started(&gpus, &[&[]])), no_nvml, 3);
+        assert_eq!(s.foreign_processes.len(), 1);
+        let err = s.check(&THROTTLE_BOUND).unwrap_err();
+        assert!(
+            err.starts_with("foreign process 1 on GPU 0 (process group"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn host_pids_recorded_at_fleet_start_are_the_fleets() {
+        let gpus = Arc::new(ScriptedGpus::new(1));
+        gpus.push_throttle(0, ThrottleReasons::GPU_IDLE);
+        gpus.push_processes(0, &[HOST_PID], &[]);
+        let (s, text) = sample(
+            "host-pid",
+            config(started(&gpus, &[&[HOST_PID]])),
+            no_nvml,
+            3,
+        );
+        assert_eq!(s.foreign_processes, vec![]);
+        assert_eq!(s.foreign_check, CheckStatus::Done);
+        assert_eq!(s.check(&THROTTLE_BOUND), Ok(()));
+        assert!(text.contains(&format!(
+            "{{\"fleet\":true,\"kind\":\"compute\",\"pid\":{HOST_PID}}}"
+        )));
+    }
+
+    #[test]
+    fn an_unknown_pid_appearing_later_on_a_replicas_card_is_foreign() {
+        let gpus = Arc::new(ScriptedGpus::new(2));
+        gpus.push_throttle(0, ThrottleReasons::GPU_IDLE)
+            .push_throttle(1, ThrottleReasons::GPU_IDLE);
+        gpus.push_processes(0, &[HOST_PID], &[]).push_processes(
+            0,
+            &[HOST_PID, OTHER_HOST_PID],
+            &[],
+        );
+        // Card 1 is not the fleet's: what runs there is none of the cell's business.
+        gpus.push_processes(1, &[OTHER_HOST_PID + 1], &[]);
+        let mut config = config(started(&gpus, &[&[HOST_PID]]));
+        if let FleetGpus::Started(s) = &mut config.fleet_gpus {
+            s.replica_devices = vec![Ok(vec![0])];
+        }
+        let (s, _) = sample("later", config, no_nvml, 3);
+        assert_eq!(
+            s.foreign_processes,
+            vec![(
+                0,
+                OTHER_HOST_PID,
+                "pid not visible in /proc and not among the processes the fleet started on GPU 0"
+                    .to_string()
+            )]
+        );
+        assert!(
+            s.check(&lateness(5.0))
+                .unwrap_err()
+                .contains(&OTHER_HOST_PID.to_string())
+        );
+    }
+
+    #[test]
+    fn an_invisible_pid_without_a_start_list_makes_the_check_unavailable_not_passed() {
+        let gpus = Arc::new(ScriptedGpus::new(1));
+        gpus.push_throttle(0, ThrottleReasons::GPU_IDLE);
+        gpus.push_processes(0, &[HOST_PID], &[]);
+        let mut fleet = started(&gpus, &[&[]]);
+        if let FleetGpus::Started(s) = &mut fleet {
+            s.started_pids.insert(
+                0,
+                Err("GPU 0: compute processes not listed (NotSupported)".into()),
+            );
+        }
+        let (s, _) = sample("unverifiable", config(fleet), no_nvml, 2);
+        assert_eq!(s.foreign_processes, vec![]);
+        let CheckStatus::Unavailable(why) = &s.foreign_check else {
+            panic!("{:?}", s.foreign_check);
+        };
+        assert!(
+            why.contains(&format!("pid {HOST_PID} on GPU 0 is not visible in /proc"))
+                && why.contains("NotSupported"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn without_nvml_the_gpu_checks_say_they_are_unavailable_and_why() {
+        let (s, text) = sample("no-nvml", config(FleetGpus::Unknown), no_nvml, 2);
+        assert_eq!(s.gpu_status, "no GPU");
+        for status in [&s.throttle_check, &s.foreign_check] {
+            assert_eq!(
+                status,
+                &CheckStatus::Unavailable(no_nvml().unwrap_err()),
+                "{status:?}"
+            );
+        }
+        assert_eq!(s.check(&THROTTLE_BOUND), Ok(()));
+        assert!(
+            text.contains("\"foreign_check\":{\"reason\":\"NVML unavailable"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn an_emulated_fleet_reads_no_gpu() {
+        let (s, text) = sample(
+            "emulated",
+            config(FleetGpus::Emulated),
+            nvml_must_not_open,
+            2,
+        );
+        assert_eq!(s.gpu_status, "no GPU");
+        assert_eq!(s.gpu_reason.as_deref(), Some(EMULATED_NO_GPU));
+        assert_eq!(s.throttle_check, CheckStatus::Off(EMULATED_NO_GPU.into()));
+        assert_eq!(s.foreign_check, CheckStatus::Off(EMULATED_NO_GPU.into()));
+        assert!(!text.contains("\"kind\":\"gpu\""));
     }
 
     #[test]
@@ -589,26 +1125,19 @@ mod tests {
         let pid = std::process::id();
         assert!(process_group_of(pid).is_some());
         assert_eq!(process_group_of(u32::MAX), None);
+        assert_eq!(process_group_of(HOST_PID), None);
     }
 
     #[test]
     fn sampler_without_gpu_or_engines_records_no_gpu() {
-        let dir = std::env::temp_dir().join(format!("fleet-evidence-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let out = dir.join("evidence.jsonl");
-        let sampler = EvidenceSampler::start(
-            EvidenceConfig {
-                lateness_urls: vec![],
-                fleet_process_groups: vec![],
-                check_foreign: true,
-                gpu: false,
-                interval: Duration::from_millis(10),
-            },
-            &out,
-        )
-        .unwrap();
+        let scratch = Scratch::new("sampler");
+        let out = scratch.0.join("evidence.jsonl");
+        let mut config = config(FleetGpus::Unknown);
+        config.gpu = false;
+        let sampler = EvidenceSampler::start(config, &out).unwrap();
         let s = sampler.finish().unwrap();
         assert_eq!(s.gpu_status, "no GPU");
+        assert!(matches!(s.foreign_check, CheckStatus::Off(_)));
         assert!(s.samples >= 2);
         let text = std::fs::read_to_string(&out).unwrap();
         let kinds: Vec<String> = text
@@ -622,6 +1151,5 @@ mod tests {
             .collect();
         assert_eq!(kinds.first().map(String::as_str), Some("gpu-status"));
         assert_eq!(kinds.last().map(String::as_str), Some("summary"));
-        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -1,11 +1,14 @@
 //! Replica sources and their lifecycle: start, health, stop, cycle, kill one, restart one.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 
+use crate::gpu::{self, FleetGpus, GpuBackend, PidsByDevice, StartedGpus};
 use crate::http;
 use crate::process::ChildGuard;
 
@@ -193,6 +196,13 @@ pub struct Fleet {
     source: Source,
     options: FleetOptions,
     slots: Vec<Slot>,
+    /// The GPU reader of a command fleet, opened at its first start (or given); an emulated or
+    /// static fleet never opens one.
+    gpu_backend: Option<Result<Arc<dyn GpuBackend>, String>>,
+    /// Per replica: its NVML devices (command fleets, while running).
+    replica_devices: Vec<Result<Vec<u32>, String>>,
+    /// Per device: compute pids that appeared on it while the replicas started.
+    started_pids: PidsByDevice,
 }
 
 /// Never interrupted; for callers without a Ctrl-C flag.
@@ -225,7 +235,94 @@ impl Fleet {
             source,
             options,
             slots: Vec::new(),
+            gpu_backend: None,
+            replica_devices: Vec::new(),
+            started_pids: BTreeMap::new(),
         })
+    }
+
+    /// Reads the GPUs through `backend` instead of NVML (tests: [`gpu::ScriptedGpus`]). Only a
+    /// command fleet reads GPUs at all.
+    pub fn with_gpu_backend(mut self, backend: Arc<dyn GpuBackend>) -> Fleet {
+        self.gpu_backend = Some(Ok(backend));
+        self
+    }
+
+    /// What the evidence sampler needs to know of this fleet's GPUs: none for an emulated fleet
+    /// (GPUs are not read at all), not known for a static one, and for a command fleet its
+    /// replicas' cards and the compute processes they put there while starting.
+    pub fn gpus(&self) -> FleetGpus {
+        match &self.source {
+            Source::Emulated(_) => FleetGpus::Emulated,
+            Source::Static(_) => FleetGpus::Unknown,
+            Source::Command(_) => FleetGpus::Started(StartedGpus {
+                backend: self
+                    .gpu_backend
+                    .clone()
+                    .unwrap_or_else(|| Err("the fleet has not started".into())),
+                replica_devices: self.replica_devices.clone(),
+                started_pids: self.started_pids.clone(),
+            }),
+        }
+    }
+
+    /// The GPU reader of a command fleet, opened once; `None` for other sources.
+    fn gpu_backend(&mut self) -> Option<Result<Arc<dyn GpuBackend>, String>> {
+        if !matches!(self.source, Source::Command(_)) {
+            return None;
+        }
+        Some(self.gpu_backend.get_or_insert_with(gpu::open_nvml).clone())
+    }
+
+    /// The compute pids on the cards of `replicas` now, keyed by device (command fleets whose
+    /// GPU reader opened; empty otherwise).
+    fn gpu_snapshot(&mut self, replicas: &[usize]) -> PidsByDevice {
+        let Some(Ok(backend)) = self.gpu_backend() else {
+            return BTreeMap::new();
+        };
+        let devices: BTreeSet<u32> = replicas
+            .iter()
+            .filter_map(|&i| self.replica_devices.get(i)?.as_ref().ok())
+            .flatten()
+            .copied()
+            .collect();
+        gpu::compute_pids(backend.as_ref(), devices)
+    }
+
+    /// Resolves the cards of every replica of a command fleet (before it spawns them).
+    fn resolve_replica_devices(&mut self) {
+        let Source::Command(spec) = &self.source else {
+            self.replica_devices.clear();
+            return;
+        };
+        let spec = spec.clone();
+        let backend = self.gpu_backend().and_then(Result::ok);
+        self.replica_devices = (0..spec.replicas)
+            .map(|i| {
+                gpu::resolve_devices(&spec.gpu(i), backend.as_deref())
+                    .map_err(|e| format!("replica {i}'s card is not known: {e}"))
+            })
+            .collect();
+    }
+
+    /// Adds what appeared on each card between `before` and now to the fleet's processes.
+    fn record_started_pids(&mut self, before: PidsByDevice, replicas: &[usize]) {
+        for (device, after) in self.gpu_snapshot(replicas) {
+            let new = match (before.get(&device), after) {
+                (Some(Ok(before)), Ok(after)) => Ok(after.difference(before).copied().collect()),
+                (Some(Err(e)), _) => Err(e.clone()),
+                (_, Err(e)) => Err(e),
+                (None, Ok(_)) => Err(format!("GPU {device}: not listed before the start")),
+            };
+            match (self.started_pids.get_mut(&device), new) {
+                (Some(Ok(known)), Ok(new)) => known.extend(new),
+                (Some(slot), Err(e)) => *slot = Err(e),
+                (Some(Err(_)), Ok(_)) => {}
+                (None, new) => {
+                    self.started_pids.insert(device, new);
+                }
+            }
+        }
     }
 
     /// The source this fleet was built from.
@@ -241,6 +338,12 @@ impl Fleet {
             bail!("the fleet is already running");
         }
         let n = self.source.replicas();
+        let all: Vec<usize> = (0..n).collect();
+        // A command fleet's processes on its cards: what is there before the spawn is not ours,
+        // what appears until the replicas are ready is (vLLM's workers included), whether or not
+        // `/proc` can see it (NVML reports host pids in a container).
+        self.resolve_replica_devices();
+        let before = self.gpu_snapshot(&all);
         let mut slots = Vec::with_capacity(n);
         for index in 0..n {
             slots.push(self.spawn_slot(index, None, 0)?);
@@ -252,6 +355,7 @@ impl Fleet {
                 return Err(e);
             }
         }
+        self.record_started_pids(before, &all);
         Ok(())
     }
 
@@ -268,6 +372,8 @@ impl Fleet {
             }
         }
         self.slots.clear();
+        self.replica_devices.clear();
+        self.started_pids.clear();
     }
 
     /// Makes every replica forget its cache, so that a second pass never reads back what the
@@ -316,9 +422,12 @@ impl Fleet {
             }
             (slot.info.clone(), slot.starts)
         };
+        let before = self.gpu_snapshot(&[index]);
         let fresh = self.spawn_slot(index, Some(&previous), starts)?;
         self.slots[index] = fresh;
-        self.await_ready(index, should_stop)
+        self.await_ready(index, should_stop)?;
+        self.record_started_pids(before, &[index]);
+        Ok(())
     }
 
     /// The running replicas, in fleet order.

@@ -13,6 +13,8 @@
 //! - [`evidence`]: [`evidence::EvidenceSampler`] writes `evidence.jsonl` through a measured
 //!   window (NVML on GPUs, engine lateness and host CPU load on the emulator) and returns an
 //!   [`evidence::EvidenceSummary`] whose [`evidence::EvidenceSummary::check`] discards a cell.
+//! - [`gpu`]: [`gpu::GpuBackend`], what is read from the GPUs (NVML on a real fleet, scripted
+//!   in tests), and [`gpu::FleetGpus`], what a fleet knows of its cards and processes.
 //! - [`metrics`]: what is read from a replica's `/metrics` (cache shape, histograms and window
 //!   deltas), on the `prom-text` parser.
 //! - [`http`]: blocking HTTP for control-plane calls, on `ureq`.
@@ -21,14 +23,16 @@ pub mod driver_process;
 pub mod evidence;
 mod files;
 pub mod fleet;
+pub mod gpu;
 pub mod http;
 pub mod ingress;
 pub mod metrics;
 pub mod process;
 
 pub use driver_process::{DriverSettings, start_driver, wait_driver};
-pub use evidence::{EvidenceBounds, EvidenceConfig, EvidenceSampler, EvidenceSummary};
+pub use evidence::{CheckStatus, EvidenceBounds, EvidenceConfig, EvidenceSampler, EvidenceSummary};
 pub use fleet::{CommandSpec, EmulatedSpec, Fleet, FleetOptions, ReplicaInfo, Source, StaticSpec};
+pub use gpu::{FleetGpus, GpuBackend};
 pub use ingress::{Ingress, IngressProcess, RouterSettings};
 pub use metrics::{CacheConfig, Histogram};
 pub use process::{ChildGuard, Readiness, kill_all};

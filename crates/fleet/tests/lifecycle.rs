@@ -1,12 +1,15 @@
 //! Fleet lifecycle against `fake-replica` processes: spawn, readiness, health, cycle, kill,
 //! restart, kill on drop, and errors that name the replica and its log file.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::Duration;
 
-use fleet::evidence::{EvidenceBounds, EvidenceConfig, EvidenceSampler};
+use fleet::evidence::{CheckStatus, EvidenceBounds, EvidenceConfig, EvidenceSampler};
 use fleet::fleet::never;
+use fleet::gpu::{FleetGpus, ScriptedGpus, ThrottleReasons};
 use fleet::{ChildGuard, CommandSpec, EmulatedSpec, Fleet, FleetOptions, Source, StaticSpec, http};
 
 const FAKE: &str = env!("CARGO_BIN_EXE_fake-replica");
@@ -264,11 +267,13 @@ fn static_source_cycles_by_resetting_the_prefix_cache() {
 #[test]
 fn evidence_reads_lateness_and_discards_a_late_cell() {
     let dir = TempDir::new("evidence");
+    let gpus = Arc::new(ScriptedGpus::new(1));
     let mut fleet = Fleet::new(
         Source::Emulated(emulated(2, &["--lateness-ms", "20"])),
         options(dir.path(), 20),
     )
-    .unwrap();
+    .unwrap()
+    .with_gpu_backend(gpus.clone());
     fleet.start(&never).unwrap();
     let out = dir.path().join("evidence.jsonl");
     let sampler = EvidenceSampler::start(
@@ -278,6 +283,7 @@ fn evidence_reads_lateness_and_discards_a_late_cell() {
             check_foreign: true,
             gpu: true,
             interval: Duration::from_millis(20),
+            fleet_gpus: fleet.gpus(),
         },
         &out,
     )
@@ -288,21 +294,85 @@ fn evidence_reads_lateness_and_discards_a_late_cell() {
         assert!(l.steps >= 10.0);
         assert_eq!(l.p99_ms, Some(25.0), "20 ms lands in the 25 ms bucket");
     }
-    let err = summary
-        .check(&EvidenceBounds {
-            max_lateness_p99_ms: 5.0,
-        })
-        .unwrap_err();
+    let bounds = |max_lateness_p99_ms| EvidenceBounds {
+        max_lateness_p99_ms,
+        max_throttle_share: Some(0.0),
+    };
+    let err = summary.check(&bounds(5.0)).unwrap_err();
     assert!(err.contains("lateness p99 25.000 ms"), "{err}");
-    assert!(
-        summary
-            .check(&EvidenceBounds {
-                max_lateness_p99_ms: 30.0
-            })
-            .is_ok()
-    );
-    // On this machine NVML may or may not exist; either way it is evidence, not an error.
-    assert!(summary.gpu_status == "ok" || summary.gpu_status == "no GPU");
+    assert!(summary.check(&bounds(30.0)).is_ok());
+    // An emulated fleet reads no GPU, whatever the caller asks: the backend was never called.
+    assert_eq!(gpus.calls(), 0);
+    assert_eq!(summary.gpu_status, "no GPU");
+    assert!(matches!(summary.foreign_check, CheckStatus::Off(_)));
     let text = std::fs::read_to_string(&out).unwrap();
     assert!(text.lines().any(|l| l.contains("\"kind\":\"engine\"")));
+}
+
+/// A pid above Linux's largest `pid_max`: never in /proc, like a host pid seen from a container.
+const HOST_PID: u32 = 5_000_000;
+
+#[test]
+fn command_fleet_knows_its_processes_from_the_start_even_without_proc() {
+    let dir = TempDir::new("command-gpu");
+    let gpus = Arc::new(ScriptedGpus::new(4));
+    gpus.push_throttle(3, ThrottleReasons::GPU_IDLE);
+    // Card 3 before the spawn: pid 1 (not ours); once the replica is ready: also its worker,
+    // whose host pid /proc cannot show.
+    gpus.push_processes(3, &[1], &[])
+        .push_processes(3, &[1, HOST_PID], &[]);
+    let spec = CommandSpec {
+        template: format!("{FAKE} --port {{port}} --no-readiness"),
+        model: "m".into(),
+        replicas: 1,
+        host: "127.0.0.1".into(),
+        base_port: free_port(),
+        kv_base_port: None,
+        gpus: vec!["3".into()],
+    };
+    let mut fleet = Fleet::new(Source::Command(spec), options(dir.path(), 20))
+        .unwrap()
+        .with_gpu_backend(gpus.clone());
+    fleet.start(&never).unwrap();
+    let FleetGpus::Started(started) = fleet.gpus() else {
+        panic!("a command fleet knows its cards");
+    };
+    assert_eq!(started.replica_devices, vec![Ok(vec![3])]);
+    assert_eq!(
+        started.started_pids.get(&3),
+        Some(&Ok(BTreeSet::from([HOST_PID])))
+    );
+
+    let sampler = EvidenceSampler::start(
+        EvidenceConfig {
+            lateness_urls: vec![],
+            fleet_process_groups: fleet.process_groups(),
+            check_foreign: true,
+            gpu: true,
+            interval: Duration::from_millis(20),
+            fleet_gpus: fleet.gpus(),
+        },
+        &dir.path().join("evidence.jsonl"),
+    )
+    .unwrap();
+    let summary = sampler.finish().unwrap();
+    assert_eq!(summary.foreign_check, CheckStatus::Done);
+    assert_eq!(summary.throttle_check, CheckStatus::Done);
+    let foreign: Vec<u32> = summary.foreign_processes.iter().map(|f| f.1).collect();
+    assert_eq!(
+        foreign,
+        vec![1],
+        "there before the fleet: foreign; {HOST_PID}: ours"
+    );
+
+    // A restarted replica's new processes are the fleet's too.
+    gpus.push_processes(3, &[1, HOST_PID, HOST_PID + 1], &[]);
+    fleet.restart_one(0, &never).unwrap();
+    let FleetGpus::Started(started) = fleet.gpus() else {
+        unreachable!()
+    };
+    assert_eq!(
+        started.started_pids.get(&3),
+        Some(&Ok(BTreeSet::from([HOST_PID, HOST_PID + 1])))
+    );
 }
