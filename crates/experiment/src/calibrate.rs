@@ -523,23 +523,7 @@ mod tests {
 
     #[test]
     fn the_defaults_follow_quick() {
-        let spec = crate::fleet_spec::FleetSpec {
-            kind: FleetKind::Emulated,
-            replicas: 3,
-            speed: 6.0,
-            slowdowns: vec![],
-            num_gpu_blocks: 4096,
-            model: "m".into(),
-            engine_seed: 1,
-            command: None,
-            host: "127.0.0.1".into(),
-            base_port: 8100,
-            kv_base_port: None,
-            gpus: vec![],
-            urls: vec![],
-            kv_events: vec![],
-            ready_timeout_s: 120.0,
-        };
+        let spec = crate::fleet_spec::FleetSpec::test_emulated();
         let out = PathBuf::from("c.json");
         let quick = CalibrateSettings::defaults(
             spec.clone(),

@@ -201,10 +201,9 @@ impl FleetSpec {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn emulated() -> FleetSpec {
+impl FleetSpec {
+    /// A small emulated fleet for tests across the crate (3 replicas, quick blocks).
+    pub(crate) fn test_emulated() -> FleetSpec {
         FleetSpec {
             kind: FleetKind::Emulated,
             replicas: 3,
@@ -222,6 +221,15 @@ mod tests {
             kv_events: vec![],
             ready_timeout_s: 120.0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn emulated() -> FleetSpec {
+        FleetSpec::test_emulated()
     }
 
     #[test]
