@@ -19,24 +19,11 @@ use fleet::ingress::{
 use fleet::{DriverSettings, EmulatedSpec, Fleet, FleetOptions, Source};
 
 /// A scratch directory removed when the test ends (pass or fail).
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("fleet-test-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn temp_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("fleet-test-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 /// A backend that answers `/health`, and streams two SSE events per request, the second only
@@ -150,7 +137,7 @@ fn sse_streams_through_haproxy_and_sessions_stick() {
     let (go_tx, go_rx) = mpsc::channel();
     let go_rx = Arc::new(Mutex::new(go_rx));
     let backends: Vec<String> = (0..3).map(|i| sse_backend(i, go_rx.clone())).collect();
-    let dir = TempDir::new("haproxy");
+    let dir = temp_dir("haproxy");
     let mut h = Haproxy::start(&backends, &HaproxySettings::default(), dir.path(), &never).unwrap();
     let sticky: Vec<usize> = (0..4)
         .map(|_| stream_once(h.url(), "conv-7", &go_tx))
@@ -209,7 +196,7 @@ fn the_driver_streams_through_haproxy_to_emulated_engines() {
         release_bin("router"),
         release_bin("driver"),
     );
-    let dir = TempDir::new("haproxy-fleet");
+    let dir = temp_dir("haproxy-fleet");
     let model = "kvroute/emulated-8b";
     let source = Source::Emulated(EmulatedSpec {
         engine_bin,

@@ -2,7 +2,7 @@
 //! restart, kill on drop, and errors that name the replica and its log file.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,24 +15,11 @@ use fleet::{ChildGuard, CommandSpec, EmulatedSpec, Fleet, FleetOptions, Source, 
 const FAKE: &str = env!("CARGO_BIN_EXE_fake-replica");
 
 /// A scratch directory removed when the test ends (pass or fail).
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("fleet-test-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn temp_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("fleet-test-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 fn emulated(replicas: usize, extra: &[&str]) -> EmulatedSpec {
@@ -72,7 +59,7 @@ fn metrics(url: &str) -> String {
 
 #[test]
 fn emulated_fleet_starts_cycles_kills_and_restarts() {
-    let dir = TempDir::new("emulated");
+    let dir = temp_dir("emulated");
     let mut fleet =
         Fleet::new(Source::Emulated(emulated(2, &[])), options(dir.path(), 20)).unwrap();
     fleet.start(&never).unwrap();
@@ -127,7 +114,7 @@ fn emulated_fleet_starts_cycles_kills_and_restarts() {
 
 #[test]
 fn child_is_killed_on_drop_even_when_panicking() {
-    let dir = TempDir::new("panic");
+    let dir = temp_dir("panic");
     let log = dir.path().join("child.log");
     let (tx, rx) = std::sync::mpsc::channel();
     let result = std::panic::catch_unwind(move || {
@@ -143,7 +130,7 @@ fn child_is_killed_on_drop_even_when_panicking() {
 
 #[test]
 fn readiness_timeout_names_replica_and_log() {
-    let dir = TempDir::new("silent");
+    let dir = temp_dir("silent");
     let mut fleet = Fleet::new(
         Source::Emulated(emulated(1, &["--mode", "silent"])),
         options(dir.path(), 1),
@@ -157,7 +144,7 @@ fn readiness_timeout_names_replica_and_log() {
 
 #[test]
 fn health_timeout_names_replica_and_log() {
-    let dir = TempDir::new("unhealthy");
+    let dir = temp_dir("unhealthy");
     let mut fleet = Fleet::new(
         Source::Emulated(emulated(1, &["--mode", "unhealthy"])),
         options(dir.path(), 1),
@@ -176,7 +163,7 @@ fn health_timeout_names_replica_and_log() {
 
 #[test]
 fn early_exit_is_reported_with_its_log() {
-    let dir = TempDir::new("exit");
+    let dir = temp_dir("exit");
     let mut fleet = Fleet::new(
         Source::Emulated(emulated(1, &["--mode", "exit"])),
         options(dir.path(), 20),
@@ -193,7 +180,7 @@ fn early_exit_is_reported_with_its_log() {
 
 #[test]
 fn interrupt_stops_the_wait() {
-    let dir = TempDir::new("interrupt");
+    let dir = temp_dir("interrupt");
     let mut fleet = Fleet::new(
         Source::Emulated(emulated(1, &["--mode", "silent"])),
         options(dir.path(), 60),
@@ -213,7 +200,7 @@ fn free_port() -> u16 {
 
 #[test]
 fn command_source_substitutes_port_and_gpu() {
-    let dir = TempDir::new("command");
+    let dir = temp_dir("command");
     let spec = CommandSpec {
         template: format!("{FAKE} --port {{port}} --no-readiness --served {{model}}"),
         model: "m".into(),
@@ -234,7 +221,7 @@ fn command_source_substitutes_port_and_gpu() {
 
 #[test]
 fn static_source_cycles_by_resetting_the_prefix_cache() {
-    let dir = TempDir::new("static");
+    let dir = temp_dir("static");
     let mut replica =
         ChildGuard::spawn("external", Command::new(FAKE), &dir.path().join("ext.log")).unwrap();
     let url = replica
@@ -266,7 +253,7 @@ fn static_source_cycles_by_resetting_the_prefix_cache() {
 
 #[test]
 fn evidence_reads_lateness_and_discards_a_late_cell() {
-    let dir = TempDir::new("evidence");
+    let dir = temp_dir("evidence");
     let gpus = Arc::new(ScriptedGpus::new(1));
     let mut fleet = Fleet::new(
         Source::Emulated(emulated(2, &["--lateness-ms", "20"])),
@@ -314,7 +301,7 @@ const HOST_PID: u32 = 5_000_000;
 
 #[test]
 fn command_fleet_knows_its_processes_from_the_start_even_without_proc() {
-    let dir = TempDir::new("command-gpu");
+    let dir = temp_dir("command-gpu");
     let gpus = Arc::new(ScriptedGpus::new(4));
     gpus.push_throttle(3, ThrottleReasons::GPU_IDLE);
     // Card 3 before the spawn: pid 1 (not ours); once the replica is ready: also its worker,
