@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, ensure};
 use tokio::net::TcpListener;
 
-use crate::stats::{CellFigures, RoundFigures, requests_per_cell};
+use crate::stats::{Figures, requests_per_cell};
 use crate::table::{TableRow, TableSpec};
 use crate::targets::Target;
 
@@ -143,8 +143,8 @@ pub fn run(a: &ProxyBenchArgs) -> Result<()> {
     }
 
     let clock_ticks_per_s = cpu::clock_ticks_per_s();
-    // rounds_of[(target, streams)] = one RoundFigures per round.
-    let mut rounds_of: HashMap<(usize, usize), Vec<RoundFigures>> = HashMap::new();
+    // rounds_of[(target, streams)] = one Figures per round.
+    let mut rounds_of: HashMap<(usize, usize), Vec<Figures>> = HashMap::new();
     let mut cpu_sources = Vec::new();
     for round in 0..a.rounds {
         for (ti, t) in targets.iter().enumerate() {
@@ -164,7 +164,7 @@ pub fn run(a: &ProxyBenchArgs) -> Result<()> {
                 {
                     cpu_sources.push(c.source);
                 }
-                let fig = RoundFigures::new(&samples, cpu.as_ref(), n);
+                let fig = Figures::new(&samples, cpu.as_ref(), n);
                 eprintln!(
                     "round {round} {:<28} streams {k:>3}: ttfb p50 {:>8.0} µs p99 {:>8.0} µs, event p50 {:>6.0} µs, errors {}",
                     t.name, fig.ttfb_p50_us, fig.ttfb_p99_us, fig.event_p50_us, fig.errors
@@ -181,7 +181,7 @@ pub fn run(a: &ProxyBenchArgs) -> Result<()> {
     let mut rows = Vec::new();
     for &k in &a.streams {
         for (ti, t) in targets.iter().enumerate() {
-            let figures = CellFigures::over_rounds(rounds_of.get(&(ti, k)).map_or(&[], |v| v));
+            let figures = Figures::over_rounds(rounds_of.get(&(ti, k)).map_or(&[], |v| v));
             rows.push(TableRow {
                 target: t.name.clone(),
                 streams: k,

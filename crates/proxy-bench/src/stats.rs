@@ -30,9 +30,11 @@ pub(crate) struct CpuPer1k {
     pub(crate) resolution_s: f64,
 }
 
-/// One round of one cell (target × streams).
+/// The figures of one round of one cell (target × streams), or of a cell over its rounds (each
+/// figure the median of the rounds', errors summed, the CPU resolution the coarsest round's): one
+/// shape, so a cell is summarised by the same type its rounds are.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct RoundFigures {
+pub(crate) struct Figures {
     /// Time to first event, p50, µs.
     pub(crate) ttfb_p50_us: f64,
     /// Time to first event, p99, µs.
@@ -47,10 +49,10 @@ pub(crate) struct RoundFigures {
     pub(crate) errors: usize,
 }
 
-impl RoundFigures {
+impl Figures {
     /// The round's figures from its samples and the proxy's CPU over its `requests`.
     pub(crate) fn new(samples: &CellSamples, cpu: Option<&CpuTime>, requests: usize) -> Self {
-        RoundFigures {
+        Figures {
             ttfb_p50_us: percentile(&samples.ttfb_us, 0.5),
             ttfb_p99_us: percentile(&samples.ttfb_us, 0.99),
             event_p50_us: percentile(&samples.delivery_us, 0.5),
@@ -62,38 +64,17 @@ impl RoundFigures {
             errors: samples.errors,
         }
     }
-}
 
-/// A cell over its rounds: each figure the median of the rounds' figures, errors summed, and the
-/// CPU resolution the coarsest of the rounds'.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct CellFigures {
-    /// Median over rounds of the time to first event p50, µs.
-    pub(crate) ttfb_p50_us: f64,
-    /// Median over rounds of the time to first event p99, µs.
-    pub(crate) ttfb_p99_us: f64,
-    /// Median over rounds of the per-event delivery p50, µs.
-    pub(crate) event_p50_us: f64,
-    /// Median over rounds of the per-event delivery p99, µs.
-    pub(crate) event_p99_us: f64,
-    /// Median over rounds of CPU per 1k requests, with the coarsest round's resolution.
-    pub(crate) cpu: Option<CpuPer1k>,
-    /// Failed requests over all rounds.
-    pub(crate) errors: usize,
-}
-
-impl CellFigures {
     /// Medians over `rounds` (NaN figures when there are none).
-    pub(crate) fn over_rounds(rounds: &[RoundFigures]) -> Self {
-        let med = |f: fn(&RoundFigures) -> f64| {
-            percentile(&rounds.iter().map(f).collect::<Vec<_>>(), 0.5)
-        };
+    pub(crate) fn over_rounds(rounds: &[Figures]) -> Self {
+        let med =
+            |f: fn(&Figures) -> f64| percentile(&rounds.iter().map(f).collect::<Vec<_>>(), 0.5);
         let cpus: Vec<CpuPer1k> = rounds.iter().filter_map(|r| r.cpu).collect();
         let cpu = (!cpus.is_empty()).then(|| CpuPer1k {
             seconds: percentile(&cpus.iter().map(|c| c.seconds).collect::<Vec<_>>(), 0.5),
             resolution_s: cpus.iter().map(|c| c.resolution_s).fold(0.0, f64::max),
         });
-        CellFigures {
+        Figures {
             ttfb_p50_us: med(|r| r.ttfb_p50_us),
             ttfb_p99_us: med(|r| r.ttfb_p99_us),
             event_p50_us: med(|r| r.event_p50_us),
@@ -105,7 +86,7 @@ impl CellFigures {
 
     /// The latency figures minus direct's at the same stream count (what the proxy adds), in
     /// the order ttfb p50, ttfb p99, event p50, event p99.
-    pub(crate) fn added_to(&self, direct: &CellFigures) -> [f64; 4] {
+    pub(crate) fn added_to(&self, direct: &Figures) -> [f64; 4] {
         [
             self.ttfb_p50_us - direct.ttfb_p50_us,
             self.ttfb_p99_us - direct.ttfb_p99_us,
@@ -156,7 +137,7 @@ mod tests {
             resolution_s: 0.01,
             source: CpuSource::Stat,
         };
-        let r = RoundFigures::new(
+        let r = Figures::new(
             &samples(&[100.0, 300.0], &[5.0, 7.0, 9.0], 1),
             Some(&cpu),
             2000,
@@ -172,16 +153,16 @@ mod tests {
             })
         );
         assert_eq!(r.errors, 1);
-        assert_eq!(RoundFigures::new(&samples(&[], &[], 0), None, 10).cpu, None);
+        assert_eq!(Figures::new(&samples(&[], &[], 0), None, 10).cpu, None);
         assert!(
-            RoundFigures::new(&samples(&[], &[], 0), None, 10)
+            Figures::new(&samples(&[], &[], 0), None, 10)
                 .ttfb_p50_us
                 .is_nan()
         );
     }
 
-    fn round(ttfb_p50_us: f64, cpu: Option<(f64, f64)>, errors: usize) -> RoundFigures {
-        RoundFigures {
+    fn round(ttfb_p50_us: f64, cpu: Option<(f64, f64)>, errors: usize) -> Figures {
+        Figures {
             ttfb_p50_us,
             ttfb_p99_us: ttfb_p50_us * 2.0,
             event_p50_us: 10.0,
@@ -196,7 +177,7 @@ mod tests {
 
     #[test]
     fn cells_take_medians_over_rounds_and_the_coarsest_resolution() {
-        let c = CellFigures::over_rounds(&[
+        let c = Figures::over_rounds(&[
             round(300.0, Some((0.30, 0.0033)), 0),
             round(100.0, Some((0.25, 0.01)), 2),
             round(200.0, Some((0.28, 0.0033)), 1),
@@ -211,9 +192,9 @@ mod tests {
             })
         );
         assert_eq!(c.errors, 3);
-        let direct = CellFigures::over_rounds(&[round(150.0, None, 0)]);
+        let direct = Figures::over_rounds(&[round(150.0, None, 0)]);
         assert_eq!(direct.cpu, None);
         assert_eq!(c.added_to(&direct), [50.0, 100.0, 0.0, 0.0]);
-        assert!(CellFigures::over_rounds(&[]).ttfb_p50_us.is_nan());
+        assert!(Figures::over_rounds(&[]).ttfb_p50_us.is_nan());
     }
 }

@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use crate::stats::CellFigures;
+use crate::stats::Figures;
 
 /// The setup the title line states.
 pub(crate) struct TableSpec {
@@ -29,7 +29,7 @@ pub(crate) struct TableRow {
     /// Concurrent streams.
     pub(crate) streams: usize,
     /// The cell's figures over rounds.
-    pub(crate) figures: CellFigures,
+    pub(crate) figures: Figures,
     /// The router's `overhead_us` p50 / p99 (routers only).
     pub(crate) overhead_us: Option<(f64, f64)>,
 }
@@ -103,8 +103,8 @@ mod tests {
     use super::*;
     use crate::stats::CpuPer1k;
 
-    fn figures(ttfb: f64, cpu: Option<(f64, f64)>) -> CellFigures {
-        CellFigures {
+    fn figures(ttfb: f64, cpu: Option<(f64, f64)>) -> Figures {
+        Figures {
             ttfb_p50_us: ttfb,
             ttfb_p99_us: ttfb * 4.0,
             event_p50_us: 51.0,
