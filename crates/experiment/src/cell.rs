@@ -307,24 +307,7 @@ mod tests {
         write_meta(&dir, &full_meta(true, false)).unwrap();
         let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
-        for field in [
-            "sweep",
-            "point",
-            "policy",
-            "rep",
-            "workload_name",
-            "workload_fingerprint",
-            "plan_fingerprint",
-            "fleet",
-            "slo",
-            "window",
-            "git_rev",
-            "versions",
-            "virtual",
-            "complete",
-            "accepted",
-            "set_aside_reason",
-        ] {
+        for field in schema::meta::CONTRACT_FIELDS {
             assert!(v.get(field).is_some(), "meta.json lacks {field}");
         }
         let parsed = analysis::read_meta(&dir.join("meta.json")).unwrap();

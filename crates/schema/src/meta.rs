@@ -129,6 +129,27 @@ impl Window {
     }
 }
 
+/// The keys every `meta.json` carries (docs/CONTRACTS.md, "Measurements layout"); writers add
+/// evidence, drift and run detail after them.
+pub const CONTRACT_FIELDS: [&str; 16] = [
+    "sweep",
+    "point",
+    "policy",
+    "rep",
+    "workload_name",
+    "workload_fingerprint",
+    "plan_fingerprint",
+    "fleet",
+    "slo",
+    "window",
+    "git_rev",
+    "versions",
+    "virtual",
+    "complete",
+    "accepted",
+    "set_aside_reason",
+];
+
 /// One repetition's `meta.json`. Field order is the file's key order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Meta {

@@ -176,24 +176,7 @@ fn rows_and_meta_follow_the_contract() {
     let meta: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.path().join("meta.json")).expect("meta.json"))
             .expect("json");
-    for field in [
-        "sweep",
-        "point",
-        "policy",
-        "rep",
-        "workload_name",
-        "workload_fingerprint",
-        "plan_fingerprint",
-        "fleet",
-        "slo",
-        "window",
-        "git_rev",
-        "versions",
-        "virtual",
-        "complete",
-        "accepted",
-        "set_aside_reason",
-    ] {
+    for field in schema::meta::CONTRACT_FIELDS {
         assert!(meta.get(field).is_some(), "meta.json lacks {field}");
     }
     assert_eq!(meta["virtual"], true);
