@@ -1,5 +1,6 @@
-//! Renders a [`Report`] as Markdown: one table per point, then mechanism, belief, overhead, the
-//! adaptive-router test, and everything that was not analysed or should be read with care.
+//! Renders a [`Report`] as Markdown: one table per point, its SLO attainment and latency, then
+//! mechanism, belief, overhead, the adaptive-router test, and everything that was not analysed or
+//! should be read with care.
 
 use std::fmt::Write;
 
@@ -7,6 +8,7 @@ use crate::compare::Margin;
 use crate::metrics::DecayBucket;
 use crate::report::{Cell, PREFIX_AFFINITY, Point, Report, SESSION_AFFINITY};
 use crate::stats::Spread;
+use schema::ATTAINMENT_TARGET;
 
 const DASH: &str = "—";
 
@@ -66,17 +68,25 @@ fn point_table(out: &mut String, p: &Point) {
         "Workload `{}` · plan `{}` · SLO: TTFT < {} ms, ITL p50 < {} ms\n",
         p.workload_name, p.plan_fingerprint, p.slo.ttft_ms, p.slo.itl_ms
     );
+    if p.below_pressure {
+        let _ = writeln!(
+            out,
+            "**Below pressure:** every policy met its SLO on at least {:.0}% of measured requests here, so goodput restates the offered load; read this point as a latency comparison, not as what a policy buys under pressure.\n",
+            ATTAINMENT_TARGET * 100.0
+        );
+    }
     out.push_str(
-        "| policy | reps | goodput req/s median [min–max] | vs session-affinity | vs prefix-affinity | TTFT p50 ms | hit rate | busiest share | spill rate | overhead p50 / p99 µs |\n",
+        "| policy | reps | goodput req/s median [min–max] | SLO attainment | vs session-affinity | vs prefix-affinity | TTFT p50 ms | hit rate | busiest share | spill rate | overhead p50 / p99 µs |\n",
     );
-    out.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
+    out.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
     for c in &p.cells {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
             c.policy,
             c.reps_used.len(),
             spread(&c.goodput_rps, 3),
+            pct(median(&c.slo_attainment)),
             margin_cell(p.margin(&c.policy, SESSION_AFFINITY)),
             margin_cell(p.margin(&c.policy, PREFIX_AFFINITY)),
             num(median(&c.ttft_p50_ms), 1),
@@ -163,6 +173,46 @@ fn notes(out: &mut String, c: &Cell) {
     if noted {
         out.push('\n');
     }
+}
+
+fn pct_spread(s: &Option<Spread>) -> String {
+    match s {
+        Some(s) => format!(
+            "{:.1}% [{:.1}–{:.1}]",
+            s.median * 100.0,
+            s.min * 100.0,
+            s.max * 100.0
+        ),
+        None => DASH.to_string(),
+    }
+}
+
+fn slo_table(out: &mut String, p: &Point) {
+    let _ = writeln!(
+        out,
+        "### SLO attainment and latency, `{}` (medians of repetitions; attainment with [min–max])\n",
+        p.point
+    );
+    out.push_str("| policy | attainment | busiest replica's attainment | TTFT p50 / p90 / p99 ms | ITL p50 / p99 ms | missed: TTFT / ITL / error |\n");
+    out.push_str("|---|---|---|---|---|---|\n");
+    for c in &p.cells {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} / {} / {} | {} / {} | {} / {} / {} |",
+            c.policy,
+            pct_spread(&c.slo_attainment),
+            pct_spread(&c.busiest_replica_attainment),
+            num(median(&c.ttft_p50_ms), 1),
+            num(median(&c.ttft_p90_ms), 1),
+            num(median(&c.ttft_p99_ms), 1),
+            num(median(&c.itl_p50_ms), 1),
+            num(median(&c.itl_p99_ms), 1),
+            pct(median(&c.missed_ttft_share)),
+            pct(median(&c.missed_itl_share)),
+            pct(median(&c.error_share)),
+        );
+    }
+    out.push('\n');
 }
 
 fn mechanism_table(out: &mut String, p: &Point) {
@@ -273,17 +323,22 @@ fn summary(out: &mut String, report: &Report) {
         return;
     }
     out.push_str("## Summary\n\n");
-    out.push_str("| point | winner | runner-up | winner vs runner-up | prefix-affinity vs session-affinity |\n");
-    out.push_str("|---|---|---|---|---|\n");
+    out.push_str("| point | winner | runner-up | winner vs runner-up | prefix-affinity vs session-affinity | pressure |\n");
+    out.push_str("|---|---|---|---|---|---|\n");
     for p in &report.points {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} |",
             p.point,
             p.winner.as_ref().map_or(DASH, |w| w.policy.as_str()),
             p.runner_up.as_ref().map_or(DASH, |w| w.policy.as_str()),
             p.winner_verdict.map_or(DASH, |v| v.as_str()),
             margin_cell(p.margin(PREFIX_AFFINITY, SESSION_AFFINITY)),
+            if p.below_pressure {
+                "below pressure"
+            } else {
+                "under pressure"
+            },
         );
     }
     out.push('\n');
@@ -300,6 +355,7 @@ pub fn render(report: &Report) -> String {
     summary(&mut out, report);
     for p in &report.points {
         point_table(&mut out, p);
+        slo_table(&mut out, p);
         mechanism_table(&mut out, p);
         belief_tables(&mut out, p);
     }

@@ -48,15 +48,40 @@ pub const SPILL_BRANCHES: &[&str] = &["spill-load", "spill-residency"];
 /// ITL p50 below the bound. A request with at most one output token has no gaps, so no ITL to
 /// violate; any other request without a measured ITL fails.
 pub fn is_good(row: &ClientRow, slo: &Slo) -> bool {
+    slo_miss(row, slo) == SloMiss::default()
+}
+
+/// Which bounds a request missed. An error (or non-2xx status) is reported alone: its TTFT and
+/// ITL are not judged. A successful request may miss both TTFT and ITL.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SloMiss {
+    /// Failed: an error or a non-2xx status.
+    pub error: bool,
+    /// Succeeded with TTFT at or above the bound (or none measured).
+    pub ttft: bool,
+    /// Succeeded with per-request ITL p50 at or above the bound (or none measured with more
+    /// than one output token).
+    pub itl: bool,
+}
+
+/// The bounds `row` missed under `slo` ([`is_good`] is "missed none").
+pub fn slo_miss(row: &ClientRow, slo: &Slo) -> SloMiss {
     if row.error.is_some() || !(200..300).contains(&row.status) {
-        return false;
+        return SloMiss {
+            error: true,
+            ..SloMiss::default()
+        };
     }
     let ttft_ok = row.ttft_ms.is_some_and(|t| t < slo.ttft_ms);
     let itl_ok = match row.itl_p50_ms {
         Some(itl) => itl < slo.itl_ms,
         None => row.output_tokens.is_some_and(|n| n <= 1),
     };
-    ttft_ok && itl_ok
+    SloMiss {
+        error: false,
+        ttft: !ttft_ok,
+        itl: !itl_ok,
+    }
 }
 
 /// Goodput in one time bucket of a series.
@@ -123,6 +148,8 @@ pub struct Request<'a> {
     pub first_turn: bool,
     /// Meets the SLO.
     pub good: bool,
+    /// The bounds it missed (all false when `good`).
+    pub miss: SloMiss,
     /// Succeeded (no error, 2xx).
     pub ok: bool,
     /// Engine-reported prompt tokens (client row, else router row).
@@ -168,11 +195,13 @@ pub fn measured_requests<'a>(rep: &'a RepData, slo: &Slo) -> Vec<Request<'a>> {
                 .cached_tokens
                 .or(router.and_then(|r| r.cached_tokens))
                 .or((ok && cached_reported && prompt_tokens.is_some()).then_some(0));
+            let miss = slo_miss(c, slo);
             Request {
                 client: c,
                 router,
                 first_turn: c.turn == first_turn,
-                good: is_good(c, slo),
+                good: miss == SloMiss::default(),
+                miss,
                 ok,
                 prompt_tokens,
                 engine_cached_tokens,
@@ -215,10 +244,18 @@ pub struct Latency {
     pub slo_attainment: Option<f64>,
     /// TTFT p50 over successful requests, ms.
     pub ttft_p50_ms: Option<f64>,
+    /// TTFT p90 over successful requests, ms.
+    pub ttft_p90_ms: Option<f64>,
     /// TTFT p99 over successful requests, ms.
     pub ttft_p99_ms: Option<f64>,
     /// Median of the per-request ITL p50s, ms.
     pub itl_p50_ms: Option<f64>,
+    /// p99 of the per-request ITL p50s (the quantity the SLO bounds), ms.
+    pub itl_p99_ms: Option<f64>,
+    /// Successful requests that missed the TTFT bound.
+    pub missed_ttft: u64,
+    /// Successful requests that missed the ITL bound (a request may miss both).
+    pub missed_itl: u64,
 }
 
 /// Latency and SLO figures of `reqs`.
@@ -240,8 +277,12 @@ pub fn latency(reqs: &[Request<'_>]) -> Latency {
         errors: reqs.iter().filter(|r| !r.ok).count() as u64,
         slo_attainment: (!reqs.is_empty()).then(|| good as f64 / reqs.len() as f64),
         ttft_p50_ms: quantile(&ttft, 0.5),
+        ttft_p90_ms: quantile(&ttft, 0.9),
         ttft_p99_ms: quantile(&ttft, 0.99),
         itl_p50_ms: median(&itl),
+        itl_p99_ms: quantile(&itl, 0.99),
+        missed_ttft: reqs.iter().filter(|r| r.miss.ttft).count() as u64,
+        missed_itl: reqs.iter().filter(|r| r.miss.itl).count() as u64,
     }
 }
 
@@ -645,6 +686,11 @@ pub struct RepMetrics {
     pub goodput_rps: f64,
     /// Latency and SLO counts.
     pub latency: Latency,
+    /// SLO attainment of the requests routed to the busiest replica (most routed requests, by
+    /// the router rows); `None` without router rows. A policy that piles load on one replica
+    /// can hold a fair fleet-wide attainment while that replica's users miss.
+    #[serde(default)]
+    pub busiest_replica_attainment: Option<f64>,
     /// Mechanism figures, all / first / later turns.
     pub mechanism: Split<Mechanism>,
     /// Belief divergence.
@@ -664,12 +710,21 @@ pub fn rep_metrics(rep: &RepData, reqs: &[Request<'_>], cfg: &MetricsConfig) -> 
     let window_s = rep.meta.window.measured_s();
     let lat = latency(reqs);
     let has_router_rows = rep.router.is_some();
+    let mechanism = split(reqs, |r| mechanism(r, cfg.hot_conversations));
+    let busiest_replica_attainment = mechanism.all.busiest_replica.and_then(|b| {
+        let on: Vec<&Request<'_>> = reqs
+            .iter()
+            .filter(|r| r.router.and_then(|x| x.replica) == Some(b))
+            .collect();
+        (!on.is_empty()).then(|| on.iter().filter(|r| r.good).count() as f64 / on.len() as f64)
+    });
     RepMetrics {
         rep: rep.rep,
         window_s,
         goodput_rps: lat.good as f64 / window_s,
         latency: lat,
-        mechanism: split(reqs, |r| mechanism(r, cfg.hot_conversations)),
+        busiest_replica_attainment,
+        mechanism,
         divergence: divergence(reqs),
         overhead: overhead(reqs.iter().filter_map(|r| r.router)),
         branches: branch_counts(reqs),
@@ -985,6 +1040,7 @@ mod props {
                     router: Some(r),
                     first_turn: false,
                     good: true,
+                    miss: SloMiss::default(),
                     ok: true,
                     prompt_tokens: c.prompt_tokens,
                     engine_cached_tokens: c.cached_tokens,

@@ -14,10 +14,11 @@ use crate::error::Result;
 use crate::load::{IncompleteRep, RepData, SweepData, discover, load_point};
 use crate::meta::Slo;
 use crate::metrics::{
-    Decay, Divergence, Implied, Mechanism, MetricsConfig, Overhead, OverheadSamples, RepMetrics,
-    Request, Split, decay, divergence, implied, measured_requests, rep_metrics,
+    Decay, Divergence, Implied, Latency, Mechanism, MetricsConfig, Overhead, OverheadSamples,
+    RepMetrics, Request, Split, decay, divergence, implied, measured_requests, rep_metrics,
 };
 use crate::stats::Spread;
+use schema::ATTAINMENT_TARGET;
 
 /// Version of the `report.json` layout; bumped on any incompatible change.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -125,10 +126,23 @@ pub struct Cell {
     pub slo_attainment: Option<Spread>,
     /// TTFT p50, ms.
     pub ttft_p50_ms: Option<Spread>,
+    /// SLO attainment of the busiest replica's requests.
+    pub busiest_replica_attainment: Option<Spread>,
+    /// Share of measured requests that missed the TTFT bound (successful requests only).
+    pub missed_ttft_share: Option<Spread>,
+    /// Share of measured requests that missed the ITL bound (successful requests only; a
+    /// request may miss both bounds).
+    pub missed_itl_share: Option<Spread>,
+    /// Share of measured requests that failed (error or non-2xx).
+    pub error_share: Option<Spread>,
+    /// TTFT p90, ms.
+    pub ttft_p90_ms: Option<Spread>,
     /// TTFT p99, ms.
     pub ttft_p99_ms: Option<Spread>,
     /// Median per-request ITL p50, ms.
     pub itl_p50_ms: Option<Spread>,
+    /// p99 of the per-request ITL p50s, ms.
+    pub itl_p99_ms: Option<Spread>,
     /// Mechanism, all / first turns / later turns.
     pub mechanism: Split<MechanismSpread>,
     /// Router overhead p50, µs.
@@ -204,6 +218,9 @@ pub struct Point {
     pub runner_up: Option<Ranked>,
     /// Winner vs runner-up.
     pub winner_verdict: Option<Verdict>,
+    /// Every policy met its SLO here ([`below_pressure`]): the point compares latencies, not
+    /// what a policy buys under pressure.
+    pub below_pressure: bool,
 }
 
 impl Point {
@@ -269,6 +286,22 @@ pub struct Report {
     pub warnings: Vec<String>,
 }
 
+/// `count` as a share of the measured requests; `None` when there were none.
+fn share(count: u64, lat: &Latency) -> Option<f64> {
+    (lat.requests > 0).then(|| count as f64 / lat.requests as f64)
+}
+
+/// Whether `cells` is below pressure: every cell with an attainment has a median attainment at
+/// or above [`ATTAINMENT_TARGET`], so no policy misses its SLO and goodput only restates the
+/// offered load. `false` when no cell has an attainment (nothing to judge).
+pub fn below_pressure(cells: &[Cell]) -> bool {
+    let medians: Vec<f64> = cells
+        .iter()
+        .filter_map(|c| c.slo_attainment.map(|a| a.median))
+        .collect();
+    !medians.is_empty() && medians.iter().all(|&a| a >= ATTAINMENT_TARGET)
+}
+
 fn build_cell(policy: &str, reps: &[&RepData], cfg: &ReportConfig) -> (Cell, OverheadSamples) {
     let mut set_aside = Vec::new();
     let mut used: Vec<&RepData> = Vec::new();
@@ -318,9 +351,15 @@ fn build_cell(policy: &str, reps: &[&RepData], cfg: &ReportConfig) -> (Cell, Ove
         drift,
         goodput_rps: spread_of(&metrics, |m| Some(m.goodput_rps)),
         slo_attainment: spread_of(&metrics, |m| m.latency.slo_attainment),
+        busiest_replica_attainment: spread_of(&metrics, |m| m.busiest_replica_attainment),
+        missed_ttft_share: spread_of(&metrics, |m| share(m.latency.missed_ttft, &m.latency)),
+        missed_itl_share: spread_of(&metrics, |m| share(m.latency.missed_itl, &m.latency)),
+        error_share: spread_of(&metrics, |m| share(m.latency.errors, &m.latency)),
         ttft_p50_ms: spread_of(&metrics, |m| m.latency.ttft_p50_ms),
+        ttft_p90_ms: spread_of(&metrics, |m| m.latency.ttft_p90_ms),
         ttft_p99_ms: spread_of(&metrics, |m| m.latency.ttft_p99_ms),
         itl_p50_ms: spread_of(&metrics, |m| m.latency.itl_p50_ms),
+        itl_p99_ms: spread_of(&metrics, |m| m.latency.itl_p99_ms),
         mechanism: Split {
             all: mech(|s| &s.all),
             first_turn: mech(|s| &s.first_turn),
@@ -398,6 +437,7 @@ fn build_point(
         winner: rank(0),
         runner_up: rank(1),
         winner_verdict,
+        below_pressure: below_pressure(&cells),
         cells,
         margins,
     };

@@ -137,6 +137,46 @@ fn rep_metrics_by_hand() {
 }
 
 #[test]
+fn slo_misses_by_bound_and_the_busiest_replicas_attainment() {
+    let sweep = load_sweep(&common::fixtures().join("sweep-basic")).unwrap();
+    let rep = sweep
+        .reps
+        .iter()
+        .find(|r| r.point == "ws1-s0" && r.policy == "prefix-affinity" && r.rep == 1)
+        .unwrap();
+    let reqs = measured_requests(rep, &rep.meta.slo);
+    let m = rep_metrics(rep, &reqs, &Default::default());
+    // pr-r1-04 misses on TTFT (1,500 ms), pr-r1-06 on ITL (40 ms); nothing failed.
+    let l = &m.latency;
+    assert_eq!((l.missed_ttft, l.missed_itl, l.errors), (1, 1, 0));
+    // TTFT of the 9 measured requests, type-7 p90: 8 × 0.9 = 7.2 → 390 + 0.2 × (1500 − 390).
+    assert!(close(l.ttft_p90_ms.unwrap(), 612.0), "{:?}", l.ttft_p90_ms);
+    // ITL p50s 8.1 … 8.9 and 40: p99 at 7.92 → 8.9 + 0.92 × (40 − 8.9).
+    assert!(close(l.itl_p99_ms.unwrap(), 37.512), "{:?}", l.itl_p99_ms);
+    // The busiest replica (tie of three → replica 0) served pr-r1-03, -04 and -08; -04 missed.
+    assert!(close(m.busiest_replica_attainment.unwrap(), 2.0 / 3.0));
+}
+
+#[test]
+fn a_point_where_every_policy_meets_its_slo_is_below_pressure() {
+    let r = report();
+    let p = point(&r, "ws1-s0");
+    // Attainments at ws1-s0 are below 90% for every policy (SA's best rep: 6 of 9).
+    assert!(!p.below_pressure);
+    let mut cells = p.cells.clone();
+    for c in &mut cells {
+        let a = c.slo_attainment.as_mut().unwrap();
+        (a.median, a.min, a.max) = (0.95, 0.9, 1.0);
+    }
+    assert!(analysis::report::below_pressure(&cells));
+    // One policy under the target is pressure enough.
+    cells[0].slo_attainment.as_mut().unwrap().median = 0.89;
+    assert!(!analysis::report::below_pressure(&cells));
+    // Nothing to judge is not "below pressure".
+    assert!(!analysis::report::below_pressure(&[]));
+}
+
+#[test]
 fn divergence_is_never_netted() {
     let r = report();
     let pa = point(&r, "ws1-s0")
