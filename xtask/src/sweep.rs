@@ -100,9 +100,10 @@ pub struct SweepArgs {
     /// Delete the sweep directory first instead of resuming it.
     #[arg(long)]
     pub fresh: bool,
-    /// Largest engine lateness p99 (wall ms) a cell may show before it is discarded and re-run.
-    #[arg(long, default_value_t = 5.0)]
-    pub max_lateness_p99_ms: f64,
+    /// Largest engine lateness p99 a cell may show before it is discarded and re-run, as a
+    /// share of the calibrated ITL floor in model time (the wall bound is that ÷ speed).
+    #[arg(long, default_value_t = experiment::calibration::LATENESS_SHARE_OF_ITL_FLOOR)]
+    pub lateness_share_of_itl_floor: f64,
     /// Re-runs of a cell whose evidence fails before it is set aside.
     #[arg(long, default_value_t = 2)]
     pub evidence_retries: u32,
@@ -153,7 +154,7 @@ impl SweepArgs {
                 .unwrap_or_else(|| grid::default_measure_s(self.quick)),
             calibration: self.calibration.clone(),
             recalibrate: self.recalibrate,
-            max_lateness_p99_ms: self.max_lateness_p99_ms,
+            lateness_share_of_itl_floor: self.lateness_share_of_itl_floor,
             evidence_retries: self.evidence_retries,
             evidence_interval_s: self.evidence_interval_s,
             request_timeout_s: self.request_timeout_s,

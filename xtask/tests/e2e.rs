@@ -57,7 +57,7 @@ fn tiny_sweep_then_report_then_resume() {
         "--measure-s",
         "3",
         // The test machine is shared and noisy: evidence is recorded, not used to reject here.
-        "--max-lateness-p99-ms",
+        "--lateness-share-of-itl-floor",
         "10000",
         "--evidence-retries",
         "0",
@@ -70,6 +70,10 @@ fn tiny_sweep_then_report_then_resume() {
     assert_eq!(cal["used_replicas"].as_array().unwrap().len(), 3);
     assert!(cal["slo"]["ttft_ms"].as_f64().unwrap() > 0.0);
     assert_eq!(cal["capacity_tokens"].as_u64(), Some(3 * 4096 * 16));
+    // Every derived value names its rule; the floors ran on reference-length prompts.
+    assert!(cal["index"]["ttl_rule"].is_string(), "{}", cal["index"]);
+    assert_eq!(cal["floor_prompts"]["prompt_tokens"], 1100);
+    assert!(cal["bytes_per_token"]["value"].as_f64().unwrap() > 0.0);
 
     let mut plan_fingerprints = Vec::new();
     for policy in ["round-robin", "prefix-affinity"] {
@@ -79,6 +83,12 @@ fn tiny_sweep_then_report_then_resume() {
             assert_eq!(meta["complete"], true, "{}", dir.display());
             assert_eq!(meta["policy"], policy);
             assert_eq!(meta["fleet"]["replicas"], 3);
+            let router = &meta["run"]["router"];
+            assert_eq!(router["bytes_per_token"], cal["bytes_per_token"]["value"]);
+            if policy == "prefix-affinity" {
+                assert_eq!(router["index_ttl_s"], cal["index"]["ttl_s"]);
+            }
+            assert!(meta["run"]["evidence_bounds"]["lateness"]["p99_wall_ms"].is_number());
             let window = &meta["window"];
             assert!(window["measured_end_s"].as_f64() > window["measured_start_s"].as_f64());
             plan_fingerprints.push(meta["plan_fingerprint"].as_str().unwrap().to_string());

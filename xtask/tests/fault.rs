@@ -68,11 +68,23 @@ fn xtask(args: &[&str], log: &Path, limit: Duration) -> (bool, String) {
     )
 }
 
-/// The flags both runs share: 3 replicas at speed 30 (60 s of model outage = 2 s of wall time),
-/// a light load (15 req/s wall), a generous SLO (calibration is not what is tested here), and
-/// 3.5 s after the restart: time for the router's 1-s health check to take the replica back.
-fn args<'a>(kind: &'a str, out: &'a str, policies: &'a str) -> Vec<&'a str> {
-    vec![
+/// The fleet both runs and their calibration share: 3 replicas at speed 30 (60 s of model outage
+/// = 2 s of wall time) with small KV pools.
+const FLEET: [&str; 6] = [
+    "--replicas",
+    "3",
+    "--speed",
+    "30",
+    "--num-gpu-blocks",
+    "256",
+];
+
+/// The flags both runs share: the fleet, its calibration (the router's TTL, node cap and bytes
+/// per token come from it, as in a sweep), a light load (15 req/s wall), a generous SLO given
+/// outright (the SLO is not what is tested here), and 3.5 s after the restart: time for the
+/// router's 1-s health check to take the replica back.
+fn args<'a>(kind: &'a str, out: &'a str, policies: &'a str, calibration: &'a str) -> Vec<&'a str> {
+    let mut args = vec![
         "fault",
         kind,
         "--no-build",
@@ -80,12 +92,11 @@ fn args<'a>(kind: &'a str, out: &'a str, policies: &'a str) -> Vec<&'a str> {
         out,
         "--sweep-dir-name",
         kind,
-        "--replicas",
-        "3",
-        "--speed",
-        "30",
-        "--num-gpu-blocks",
-        "256",
+        "--calibration",
+        calibration,
+    ];
+    args.extend(FLEET);
+    args.extend([
         "--slo-ttft-ms",
         "10000",
         "--slo-itl-ms",
@@ -102,7 +113,8 @@ fn args<'a>(kind: &'a str, out: &'a str, policies: &'a str) -> Vec<&'a str> {
         "3.5",
         "--request-timeout-s",
         "20",
-    ]
+    ]);
+    args
 }
 
 /// Checks the files and bounds of one finished fault directory; returns its summary.
@@ -169,9 +181,19 @@ fn kill_and_drain_keep_the_loss_bounds() {
     let root = scratch.0.clone();
     let out = scratch.0.to_string_lossy().into_owned();
     let limit = Duration::from_secs(90);
+    let calibration = root.join("calibration.json").to_string_lossy().into_owned();
+    let mut calibrate = vec!["calibrate", "--quick", "--no-build", "--out", &calibration];
+    calibrate.extend(FLEET);
+    let (ok, log) = xtask(&calibrate, &root.join("calibrate.log"), limit);
+    assert!(ok, "calibrate failed:\n{log}");
 
     let (ok, log) = xtask(
-        &args("kill", &out, "session-affinity,prefix-affinity"),
+        &args(
+            "kill",
+            &out,
+            "session-affinity,prefix-affinity",
+            &calibration,
+        ),
         &root.join("kill.log"),
         limit,
     );
@@ -186,6 +208,20 @@ fn kill_and_drain_keep_the_loss_bounds() {
         );
     }
     let summary = check_dir(&root.join("kill"), &["session-affinity", "prefix-affinity"]);
+    // The faulted router ran with the calibration's TTL and bytes per token, as a sweep cell.
+    let cal = json(Path::new(&calibration));
+    let point = summary["point"].as_str().unwrap();
+    let meta = json(
+        &root
+            .join("kill")
+            .join(point)
+            .join("prefix-affinity/rep-1/meta.json"),
+    );
+    assert_eq!(meta["run"]["router"]["index_ttl_s"], cal["index"]["ttl_s"]);
+    assert_eq!(
+        meta["run"]["router"]["bytes_per_token"],
+        cal["bytes_per_token"]["value"]
+    );
     for rep in summary["reps"].as_array().unwrap() {
         let policy = rep["policy"].as_str().unwrap();
         assert!(
@@ -255,7 +291,7 @@ fn kill_and_drain_keep_the_loss_bounds() {
     assert_eq!(json(&root.join("pub/kill/summary.json")), summary);
 
     let (ok, log) = xtask(
-        &args("drain", &out, "prefix-affinity"),
+        &args("drain", &out, "prefix-affinity", &calibration),
         &root.join("drain.log"),
         limit,
     );

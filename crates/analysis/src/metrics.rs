@@ -567,6 +567,20 @@ pub struct Implied {
     pub node_cap: Option<u64>,
 }
 
+impl Implied {
+    /// The TTL a band of observed decay sets: `ttl_s` when a band fell below the honour
+    /// threshold, `None` when `ttl_s` is only a lower bound (a bound is evidence, never a value).
+    pub fn observed_ttl_s(&self) -> Option<f64> {
+        self.ttl_s.filter(|_| !self.ttl_is_lower_bound)
+    }
+
+    /// The largest gap up to which belief was seen honoured, when no band fell below the
+    /// threshold: a lower bound of the TTL, recorded as evidence only.
+    pub fn ttl_lower_bound_s(&self) -> Option<f64> {
+        self.ttl_s.filter(|_| self.ttl_is_lower_bound)
+    }
+}
+
 /// The TTL and node cap implied by `decay`, for a fleet of `capacity_tokens`.
 pub fn implied(decay: &Decay, capacity_tokens: Option<u64>, cfg: &MetricsConfig) -> Implied {
     let bands: Vec<&DecayBucket> = decay
@@ -595,6 +609,62 @@ pub fn implied(decay: &Decay, capacity_tokens: Option<u64>, cfg: &MetricsConfig)
         ttl_is_lower_bound,
         capacity_tokens,
         node_cap,
+    }
+}
+
+/// Tokens that entered the engines' prefix caches while a set of requests ran: prompt tokens
+/// not served from cache (prompt − cached) plus generated tokens, which vLLM caches too once
+/// they fill a block. What the LRU-cycle model of the index TTL divides the KV capacity by.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheInflow {
+    /// Successful requests considered.
+    pub requests: u64,
+    /// Of those, the ones that report prompt, cached and output tokens (the sums are theirs).
+    pub requests_reporting: u64,
+    /// Σ prompt tokens.
+    pub prompt_tokens: u64,
+    /// Σ engine-reported cached tokens (each capped at its prompt).
+    pub cached_tokens: u64,
+    /// Σ generated tokens.
+    pub output_tokens: u64,
+    /// Σ (prompt − cached + output).
+    pub new_tokens: u64,
+    /// The span the requests were sent in, s.
+    pub window_s: f64,
+    /// `new_tokens ÷ window_s`; `None` unless every successful request reported its tokens (a
+    /// partial sum would understate the rate) and the window is positive.
+    pub tokens_per_s: Option<f64>,
+}
+
+/// The cache inflow of `reqs`, sent over `window_s` seconds (a closed loop in steady state
+/// computes about what it sends, so the tokens of the requests sent in the window are the
+/// tokens that entered the caches in it).
+pub fn cache_inflow(reqs: &[Request<'_>], window_s: f64) -> CacheInflow {
+    let ok: Vec<&Request<'_>> = reqs.iter().filter(|r| r.ok).collect();
+    let (mut prompt, mut cached, mut output, mut reporting) = (0u64, 0u64, 0u64, 0u64);
+    for r in &ok {
+        if let (Some(p), Some(c), Some(o)) = (
+            r.prompt_tokens,
+            r.engine_cached_tokens,
+            r.client.output_tokens,
+        ) {
+            prompt += p;
+            cached += c.min(p);
+            output += o;
+            reporting += 1;
+        }
+    }
+    let new_tokens = prompt - cached + output;
+    let complete = reporting > 0 && reporting == ok.len() as u64;
+    CacheInflow {
+        requests: ok.len() as u64,
+        requests_reporting: reporting,
+        prompt_tokens: prompt,
+        cached_tokens: cached,
+        output_tokens: output,
+        new_tokens,
+        window_s,
+        tokens_per_s: (complete && window_s > 0.0).then(|| new_tokens as f64 / window_s),
     }
 }
 
@@ -957,6 +1027,47 @@ mod tests {
         let imp = implied(&decay(&reqs, &cfg.decay_edges_s), None, &cfg);
         assert_eq!((imp.ttl_s, imp.ttl_is_lower_bound), (Some(5.0), true));
         assert_eq!(imp.node_cap, None);
+        // The bound is evidence, never the TTL.
+        assert_eq!(imp.observed_ttl_s(), None);
+        assert_eq!(imp.ttl_lower_bound_s(), Some(5.0));
+    }
+
+    #[test]
+    fn an_observed_band_is_the_ttl_and_no_lower_bound() {
+        let imp = Implied {
+            honoured_share: Some(0.9),
+            ttl_s: Some(10.0),
+            ttl_is_lower_bound: false,
+            capacity_tokens: None,
+            node_cap: None,
+        };
+        assert_eq!(imp.observed_ttl_s(), Some(10.0));
+        assert_eq!(imp.ttl_lower_bound_s(), None);
+    }
+
+    #[test]
+    fn cache_inflow_counts_uncached_prompt_and_generated_tokens() {
+        let mut c = vec![client("a", "s", 1, 0.0), client("b", "s", 2, 1.0)];
+        for (row, (p, cached, o)) in c.iter_mut().zip([(1000, 0, 100), (1300, 1008, 100)]) {
+            row.prompt_tokens = Some(p);
+            row.cached_tokens = Some(cached);
+            row.output_tokens = Some(o);
+        }
+        let data = rep(c.clone(), None);
+        let reqs = measured_requests(&data, &SLO);
+        let f = cache_inflow(&reqs, 4.0);
+        // (1000 − 0 + 100) + (1300 − 1008 + 100) = 1492 tokens over 4 s.
+        assert_eq!(
+            (f.new_tokens, f.requests, f.requests_reporting),
+            (1492, 2, 2)
+        );
+        assert_eq!(f.tokens_per_s, Some(373.0));
+        // A request that does not report its output leaves the rate unknown, not understated.
+        c[1].output_tokens = None;
+        let data = rep(c, None);
+        let f = cache_inflow(&measured_requests(&data, &SLO), 4.0);
+        assert_eq!((f.requests_reporting, f.tokens_per_s), (1, None));
+        assert_eq!(cache_inflow(&[], 4.0).tokens_per_s, None);
     }
 }
 

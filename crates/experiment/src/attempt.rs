@@ -1,12 +1,15 @@
 //! One measured attempt at a cell: cycle the fleet, start the ingress (the router or HAProxy),
 //! drive the plan, sample evidence after the warm-up, stop the ingress and compute the measured
 //! window. The processes are started and stopped through `fleet` (`fleet::ingress`,
-//! `fleet::driver_process`); what counts as a good request is `analysis`'s.
+//! `fleet::driver_process`); what counts as a good request is `analysis`'s. Also the evidence
+//! bounds a cell is checked against, from its calibration ([`bounds`]).
 
 use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Result, anyhow, bail};
+
+use serde::Serialize;
 
 use fleet::evidence::{EvidenceBounds, EvidenceConfig, EvidenceSampler, EvidenceSummary};
 use fleet::ingress::HaproxySettings;
@@ -16,7 +19,9 @@ use fleet::{
 use schema::{Slo, Window};
 
 use crate::bins::Bins;
+use crate::calibration::{Calibration, LatenessBound, ThrottleBound, lateness_bound};
 use crate::cell::measured_window;
+use crate::fleet_spec::FleetKind;
 use crate::plan_file::PlanFile;
 
 /// Everything one measured attempt needs.
@@ -149,10 +154,96 @@ pub fn run_attempt(
     })
 }
 
-/// Bounds for the evidence check.
-pub fn bounds(max_lateness_p99_ms: f64) -> EvidenceBounds {
-    EvidenceBounds {
-        max_lateness_p99_ms,
-        max_throttle_share: None,
+/// The evidence bounds of a cell and the rules that set them (`meta.run.evidence_bounds`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CellBounds {
+    /// Engine lateness p99, in model time and in wall time at the fleet's speed.
+    pub lateness: LatenessBound,
+    /// The calibrated throttle bound: command fleets whose cards NVML read; never on an emulated
+    /// fleet, which runs no GPU checks.
+    pub throttle: Option<ThrottleBound>,
+}
+
+impl CellBounds {
+    /// What the evidence check compares.
+    pub fn evidence(&self) -> EvidenceBounds {
+        EvidenceBounds {
+            max_lateness_p99_ms: self.lateness.p99_wall_ms,
+            max_throttle_share: self.throttle.as_ref().map(|t| t.max_share),
+        }
+    }
+}
+
+/// The bounds of a cell on a `kind` fleet at `speed` under `cal`: lateness p99 ≤
+/// `lateness_share` × the ITL floor in model time ([`crate::calibration::lateness_bound`]), and
+/// the calibration's throttle bound on command fleets only.
+pub fn bounds(cal: &Calibration, kind: FleetKind, speed: f64, lateness_share: f64) -> CellBounds {
+    CellBounds {
+        lateness: lateness_bound(&cal.floors, speed, lateness_share),
+        throttle: match kind {
+            FleetKind::Command => cal.gpu_throttle_bound.clone(),
+            FleetKind::Emulated | FleetKind::Static => None,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::calibration::THROTTLE_SHARE_MARGIN;
+
+    fn calibration(itl_floor_ms: f64, throttle: Option<ThrottleBound>) -> Calibration {
+        let mut cal: Calibration = serde_json::from_value(serde_json::json!({
+            "fleet": {"source": "emulated", "replicas": 3, "speed": 6.0, "slowdowns": [],
+                      "num_gpu_blocks": 4096, "model": "m", "detail": null},
+            "replicas": [], "used_replicas": [0, 1, 2],
+            "floors": {"ttft_ms": 60.0, "itl_ms": itl_floor_ms}, "slo_factor": 3.0,
+            "slo": {"ttft_ms": 180.0, "itl_ms": 3.0 * itl_floor_ms}, "capacity_tokens": 196608,
+            "index": {"ttl_s": null, "node_cap": null, "honoured_share": null, "detail": null},
+            "gpus": [], "gpu_status": "no GPU", "reference_run": null, "git_rev": null,
+            "versions": null
+        }))
+        .unwrap();
+        cal.gpu_throttle_bound = throttle;
+        cal
+    }
+
+    /// At speed 6 an ITL floor of 1.311 ms wall is 7.866 ms of model time; the bound is a
+    /// quarter of that in model time and a sixth of it in wall time — not the 5 ms wall (30 ms
+    /// model, more than the 23.6 ms ITL SLO) of a fixed wall bound.
+    #[test]
+    fn the_lateness_bound_is_a_share_of_the_itl_floor_in_model_time() {
+        let cal = calibration(1.311, None);
+        let b = bounds(&cal, FleetKind::Emulated, 6.0, 0.25);
+        assert!((b.lateness.itl_floor_model_ms - 7.866).abs() < 1e-9);
+        assert!((b.lateness.p99_model_ms - 1.9665).abs() < 1e-9);
+        assert!((b.lateness.p99_wall_ms - 1.9665 / 6.0).abs() < 1e-9);
+        assert_eq!(b.evidence().max_lateness_p99_ms, b.lateness.p99_wall_ms);
+        assert!(b.lateness.p99_model_ms < cal.slo.itl_ms * 6.0 / 3.0);
+        // The same fleet twice as fast: the same model-time bound, half the wall bound.
+        let fast = calibration(1.311 / 2.0, None);
+        let b2 = bounds(&fast, FleetKind::Emulated, 12.0, 0.25);
+        assert!((b2.lateness.p99_model_ms - b.lateness.p99_model_ms).abs() < 1e-9);
+        assert!((b2.lateness.p99_wall_ms - b.lateness.p99_wall_ms / 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_throttle_bound_comes_from_the_calibration_on_command_fleets_only() {
+        let bound = ThrottleBound {
+            max_share: 0.1 + THROTTLE_SHARE_MARGIN,
+            peers_median_share: 0.1,
+            margin: THROTTLE_SHARE_MARGIN,
+            rule: "r".into(),
+        };
+        let cal = calibration(7.8, Some(bound.clone()));
+        let command = bounds(&cal, FleetKind::Command, 1.0, 0.25);
+        assert_eq!(command.evidence().max_throttle_share, Some(bound.max_share));
+        assert_eq!(command.throttle, Some(bound));
+        // An emulated fleet runs no GPU checks, whatever the calibration holds.
+        for kind in [FleetKind::Emulated, FleetKind::Static] {
+            let b = bounds(&cal, kind, 6.0, 0.25);
+            assert_eq!(b.evidence().max_throttle_share, None, "{kind:?}");
+        }
     }
 }

@@ -1,7 +1,14 @@
-//! The calibration procedure (DESIGN.md §3.9): floors straight at each replica, KV capacity from
-//! `/metrics`, throttling outliers, then the reference load through the router → the index TTL
-//! and node cap. What it measures is recorded and judged by the rules of [`crate::calibration`];
-//! this module starts the processes and times the phases, printing each with an ETA on stderr.
+//! The calibration procedure (DESIGN.md §3.9): floors straight at each replica, concurrency 1,
+//! on unseen prompts trimmed to exactly the reference length by the replica's own `/tokenize`;
+//! KV capacity from `/metrics`; throttling outliers and the cells' throttle bound; bytes per
+//! token against `/tokenize` on the reference plan's prompts; then the reference load through
+//! the router → the index TTL (observed decay, else the LRU-cycle model) and node cap. What it
+//! measures is recorded and judged by the rules of [`crate::calibration`]; this module starts the
+//! processes and times the phases, printing each with an ETA on stderr.
+//!
+//! The fleet must answer vLLM's `POST /tokenize` (chat form, `{"count": …}`): without it neither
+//! the floors' prompt length nor the bytes per token can be measured, and the calibration stops
+//! with an error that says so rather than fall back on an estimate.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -11,11 +18,14 @@ use anyhow::{Result, anyhow, bail};
 use fleet::evidence::{EvidenceConfig, EvidenceSampler};
 use fleet::{DriverSettings, Fleet, RouterSettings, http, metrics};
 use schema::{Meta, Slo};
-use workload::{ArrivalSpec, Sizing, WorkloadSpec};
+use workload::{Message, Plan};
 
 use crate::attempt::{Attempt, run_attempt};
 use crate::bins::Bins;
-use crate::calibration::{self, Calibration, IndexCalibration, ReplicaCalibration, SLO_FACTOR};
+use crate::calibration::{
+    self, BytesPerToken, Calibration, FloorPrompts, IndexCalibration, REFERENCE_PROMPT_TOKENS,
+    ReplicaCalibration, SLO_FACTOR,
+};
 use crate::cell;
 use crate::fleet_spec::{FleetKind, FleetSpec};
 use crate::grid;
@@ -178,30 +188,40 @@ pub fn calibrate(
     let floors_started = Instant::now();
     let total = fleet.replicas().len();
     let mut replicas = Vec::new();
+    let mut fitted: Option<FloorPrompts> = None;
     for info in fleet.replicas() {
         if should_stop() {
             bail!("interrupted");
         }
         let dir = work.join(format!("floors/replica-{}", info.index));
         cell::clear(&dir)?;
-        let spec = WorkloadSpec {
-            seed: s.seed + 1000 + info.index as u64,
-            // Many more conversations than requests, so that prompts are (almost all) unseen;
-            // the few repeats are filtered out by their cached tokens.
-            sizing: Sizing::Conversations(requests * 8),
-            turns: 1,
-            ..WorkloadSpec::default()
-        };
-        let arrival = ArrivalSpec::Closed {
-            users: 1,
-            think_mean_s: 0.0,
-            requests_per_user: requests,
-        };
-        let plan = ensure_plan(&dir, &spec, &arrival)?;
+        let (spec, arrival) =
+            calibration::floors_workload(s.seed + 1000 + info.index as u64, requests);
+        let mut plan =
+            Plan::build(&spec, &arrival).map_err(|e| anyhow!("the floors' plan: {e}"))?;
+        let fit = calibration::fit_floor_prompts(&mut plan, REFERENCE_PROMPT_TOKENS, &mut |m| {
+            tokenize_count(&info.url, &s.fleet.model, m)
+        })
+        .map_err(|e| anyhow!("replica {}: {e:#}", info.index))?;
+        fitted = Some(match fitted.take() {
+            None => fit,
+            Some(f) => FloorPrompts {
+                prompts: f.prompts + fit.prompts,
+                tokenize_calls: f.tokenize_calls + fit.tokenize_calls,
+                ..f
+            },
+        });
+        let plan_path = dir.join("plan.bin");
+        cell::write_atomic(
+            &plan_path,
+            &plan
+                .to_bytes()
+                .map_err(|e| anyhow!("encoding the floors' plan: {e}"))?,
+        )?;
         let mut driver = fleet::start_driver(
             &bins.driver,
             &info.url,
-            &plan.path,
+            &plan_path,
             &dir.join("client.csv"),
             &DriverSettings {
                 mode: "closed",
@@ -243,7 +263,7 @@ pub fn calibrate(
             .ok()
             .and_then(|r| metrics::cache_config(&r.text()));
         eprintln!(
-            "  replica {}: TTFT p50 {ttft_p50_ms:.1} ms, ITL p50 {itl_p50_ms:.2} ms over {} unseen requests; KV {}",
+            "  replica {}: TTFT p50 {ttft_p50_ms:.1} ms, ITL p50 {itl_p50_ms:.2} ms over {} unseen {REFERENCE_PROMPT_TOKENS}-token prompts; KV {}",
             info.index,
             ttft.len(),
             cache.map_or_else(
@@ -277,7 +297,6 @@ pub fn calibrate(
         );
     }
     let gpu_evidence = sampler.finish()?;
-    fleet.stop();
 
     // 2. Outliers.
     calibration::find_outliers(&mut replicas, s.outlier_factor);
@@ -290,6 +309,11 @@ pub fn calibrate(
         });
     }
     let used = calibration::replicas_in_use(&replicas, s.include_outliers);
+    // The cells' throttle bound comes from the cards NVML read; an emulated fleet has none.
+    let gpu_throttle_bound = match s.fleet.kind {
+        FleetKind::Command => calibration::throttle_bound(&replicas, &used),
+        FleetKind::Emulated | FleetKind::Static => None,
+    };
     for r in replicas.iter().filter(|r| r.outlier_reason.is_some()) {
         eprintln!(
             "  replica {}: {} — {}",
@@ -314,6 +338,38 @@ pub fn calibrate(
         floors.ttft_ms, floors.itl_ms, slo.ttft_ms, slo.itl_ms
     );
 
+    // Bytes per token, on the reference plan's prompts, against a replica in use.
+    let think_wall_s = s.think_model_s / speed;
+    let (ref_spec, ref_arrival) = calibration::reference_workload(
+        s.seed,
+        capacity_tokens,
+        s.users,
+        think_wall_s,
+        s.run_s(),
+        floors,
+    );
+    let ref_plan =
+        Plan::build(&ref_spec, &ref_arrival).map_err(|e| anyhow!("the reference plan: {e}"))?;
+    let tokenizer_url = fleet
+        .replicas()
+        .iter()
+        .find(|r| used.contains(&r.index))
+        .map(|r| r.url.clone())
+        .ok_or_else(|| anyhow!("no replica in use to tokenize on"))?;
+    let bytes_per_token = calibration::measure_bytes_per_token(
+        &ref_plan,
+        &mut |m| tokenize_count(&tokenizer_url, &s.fleet.model, m),
+        &http::join(&tokenizer_url, "/tokenize"),
+    )?;
+    fleet.stop();
+    eprintln!(
+        "  bytes per token {:.4} ({} canonical bytes ÷ {} tokens over {} prompts)",
+        bytes_per_token.value,
+        bytes_per_token.canonical_bytes,
+        bytes_per_token.tokens,
+        bytes_per_token.prompts
+    );
+
     // 3. Reference load through the router with prefix-affinity: eviction TTL and node cap.
     eprintln!(
         "{}",
@@ -331,9 +387,11 @@ pub fn calibrate(
         work: &work,
         used: &used,
         slo,
-        floors,
         capacity_tokens,
         speed,
+        spec: ref_spec,
+        arrival: ref_arrival,
+        bytes_per_token: &bytes_per_token,
     };
     let (index, reference_run) = reference_run(s, bins, &reference, should_stop)?;
     let calibration = Calibration {
@@ -344,12 +402,15 @@ pub fn calibrate(
         slo_factor: SLO_FACTOR,
         slo,
         capacity_tokens,
+        floor_prompts: fitted,
         index,
+        bytes_per_token: Some(bytes_per_token),
         gpus: gpu_evidence.gpus.clone(),
         gpu_status: match &gpu_evidence.gpu_reason {
             Some(reason) => format!("{}: {reason}", gpu_evidence.gpu_status),
             None => gpu_evidence.gpu_status.clone(),
         },
+        gpu_throttle_bound,
         reference_run: Some(reference_run),
         git_rev: s.git_rev.clone(),
         versions: s.versions.clone(),
@@ -364,9 +425,65 @@ struct Reference<'a> {
     work: &'a Path,
     used: &'a [usize],
     slo: Slo,
-    floors: Slo,
     capacity_tokens: u64,
     speed: f64,
+    spec: workload::WorkloadSpec,
+    arrival: workload::ArrivalSpec,
+    bytes_per_token: &'a BytesPerToken,
+}
+
+/// `POST <url>/tokenize` in vLLM's chat form → the token count (`count`, else the length of
+/// `tokens`). A fleet without it is an error that names what the calibration needs.
+pub fn tokenize_count(url: &str, model: &str, messages: &[Message<'_>]) -> Result<u64> {
+    let body = serde_json::json!({
+        "model": model,
+        "messages": messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role.as_str(), "content": m.content}))
+            .collect::<Vec<_>>(),
+    });
+    let endpoint = http::join(url, "/tokenize");
+    let needs = "the calibration counts tokens with the fleet's own /tokenize (vLLM: POST /tokenize {model, messages} → {count, tokens}) to fit the floors' prompts and measure bytes per token";
+    let response = http::post(&endpoint, Some(&body.to_string()), Duration::from_secs(30))
+        .map_err(|e| anyhow!("{e:#}; {needs}"))?;
+    if response.status != 200 {
+        bail!(
+            "{endpoint} answered {}: {}; {needs}",
+            response.status,
+            response.text().chars().take(200).collect::<String>()
+        );
+    }
+    let v: serde_json::Value = serde_json::from_slice(&response.body)
+        .map_err(|e| anyhow!("{endpoint} answered no JSON ({e}); {needs}"))?;
+    v.get("count")
+        .and_then(serde_json::Value::as_u64)
+        .or_else(|| {
+            v.get("tokens")
+                .and_then(serde_json::Value::as_array)
+                .map(|t| t.len() as u64)
+        })
+        .ok_or_else(|| anyhow!("{endpoint} answered without `count` or `tokens`; {needs}"))
+}
+
+/// The reference run's router: prefix-affinity with the measured bytes per token and an index
+/// TTL longer than the run ([`calibration::reference_index_ttl_s`]) — the run measures how
+/// belief decays, which an expiring index would cut short (calibration.json records it as
+/// `index.ttl_evidence.reference_index_ttl_s`).
+pub fn reference_router(
+    model: &str,
+    seed: u64,
+    bytes_per_token: f64,
+    run_s: f64,
+) -> RouterSettings {
+    RouterSettings {
+        policy: "prefix-affinity".into(),
+        model: model.to_string(),
+        seed,
+        index_ttl_s: Some(calibration::reference_index_ttl_s(run_s)),
+        index_node_cap: None,
+        bytes_per_token: Some(bytes_per_token),
+        kv_events: false,
+    }
 }
 
 /// The reference load (ws 1, skew 0, prefix-affinity) on the replicas in use → the index
@@ -388,42 +505,21 @@ fn reference_run(
     let dir = cell::rep_dir(&sweep_dir, point, policy, 1);
     let think_wall_s = s.think_model_s / r.speed;
     let run_s = s.run_s();
-    let spec = WorkloadSpec {
-        seed: s.seed,
-        sizing: Sizing::WorkingSet {
-            capacity_tokens: r.capacity_tokens,
-            ratio: 1.0,
-        },
-        ..WorkloadSpec::default()
-    };
-    let arrival = ArrivalSpec::Closed {
-        users: s.users,
-        think_mean_s: think_wall_s,
-        requests_per_user: calibration::requests_per_user(
-            run_s,
-            think_wall_s,
-            r.floors,
-            spec.output_tokens,
-        ),
-    };
-    let plan = ensure_plan(&sweep_dir.join(point), &spec, &arrival)?;
+    let plan = ensure_plan(&sweep_dir.join(point), &r.spec, &r.arrival)?;
     cell::clear(&dir)?;
     eprintln!(
         "  reference load: {} users, ws 1, skew 0, {policy}, {:.0} s warm-up + {:.0} s",
         s.users, s.warmup_s, s.measure_s
     );
+    let router = reference_router(&s.fleet.model, s.seed, r.bytes_per_token.value, run_s);
+    let reference_ttl_s = router.index_ttl_s.unwrap_or_default();
     let result = run_attempt(
         &mut fleet,
         Attempt {
             bins,
             dir: &dir,
             plan: &plan,
-            router: RouterSettings {
-                policy: policy.into(),
-                model: s.fleet.model.clone(),
-                seed: s.seed,
-                ..RouterSettings::default()
-            },
+            router: router.clone(),
             driver: DriverSettings {
                 mode: "closed",
                 warmup_s: s.warmup_s,
@@ -470,7 +566,7 @@ fn reference_run(
         attempts: 1,
         evidence: serde_json::to_value(&result.evidence)?,
         drift: serde_json::Value::Null,
-        run: serde_json::json!({"users": s.users, "think_wall_s": think_wall_s}),
+        run: serde_json::json!({"users": s.users, "think_wall_s": think_wall_s, "router": router}),
     };
     cell::write_meta(&dir, &meta)?;
     let rep = match analysis::load::load_rep(&dir, point, policy, 1)
@@ -479,17 +575,20 @@ fn reference_run(
         analysis::load::RepLoad::Complete(rep) => rep,
         analysis::load::RepLoad::Incomplete(why) => bail!("the reference run is incomplete: {why}"),
     };
-    let index = calibration::index_from_reference(&rep, &r.slo, r.capacity_tokens, r.speed);
+    let index = calibration::index_from_reference(
+        &rep,
+        &r.slo,
+        r.capacity_tokens,
+        r.speed,
+        reference_ttl_s,
+    )
+    .map_err(|e| anyhow!("{e:#} (reference run: {})", dir.display()))?;
     eprintln!(
-        "  index: TTL {} s{}, node cap {}, honoured share {}",
+        "  index: TTL {} s ({}), node cap {}, honoured share {}",
         index
             .ttl_s
             .map_or_else(|| "unknown".into(), |t| format!("{t:.2}")),
-        if index.ttl_is_lower_bound {
-            " (lower bound)"
-        } else {
-            ""
-        },
+        index.ttl_rule.map_or("no rule", |r| r.as_str()),
         index
             .node_cap
             .map_or_else(|| "unknown".into(), |c| c.to_string()),

@@ -38,7 +38,7 @@ use workload::{ArrivalSpec, Sizing, WorkloadSpec};
 
 use crate::bins::Bins;
 use crate::calibrate::{CalibrateSettings, calibrate};
-use crate::calibration::Calibration;
+use crate::calibration::{Calibration, Routing};
 use crate::cell;
 use crate::fleet_spec::{FleetKind, FleetSpec};
 use crate::grid;
@@ -187,19 +187,19 @@ pub struct Setup {
     pub slo: Slo,
     /// The fleet's KV capacity (sizes the working set).
     pub capacity_tokens: u64,
-    /// Index TTL of belief policies.
-    pub index_ttl_s: Option<f64>,
-    /// Index node cap of belief policies.
-    pub index_node_cap: Option<u64>,
+    /// TTL, node cap and bytes per token from the calibration ([`Calibration::routing`], as
+    /// every sweep cell); `None` with the SLO given outright and no calibration for this fleet,
+    /// when belief policies are refused.
+    pub routing: Option<Routing>,
     /// Replicas in use.
     pub used_replicas: Vec<usize>,
     /// Whether a calibration gave these (not the SLO flags).
     pub calibrated: bool,
 }
 
-/// The SLO, capacity and index settings: from the SLO given (capacity read from the replicas),
-/// else the directory's own calibration, else `s.calibration` when it is for this fleet, else a
-/// fresh calibration.
+/// The SLO, capacity and index settings: from the SLO given (capacity read from the replicas,
+/// routing from `s.calibration` when it is for this fleet), else the directory's own
+/// calibration, else `s.calibration` when it is for this fleet, else a fresh calibration.
 fn setup(
     s: &FaultSettings,
     bins: &Bins,
@@ -224,11 +224,18 @@ fn setup(
             capacity_tokens += cache.capacity_tokens();
         }
         fleet.stop();
+        // The SLO is given; what the router needs still comes from the one calibration.
+        let routing = s
+            .calibration
+            .exists()
+            .then(|| Calibration::read(&s.calibration).ok())
+            .flatten()
+            .filter(|c| c.fleet == s.fleet.key())
+            .and_then(|c| c.routing().ok());
         return Ok(Setup {
             slo,
             capacity_tokens,
-            index_ttl_s: None,
-            index_node_cap: None,
+            routing,
             used_replicas: (0..n).collect(),
             calibrated: false,
         });
@@ -266,14 +273,47 @@ fn setup(
         }
     };
     cal.write(&own)?;
-    Ok(Setup {
-        slo: cal.slo,
-        capacity_tokens: cal.capacity_tokens,
-        index_ttl_s: cal.index.ttl_s,
-        index_node_cap: cal.index.node_cap,
-        used_replicas: cal.used_replicas.clone(),
-        calibrated: true,
-    })
+    Setup::from_calibration(&cal).with_context(|| format!("{}", own.display()))
+}
+
+impl Setup {
+    /// Everything from `cal`: SLO, capacity, replicas in use and the routing every sweep cell
+    /// gets ([`Calibration::routing`]).
+    pub fn from_calibration(cal: &Calibration) -> Result<Setup> {
+        Ok(Setup {
+            slo: cal.slo,
+            capacity_tokens: cal.capacity_tokens,
+            routing: Some(cal.routing()?),
+            used_replicas: cal.used_replicas.clone(),
+            calibrated: true,
+        })
+    }
+}
+
+/// The router settings of `policy`'s repetition `rep`: the calibration's routing (router seed
+/// `seed + rep`, as sweep cells); a belief policy without a calibration is refused.
+pub fn router_settings(
+    s: &FaultSettings,
+    setup: &Setup,
+    policy: &str,
+    rep: u32,
+) -> Result<RouterSettings> {
+    let seed = s.seed + u64::from(rep);
+    match &setup.routing {
+        Some(routing) => Ok(routing.router_settings(policy, &s.fleet.model, seed)),
+        None if grid::uses_belief_index(policy) => bail!(
+            "{policy} needs the calibrated index TTL, and the SLO was given outright with no calibration for this fleet at {}: run `cargo xtask calibrate` with the same fleet flags (--out {}) first, or drop --slo-ttft-ms/--slo-itl-ms",
+            s.calibration.display(),
+            s.calibration.display()
+        ),
+        None => Ok(RouterSettings {
+            policy: policy.to_string(),
+            model: s.fleet.model.clone(),
+            seed,
+            kv_events: grid::needs_kv_events(policy),
+            ..RouterSettings::default()
+        }),
+    }
 }
 
 /// A fault run under way: its setup, point, plan and fleet.
@@ -309,6 +349,10 @@ impl<'a> FaultRun<'a> {
         };
         let kv_events = policies.iter().any(|p| grid::needs_kv_events(p));
         let setup = setup(s, bins, dir, kv_events, should_stop)?;
+        // Refuse a policy the setup cannot route before any fleet starts.
+        for p in &policies {
+            router_settings(s, &setup, p, 1)?;
+        }
         let n = setup.used_replicas.len();
         if s.victim >= n {
             bail!("--victim {} is outside a fleet of {n} replicas", s.victim);
@@ -403,19 +447,7 @@ impl<'a> FaultRun<'a> {
             .get(victim)
             .cloned()
             .ok_or_else(|| anyhow!("no replica {victim} in the fleet"))?;
-        let belief = grid::uses_belief_index(policy);
-        let router_settings = RouterSettings {
-            policy: policy.to_string(),
-            model: s.fleet.model.clone(),
-            seed: s.seed + u64::from(rep),
-            index_ttl_s: if belief { self.setup.index_ttl_s } else { None },
-            index_node_cap: if belief {
-                self.setup.index_node_cap
-            } else {
-                None
-            },
-            kv_events: grid::needs_kv_events(policy),
-        };
+        let router_settings = router_settings(s, &self.setup, policy, rep)?;
         let (mut router, url) = fleet::ingress::start_router(
             &self.bins.router,
             fleet,

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail};
 
 use fleet::evidence::EvidenceConfig;
 use fleet::{DriverSettings, Fleet, Ingress, RouterSettings};
@@ -16,7 +16,7 @@ use workload::{ArrivalSpec, Sizing, WorkloadSpec};
 use crate::attempt::{Attempt, bounds, run_attempt};
 use crate::bins::Bins;
 use crate::calibrate::{CalibrateSettings, calibrate};
-use crate::calibration::{Calibration, requests_per_user};
+use crate::calibration::{Calibration, Routing, requests_per_user};
 use crate::cell;
 use crate::fleet_spec::{FleetKind, FleetSpec};
 use crate::grid::{self, Arrival, GridParams, Point, SweepName};
@@ -55,8 +55,10 @@ pub struct SweepSettings {
     pub calibration: PathBuf,
     /// Recalibrate even when the calibration matches.
     pub recalibrate: bool,
-    /// Largest engine lateness p99 (wall ms) a cell may show before it is discarded.
-    pub max_lateness_p99_ms: f64,
+    /// Largest engine lateness p99 a cell may show before it is discarded, as a share of the
+    /// ITL floor in model time ([`crate::calibration::LATENESS_SHARE_OF_ITL_FLOOR`] by default;
+    /// converted to wall time by the speed).
+    pub lateness_share_of_itl_floor: f64,
     /// Re-runs of a cell whose evidence fails before it is set aside.
     pub evidence_retries: u32,
     /// Seconds between evidence samples.
@@ -133,8 +135,14 @@ impl SweepSettings {
         ensure_plan(&sweep_dir.join(&point.name), &spec, &arrival)
     }
 
+    /// The router settings of `policy`'s repetition `rep` under `routing` (the calibration's):
+    /// the router seed is `seed + rep`.
+    pub fn router_settings(&self, routing: &Routing, policy: &str, rep: u32) -> RouterSettings {
+        routing.router_settings(policy, &self.fleet.model, self.seed + u64::from(rep))
+    }
+
     /// The calibration for this sweep: the sweep directory's own (a resumed sweep keeps its SLO),
-    /// else `calibration` when made for this fleet, else a fresh one.
+    /// else `calibration` when made for this fleet and by the current rules, else a fresh one.
     fn calibration_for(
         &self,
         bins: &Bins,
@@ -156,10 +164,15 @@ impl SweepSettings {
         }
         if !self.recalibrate && self.calibration.exists() {
             match Calibration::read(&self.calibration) {
-                Ok(c) if c.fleet == key => {
+                Ok(c) if c.fleet == key && c.routing().is_ok() => {
                     eprintln!("xtask: using {}", self.calibration.display());
                     return Ok(c);
                 }
+                Ok(c) if c.fleet == key => eprintln!(
+                    "xtask: {} is for this fleet but {:#}; recalibrating",
+                    self.calibration.display(),
+                    c.routing().unwrap_err()
+                ),
                 Ok(_) => eprintln!(
                     "xtask: {} is for another fleet; recalibrating",
                     self.calibration.display()
@@ -258,6 +271,8 @@ pub struct LiveSweep<'a> {
     dir: PathBuf,
     /// The calibration every cell runs under (also in `<dir>/calibration.json`).
     pub calibration: Calibration,
+    /// What every cell's router gets from it.
+    pub routing: Routing,
     /// The policies compared, in the order a repetition runs them.
     pub policies: Vec<String>,
     /// The points, in order.
@@ -276,6 +291,14 @@ impl<'a> LiveSweep<'a> {
     ) -> Result<LiveSweep<'a>> {
         let s = settings;
         let cal = s.calibration_for(bins, dir, should_stop)?;
+        let routing = cal
+            .routing()
+            .with_context(|| {
+                format!(
+                    "{}/calibration.json cannot set this sweep's routing; start the sweep afresh (--fresh) or in another directory",
+                    dir.display()
+                )
+            })?;
         cal.write(&dir.join("calibration.json"))?;
         let policies = match s.ingress {
             Ingress::Router => grid::policies(&s.policies, s.quick)?,
@@ -305,7 +328,14 @@ impl<'a> LiveSweep<'a> {
             "measure_s": s.measure_s,
             "think_model_s": s.think_model_s,
             "speed": s.fleet.effective_speed(),
-            "max_lateness_p99_ms": s.max_lateness_p99_ms,
+            "lateness_share_of_itl_floor": s.lateness_share_of_itl_floor,
+            "evidence_bounds": bounds(
+                &cal,
+                s.fleet.kind,
+                s.fleet.effective_speed(),
+                s.lateness_share_of_itl_floor,
+            ),
+            "routing": routing,
             "calibration": cal,
         });
         let record_path = dir.join(record_file_name(s.ingress));
@@ -321,6 +351,7 @@ impl<'a> LiveSweep<'a> {
             bins,
             dir: dir.to_path_buf(),
             calibration: cal,
+            routing,
             policies,
             points,
             fleet,
@@ -359,15 +390,13 @@ impl<'a> LiveSweep<'a> {
             Arrival::Closed { users } => ("closed", Some(users as usize)),
             Arrival::Open { .. } => ("open", None),
         };
-        let belief = grid::uses_belief_index(policy);
-        let router = RouterSettings {
-            policy: policy.to_string(),
-            model: s.fleet.model.clone(),
-            seed: s.seed + u64::from(rep),
-            index_ttl_s: if belief { cal.index.ttl_s } else { None },
-            index_node_cap: if belief { cal.index.node_cap } else { None },
-            kv_events: grid::needs_kv_events(policy),
-        };
+        let router = s.router_settings(&self.routing, policy, rep);
+        let cell_bounds = bounds(
+            cal,
+            s.fleet.kind,
+            s.fleet.effective_speed(),
+            s.lateness_share_of_itl_floor,
+        );
         let driver = DriverSettings {
             mode,
             warmup_s: s.warmup_s,
@@ -437,7 +466,7 @@ impl<'a> LiveSweep<'a> {
                 }
             };
             // Evidence first: a dirty window says nothing about warming.
-            if let Err(why) = result.evidence.check(&bounds(s.max_lateness_p99_ms)) {
+            if let Err(why) = result.evidence.check(&cell_bounds.evidence()) {
                 if evidence_reruns < s.evidence_retries {
                     evidence_reruns += 1;
                     eprintln!(
@@ -519,6 +548,8 @@ impl<'a> LiveSweep<'a> {
                 run: serde_json::json!({
                     "plan": plan.name,
                     "router": router,
+                    "routing": self.routing,
+                    "evidence_bounds": cell_bounds,
                     "driver": driver,
                     "think_model_s": s.think_model_s,
                     "arrival": point.arrival,

@@ -7,8 +7,12 @@
 //! same settings writes.
 //!
 //! The simulated fleet is the emulated fleet the live flags describe (replicas, blocks, speed,
-//! slowdowns), so a plan's wall-scaled think times and rates mean the same thing. The SLO comes
-//! from `sim::calibrate` (3× the virtual floors). Every repetition gets its own policy and engine
+//! slowdowns), so a plan's wall-scaled think times and rates mean the same thing. The virtual
+//! calibration follows the live rules on simulated measurements: floors on unseen prompts of
+//! exactly the reference length (the engine's tokenizer counts them), SLO = 3× the floors, bytes
+//! per token on the reference plan, and a simulated reference run whose belief decay (else the
+//! LRU-cycle model) sets the index TTL; every cell takes TTL, node cap and bytes per token from
+//! [`Calibration::routing`], as live cells do. Every repetition gets its own policy and engine
 //! seed and a small step-time jitter, so repetitions differ the way live ones do, while the same
 //! seed still gives byte-identical rows. Each repetition's rows pass the live drift check before
 //! its `meta.json` (`"virtual": true`) is written; a drifting repetition is set aside at once,
@@ -21,9 +25,11 @@ use anyhow::{Context, Result, anyhow, bail};
 
 use fleet::Ingress;
 use schema::Slo;
-use workload::{Plan, WorkloadSpec};
+use workload::{Message, Plan};
 
-use crate::calibration::{Calibration, FleetKey, IndexCalibration, SLO_FACTOR};
+use crate::calibration::{
+    self, Calibration, FleetKey, REFERENCE_PROMPT_TOKENS, Routing, SLO_FACTOR,
+};
 use crate::cell::{self, CellState};
 use crate::fleet_spec::{FleetKind, FleetSpec};
 use crate::grid::{self, Point};
@@ -99,28 +105,109 @@ impl EmulatedFleet {
     }
 }
 
-/// The virtual calibration in the live calibration's shape, so the live plan builder reads it:
-/// floors from `sim::calibrate` on `base` with prompts shaped by the workload seeded `seed`, and
-/// `fleet` recorded with source `virtual`. No virtual reference run: belief policies keep the
-/// policies crate's default TTL and node cap (recorded per cell in `meta.run`).
+/// What the virtual calibration's reference run runs with (the sweep's own settings).
+#[derive(Debug, Clone)]
+pub struct VirtualReference {
+    /// Workload seed.
+    pub seed: u64,
+    /// Closed-loop users.
+    pub users: u32,
+    /// Mean think time, s of model time.
+    pub think_model_s: f64,
+    /// Warm-up, s.
+    pub warmup_s: f64,
+    /// Measured window, s.
+    pub measure_s: f64,
+    /// Where its rows go (`<sweep>/_calibration`, which the report does not read as a point).
+    pub work: PathBuf,
+}
+
+/// The virtual calibration in the live calibration's shape, so the live plan builder reads it,
+/// by the live rules ([`crate::calibration`]): floors from `sim::calibrate_plan` on `base` with
+/// unseen prompts trimmed to exactly [`REFERENCE_PROMPT_TOKENS`] by the engine's tokenizer;
+/// bytes per token on the reference plan; a simulated reference run (prefix-affinity, no
+/// expiry, rows under `r.work`) whose decay, else the LRU-cycle model, sets the index TTL; and
+/// `fleet` recorded with source `virtual`.
 pub fn calibrate(
     base: &sim::SimConfig,
-    seed: u64,
+    r: &VirtualReference,
     used: Vec<usize>,
     mut fleet: FleetKey,
     git_rev: Option<String>,
     versions: serde_json::Value,
 ) -> Result<Calibration> {
-    let shape = WorkloadSpec {
-        seed,
-        ..WorkloadSpec::default()
-    };
-    let c = sim::calibrate(base, &shape, CALIBRATION_REQUESTS)
-        .map_err(|e| anyhow!("virtual calibration: {e}"))?;
+    let mut count = |m: &[Message<'_>]| Ok(sim::prompts::engine_tokens(m).len() as u64);
+    let (spec, arrival) = calibration::floors_workload(r.seed + 1000, CALIBRATION_REQUESTS);
+    let mut floors_plan = Plan::build(&spec, &arrival).map_err(|e| anyhow!("{e}"))?;
+    let floor_prompts =
+        calibration::fit_floor_prompts(&mut floors_plan, REFERENCE_PROMPT_TOKENS, &mut count)?;
+    let c =
+        sim::calibrate_plan(base, &floors_plan).map_err(|e| anyhow!("virtual calibration: {e}"))?;
     let floors = Slo {
         ttft_ms: c.ttft_p50_ms,
         itl_ms: c.itl_p50_ms,
     };
+    // Not rounded as the live rule (`calibration::slo_from_floors`) rounds: virtual sweeps
+    // keep recording the SLO they always have.
+    let slo = Slo {
+        ttft_ms: floors.ttft_ms * SLO_FACTOR,
+        itl_ms: floors.itl_ms * SLO_FACTOR,
+    };
+    let speed = base.engine.model.speed;
+    let run_s = r.warmup_s + r.measure_s;
+    let (ref_spec, ref_arrival) = calibration::reference_workload(
+        r.seed,
+        c.capacity_tokens,
+        r.users,
+        r.think_model_s / speed,
+        run_s,
+        floors,
+    );
+    let plan = Plan::build(&ref_spec, &ref_arrival).map_err(|e| anyhow!("{e}"))?;
+    let bytes_per_token = calibration::measure_bytes_per_token(
+        &plan,
+        &mut count,
+        "the emulated engine's tokenizer (in process)",
+    )?;
+    // The reference run: prefix-affinity whose index outlives the run, as the live one.
+    let reference_ttl_s = calibration::reference_index_ttl_s(run_s);
+    let mut cfg = base.clone();
+    cfg.policy = policies::PolicySpec::named("prefix-affinity");
+    cfg.policy.seed = r.seed;
+    cfg.policy.index_ttl_us = (reference_ttl_s * 1e6) as u64;
+    cfg.router.bytes_per_token = bytes_per_token.value;
+    cfg.driver = sim::DriverModel {
+        warmup_s: r.warmup_s,
+        duration_s: Some(run_s),
+        timeout_s: 120.0,
+    };
+    let (point, policy) = ("ws1-s0", "prefix-affinity");
+    let dir = cell::rep_dir(&r.work, point, policy, 1);
+    cell::clear(&dir)?;
+    let book = sim::PromptBook::new(&plan, &cfg.model, cfg.router.block_bytes, true)
+        .map_err(|e| anyhow!("{e}"))?;
+    let meta = sim::CellMeta {
+        sweep: "calibration-reference".into(),
+        point: point.into(),
+        rep: 1,
+        slo,
+        planned_end_s: Some(run_s),
+        git_rev: git_rev.clone(),
+        versions: versions.clone(),
+        run: serde_json::json!({"users": r.users, "index_ttl_s": reference_ttl_s}),
+    };
+    let (_, meta_json) = sim::write_cell_rows(&cfg, &plan, &book, &dir, &meta)
+        .map_err(|e| anyhow!("the virtual reference run: {e}"))?;
+    sim::write_meta(&dir, &meta_json).map_err(|e| anyhow!("{e}"))?;
+    let rep = match analysis::load_rep(&dir, point, policy, 1).map_err(|e| anyhow!("{e}"))? {
+        analysis::load::RepLoad::Complete(rep) => rep,
+        analysis::load::RepLoad::Incomplete(why) => {
+            bail!("the virtual reference run is incomplete: {why}")
+        }
+    };
+    let index =
+        calibration::index_from_reference(&rep, &slo, c.capacity_tokens, speed, reference_ttl_s)
+            .with_context(|| format!("virtual reference run {}", dir.display()))?;
     fleet.source = "virtual".into();
     Ok(Calibration {
         fleet,
@@ -128,23 +215,15 @@ pub fn calibrate(
         used_replicas: used,
         floors,
         slo_factor: SLO_FACTOR,
-        // Not rounded as the live rule (`calibration::slo_from_floors`) rounds: virtual sweeps
-        // keep recording the SLO they always have.
-        slo: Slo {
-            ttft_ms: floors.ttft_ms * SLO_FACTOR,
-            itl_ms: floors.itl_ms * SLO_FACTOR,
-        },
+        slo,
         capacity_tokens: c.capacity_tokens,
-        index: IndexCalibration {
-            ttl_s: None,
-            ttl_is_lower_bound: false,
-            node_cap: None,
-            honoured_share: None,
-            detail: serde_json::json!({"source": "virtual: policy defaults"}),
-        },
+        floor_prompts: Some(floor_prompts),
+        index,
+        bytes_per_token: Some(bytes_per_token),
         gpus: Vec::new(),
         gpu_status: "virtual".into(),
-        reference_run: None,
+        gpu_throttle_bound: None,
+        reference_run: Some(dir),
         git_rev,
         versions,
     })
@@ -169,6 +248,8 @@ pub struct CellSettings {
     pub timeout_s: f64,
     /// The SLO of the drift check and of `meta.json`.
     pub slo: Slo,
+    /// TTL, node cap and bytes per token from the calibration ([`Calibration::routing`]).
+    pub routing: Routing,
     /// Git revision.
     pub git_rev: Option<String>,
     /// Tool versions.
@@ -194,21 +275,29 @@ pub struct Job {
     pub run: serde_json::Value,
 }
 
-/// Simulates one repetition into `job.dir` (cleared first), checks drift on its rows, writes
-/// `meta.json` last. Returns whether the repetition was accepted.
-pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
+/// The simulated cell of `policy`'s repetition `rep`: the base fleet with the policy, its
+/// seeds, the calibrated routing settings and the driver's.
+pub fn cell_config(s: &CellSettings, policy: &str, rep: u32) -> sim::SimConfig {
     let mut cfg = s.base.clone();
-    cfg.policy = policies::PolicySpec::named(&job.policy);
-    cfg.policy.seed = s.seed.wrapping_add(u64::from(job.rep));
+    cfg.policy = policies::PolicySpec::named(policy);
+    cfg.policy.seed = s.seed.wrapping_add(u64::from(rep));
+    s.routing.configure_sim(&mut cfg);
     cfg.engine.seed = s
         .engine_seed
         .wrapping_mul(1_000_003)
-        .wrapping_add(u64::from(job.rep));
+        .wrapping_add(u64::from(rep));
     cfg.driver = sim::DriverModel {
         warmup_s: s.warmup_s,
         duration_s: Some(s.run_s),
         timeout_s: s.timeout_s,
     };
+    cfg
+}
+
+/// Simulates one repetition into `job.dir` (cleared first), checks drift on its rows, writes
+/// `meta.json` last. Returns whether the repetition was accepted.
+pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
+    let cfg = cell_config(s, &job.policy, job.rep);
     cell::clear(&job.dir)?;
     let meta = sim::CellMeta {
         sweep: s.sweep.clone(),
@@ -293,15 +382,24 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
     let fleet = EmulatedFleet::of(&s.fleet)?;
     let used = fleet.used_replicas();
     let base = fleet.base_config(&used)?;
+    let reference = VirtualReference {
+        seed: s.seed,
+        users: s.users,
+        think_model_s: s.think_model_s,
+        warmup_s: s.warmup_s,
+        measure_s: s.measure_s,
+        work: dir.join("_calibration"),
+    };
     let cal = calibrate(
         &base,
-        s.seed,
+        &reference,
         used,
         s.fleet.key(),
         s.git_rev.clone(),
         s.versions.clone(),
     )?;
     cal.write(&dir.join("calibration.json"))?;
+    let routing = cal.routing()?;
     let policies = grid::policies(&s.policies, s.quick)?;
     let points = s.sweep_points(cal.used_replicas.len())?;
     cell::write_atomic(
@@ -351,6 +449,7 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
                         "plan": plan_file.name,
                         "think_model_s": s.think_model_s,
                         "arrival": point.arrival,
+                        "routing": routing,
                     }),
                 });
             }
@@ -365,6 +464,7 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
         run_s: s.run_s(),
         timeout_s: s.request_timeout_s,
         slo: cal.slo,
+        routing,
         git_rev: s.git_rev.clone(),
         versions: s.versions.clone(),
     };
@@ -382,7 +482,7 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
 mod tests {
     use super::*;
 
-    use workload::{ArrivalSpec, Sizing};
+    use workload::{ArrivalSpec, Sizing, WorkloadSpec};
 
     use crate::scratch::Scratch;
 
@@ -425,9 +525,18 @@ mod tests {
             model: f.model.clone(),
             detail: None,
         };
-        let cal = calibrate(&base, 7, used, key, None, serde_json::Value::Null).unwrap();
+        let reference = VirtualReference {
+            seed: 7,
+            users: 8,
+            think_model_s: 1.0,
+            warmup_s: 2.0,
+            measure_s: 6.0,
+            work: s.0.join("_calibration"),
+        };
+        let cal = calibrate(&base, &reference, used, key, None, serde_json::Value::Null).unwrap();
         assert_eq!(cal.fleet.source, "virtual");
         assert_eq!(cal.slo.ttft_ms, cal.floors.ttft_ms * SLO_FACTOR);
+        let routing = cal.routing().unwrap();
         let (warmup_s, run_s) = (2.0, 8.0);
         let spec = WorkloadSpec {
             seed: 7,
@@ -461,6 +570,7 @@ mod tests {
             run_s,
             timeout_s: 60.0,
             slo: cal.slo,
+            routing,
             git_rev: None,
             versions: serde_json::Value::Null,
         };

@@ -53,13 +53,21 @@ pub fn calibrate(
         requests_per_user: requests,
     };
     let plan = Plan::build(&spec, &arrival).map_err(|e| SimError::Plan(e.to_string()))?;
+    calibrate_plan(cfg, &plan)
+}
+
+/// Sends the requests of `plan` (its schedule, one user at a time as planned) to a single
+/// replica of `cfg`'s engine and takes the medians of the requests that found nothing in the
+/// cache: the floors on prompts the caller shaped (the live calibration trims them to exactly
+/// the reference length, and the virtual one does the same).
+pub fn calibrate_plan(cfg: &SimConfig, plan: &Plan) -> Result<Calibration, SimError> {
     let mut one = cfg.clone();
     one.replicas = 1;
     one.slowdowns = cfg.slowdowns.first().copied().into_iter().collect();
     one.policy = policies::PolicySpec::named("round-robin");
     one.driver.warmup_s = 0.0;
     one.driver.duration_s = None;
-    let out = simulate(&one, &plan)?;
+    let out = simulate(&one, plan)?;
     let unseen: Vec<_> = out
         .outcomes
         .iter()

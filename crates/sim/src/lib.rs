@@ -11,7 +11,8 @@
 //! - [`prompts`]: [`PromptBook`] — every turn's engine tokens and router belief keys, once per plan.
 //! - [`sim`]: the event loop; [`simulate`] returns every request's [`rows::Outcome`].
 //! - [`rows`]: rendering outcomes as `client.csv` / `router.csv` records.
-//! - [`calibrate`]: [`calibrate()`] — TTFT/ITL floors and the SLO, as `xtask calibrate` measures them.
+//! - [`calibrate`]: [`calibrate()`] and [`calibrate_plan`] — TTFT/ITL floors and the SLO, as
+//!   `xtask calibrate` measures them (on a plan the caller shaped, or one built from a shape).
 //! - [`cell`]: [`run_cell`] (rows + meta on disk, atomically), [`run_grid`] (cells in parallel),
 //!   [`CellSummary`].
 
@@ -24,7 +25,7 @@ pub mod prompts;
 pub mod rows;
 pub mod sim;
 
-pub use calibrate::{Calibration, calibrate};
+pub use calibrate::{Calibration, calibrate, calibrate_plan};
 pub use cell::{
     CellMeta, CellSummary, GridJob, Slo, Window, measured_window, run_cell, run_cell_with,
     run_grid, summarize, write_cell_rows, write_meta,

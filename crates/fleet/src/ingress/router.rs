@@ -11,7 +11,7 @@ use crate::fleet::{Fleet, ReplicaInfo};
 use crate::process::ChildGuard;
 
 /// Router settings of one cell.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct RouterSettings {
     /// `--policy`.
     pub policy: String,
@@ -23,6 +23,9 @@ pub struct RouterSettings {
     pub index_ttl_s: Option<f64>,
     /// `--index-node-cap`, for belief-index policies.
     pub index_node_cap: Option<u64>,
+    /// `--bytes-per-token`: the router's canonical bytes per engine token, measured by the
+    /// calibration against the fleet's own `/tokenize` (`None`: the router's default estimate).
+    pub bytes_per_token: Option<f64>,
     /// Pass the replicas' KV event endpoints (`--kv-events`).
     pub kv_events: bool,
 }
@@ -30,7 +33,7 @@ pub struct RouterSettings {
 /// The router's command line in front of `replicas` (in fleet order): `router_bin --host
 /// 127.0.0.1 --port 0 --replicas … --policy … --rows rows --model … --seed …`, then
 /// `--kv-events` (and `--kv-replay` when every replica's replay endpoint is known),
-/// `--index-ttl-s` and `--index-node-cap` as `settings` asks.
+/// `--index-ttl-s`, `--index-node-cap` and `--bytes-per-token` as `settings` asks.
 pub fn router_command(
     router_bin: &Path,
     replicas: &[ReplicaInfo],
@@ -71,6 +74,9 @@ pub fn router_command(
     }
     if let Some(cap) = settings.index_node_cap {
         cmd.args(["--index-node-cap", &cap.to_string()]);
+    }
+    if let Some(bpt) = settings.bytes_per_token {
+        cmd.args(["--bytes-per-token", &format!("{bpt}")]);
     }
     Ok(cmd)
 }
@@ -140,10 +146,11 @@ mod tests {
         s.kv_events = true;
         s.index_ttl_s = Some(2.5);
         s.index_node_cap = Some(1000);
+        s.bytes_per_token = Some(3.91);
         let cmd = router_command(Path::new("r"), &two, &s, Path::new("rows")).unwrap();
         assert!(
             line(&cmd).ends_with(
-                "--seed 3 --kv-events tcp://127.0.0.1:5000,tcp://127.0.0.1:5001 --index-ttl-s 2.5 --index-node-cap 1000"
+                "--seed 3 --kv-events tcp://127.0.0.1:5000,tcp://127.0.0.1:5001 --index-ttl-s 2.5 --index-node-cap 1000 --bytes-per-token 3.91"
             ),
             "replay endpoints only when every replica has one: {}",
             line(&cmd)
