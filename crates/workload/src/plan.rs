@@ -375,8 +375,7 @@ impl Plan {
                 requests_per_user,
             } => {
                 // A separate stream, so the scripts are the same draws they would be without
-                // spares.
-                // Shared conversations are never skipped, so they need no spares.
+                // spares. Shared conversations are never skipped, so they need none.
                 let walks = requests_per_user.div_ceil(spec.turns) as usize;
                 let spare_count = match spec.sharing {
                     Sharing::Exclusive => walks * (SKIP_WINDOW_DRAWS - 1),
