@@ -10,7 +10,7 @@ use clap::{Args, ValueEnum};
 
 use experiment::Bins;
 use experiment::cell::{self, CellState};
-use experiment::grid::{self, SweepName};
+use experiment::grid::{self, PrefixGroups, Sharing, SweepName, WorkloadShape};
 use experiment::progress::Progress;
 use experiment::sweep::{LiveSweep, SweepSettings};
 use fleet::Ingress;
@@ -79,6 +79,21 @@ pub struct SweepArgs {
     /// Mean think time of closed-loop users, s of model time (wall = think ÷ speed).
     #[arg(long, default_value_t = 1.0)]
     pub think_s: f64,
+    /// Prefix groups: conversations share one of G prefixes (0 = every context private, the
+    /// workload and names before groups; the points' context is then 1,100 tokens, else 512
+    /// private tokens after the shared prefix).
+    #[arg(long, default_value_t = PrefixGroups::DEFAULT.count)]
+    pub prefix_groups: u32,
+    /// Each group's shared prefix, tokens.
+    #[arg(long, default_value_t = PrefixGroups::DEFAULT.prefix_tokens)]
+    pub group_prefix_tokens: u32,
+    /// Zipf exponent of group membership (0 = uniform), separate from the skew axis.
+    #[arg(long, default_value_t = PrefixGroups::DEFAULT.zipf_s)]
+    pub group_skew: f64,
+    /// `exclusive` (a conversation belongs to one user at a time) or `shared` (several users
+    /// may send turns of one conversation at once).
+    #[arg(long, default_value = "exclusive")]
+    pub conversation_sharing: Sharing,
     /// Warm-up per cell, wall s (discarded; default 20, or 5 with --quick).
     #[arg(long)]
     pub warmup_s: Option<f64>,
@@ -144,6 +159,14 @@ impl SweepArgs {
             users: self.users,
             open_rate_rps: if self.open_loop { self.rate } else { None },
             rates_rps: self.rates.clone(),
+            workload: WorkloadShape {
+                prefix_groups: PrefixGroups::from_count(
+                    self.prefix_groups,
+                    self.group_prefix_tokens,
+                    self.group_skew,
+                ),
+                sharing: self.conversation_sharing,
+            },
             points: self.points.clone(),
             think_model_s: self.think_s,
             warmup_s: self

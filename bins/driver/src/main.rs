@@ -7,10 +7,11 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use driver::{ProgressMode, RunConfig};
 use workload::spec::{
-    DEFAULT_BYTES_PER_TOKEN, DEFAULT_OUTPUT_TOKENS, DEFAULT_PREFIX_TOKENS, DEFAULT_TURNS,
+    DEFAULT_BYTES_PER_TOKEN, DEFAULT_GROUP_PREFIX_TOKENS, DEFAULT_GROUP_SKEW,
+    DEFAULT_OUTPUT_TOKENS, DEFAULT_PREFIX_TOKENS, DEFAULT_PRIVATE_CONTEXT_TOKENS, DEFAULT_TURNS,
     DEFAULT_USER_TOKENS,
 };
-use workload::{ArrivalSpec, Plan, Sizing, WorkloadSpec};
+use workload::{ArrivalSpec, Plan, PrefixGroups, Sharing, Sizing, WorkloadSpec};
 
 #[derive(Parser)]
 #[command(name = "driver", version, about = "kvroute load driver")]
@@ -41,6 +42,24 @@ enum Arrival {
     Open,
 }
 
+/// `--conversation-sharing`: the command-line face of [`Sharing`].
+#[derive(Clone, Copy, ValueEnum)]
+enum SharingArg {
+    /// A conversation belongs to one user at a time; its turns go one at a time.
+    Exclusive,
+    /// Several users may send turns of one conversation at once.
+    Shared,
+}
+
+impl From<SharingArg> for Sharing {
+    fn from(a: SharingArg) -> Sharing {
+        match a {
+            SharingArg::Exclusive => Sharing::Exclusive,
+            SharingArg::Shared => Sharing::Shared,
+        }
+    }
+}
+
 #[derive(Args)]
 struct PlanArgs {
     /// Where to write the plan.
@@ -64,9 +83,22 @@ struct PlanArgs {
     /// Turns per conversation.
     #[arg(long, default_value_t = DEFAULT_TURNS)]
     turns: u32,
-    /// Context prefix at turn 1, in tokens.
-    #[arg(long, default_value_t = DEFAULT_PREFIX_TOKENS)]
-    prefix_tokens: u32,
+    /// Context prefix at turn 1, in tokens; with --prefix-groups, the private context after the
+    /// group's shared prefix (default 1100, or 512 with groups).
+    #[arg(long)]
+    prefix_tokens: Option<u32>,
+    /// Prefix groups: conversations share one of G prefixes (0 = none, every context private).
+    #[arg(long, default_value_t = 0)]
+    prefix_groups: u32,
+    /// Each group's shared prefix, in tokens (with --prefix-groups).
+    #[arg(long, default_value_t = DEFAULT_GROUP_PREFIX_TOKENS)]
+    group_prefix_tokens: u32,
+    /// Zipf exponent of group membership (with --prefix-groups; 0 = uniform).
+    #[arg(long, default_value_t = DEFAULT_GROUP_SKEW)]
+    group_skew: f64,
+    /// Whether several users may send turns of one conversation at once.
+    #[arg(long, value_enum, default_value_t = SharingArg::Exclusive)]
+    conversation_sharing: SharingArg,
     /// Each user turn, in tokens.
     #[arg(long, default_value_t = DEFAULT_USER_TOKENS)]
     user_tokens: u32,
@@ -167,15 +199,24 @@ fn make_plan(a: &PlanArgs) -> Result<()> {
         (None, None, Some(n)) => Sizing::Conversations(n),
         _ => bail!("give either --capacity-tokens with --ws, or --conversations"),
     };
+    let prefix_groups =
+        PrefixGroups::from_count(a.prefix_groups, a.group_prefix_tokens, a.group_skew);
+    let default_prefix = if prefix_groups.is_some() {
+        DEFAULT_PRIVATE_CONTEXT_TOKENS
+    } else {
+        DEFAULT_PREFIX_TOKENS
+    };
     let spec = WorkloadSpec {
         seed: a.seed,
         sizing,
         zipf_s: a.skew,
         turns: a.turns,
-        prefix_tokens: a.prefix_tokens,
+        prefix_tokens: a.prefix_tokens.unwrap_or(default_prefix),
         user_tokens: a.user_tokens,
         output_tokens: a.output_tokens,
         bytes_per_token: a.bytes_per_token,
+        prefix_groups,
+        sharing: a.conversation_sharing.into(),
     };
     let arrival = match a.arrival {
         Arrival::Closed => ArrivalSpec::Closed {
@@ -209,6 +250,8 @@ fn describe(plan: &Plan, out: Option<&Path>) -> Result<String> {
         "conversations": plan.conversations.len(),
         "requests": plan.request_count(),
         "working_set_tokens": plan.working_set_tokens().round(),
+        "prefix_groups": plan.spec.prefix_groups,
+        "conversation_sharing": plan.spec.sharing.as_str(),
     });
     if let Some(out) = out {
         v["out"] = serde_json::Value::String(out.display().to_string());

@@ -189,3 +189,32 @@ async fn bad_inputs_fail_with_a_message() {
         "{err}"
     );
 }
+
+#[test]
+fn plan_flags_choose_prefix_groups_and_sharing() {
+    let d = dir("groups");
+    let grouped = plan(
+        &d.join("grouped.bin"),
+        &[
+            "--prefix-groups",
+            "4",
+            "--group-prefix-tokens",
+            "32",
+            "--group-skew",
+            "0.5",
+            "--conversation-sharing",
+            "shared",
+        ],
+    );
+    assert_eq!(
+        grouped["workload_name"],
+        "chat-n3-s0-t6-p64-u16-o4-g4-gp32-gs0.5-shared-seed7"
+    );
+    assert_eq!(grouped["prefix_groups"]["count"], 4);
+    assert_eq!(grouped["conversation_sharing"], "shared");
+    // Groups off: the name measurements recorded before groups existed.
+    let plain = plan(&d.join("plain.bin"), &["--prefix-groups", "0"]);
+    assert_eq!(plain["workload_name"], "chat-n3-s0-t6-p64-u16-o4-seed7");
+    assert_eq!(plain["prefix_groups"], serde_json::Value::Null);
+    assert_eq!(plain["conversation_sharing"], "exclusive");
+}

@@ -130,7 +130,7 @@ fn main() {
             .keep_content(true);
         let msgs = [Message {
             role: Role::User,
-            content: "benchmark",
+            content: "benchmark".into(),
         }];
         let body: Bytes = chat_body("m", &msgs, o.chunks as u32);
         let warm = Duration::from_secs(1);

@@ -97,7 +97,7 @@ pub fn chat_body(model: &str, messages: &[Message<'_>], max_tokens: u32) -> Byte
             .iter()
             .map(|m| WireMessage {
                 role: m.role.as_str(),
-                content: m.content,
+                content: &m.content,
             })
             .collect(),
         max_tokens,
@@ -588,7 +588,7 @@ mod tests {
     fn body_has_the_required_fields() {
         let msgs = [Message {
             role: workload::Role::User,
-            content: "hi \"there\"",
+            content: "hi \"there\"".into(),
         }];
         let v: serde_json::Value = serde_json::from_slice(&chat_body("m", &msgs, 128)).unwrap();
         assert_eq!(v["stream"], true);

@@ -13,6 +13,11 @@
 //!   sent by one task, in order: an arrival is sent at its scheduled time, or as soon as the
 //!   conversation's previous turn completes if that is later. Gaps are never rescaled; lateness
 //!   is recorded per row as `send_lag_ms`.
+//!
+//! With shared conversations (`workload::Sharing::Shared`) neither rule holds a conversation:
+//! closed-loop users walk their scripts as drawn (the cursor never claims, skips or waits), and
+//! every open-loop arrival is sent at its scheduled time even while its conversation's previous
+//! turn is in flight.
 
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
@@ -411,7 +416,11 @@ pub async fn run_closed(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driv
         let shared = shared.clone();
         let owners = owners.clone();
         let script = script.clone();
-        let mut cursor = WalkCursor::new(&script, spare_draws.get(u).map_or(&[], Vec::as_slice));
+        let mut cursor = WalkCursor::new(
+            &script,
+            spare_draws.get(u).map_or(&[], Vec::as_slice),
+            plan.spec.sharing,
+        );
         tasks.push(tokio::spawn(async move {
             let mut held: Option<tokio::sync::OwnedMutexGuard<()>> = None;
             let mut ready = start;
@@ -488,6 +497,9 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
     };
     let shared = prepare(plan, cfg).await?;
     let total = arrivals.len() as u64;
+    if !plan.spec.sharing.one_turn_at_a_time() {
+        return run_open_shared(shared, cfg, arrivals).await;
+    }
     let mut per_conversation: Vec<Vec<(usize, u64, u32)>> =
         vec![Vec::new(); plan.conversations.len()];
     for (i, a) in arrivals.iter().enumerate() {
@@ -521,6 +533,54 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
         }));
     }
     finish(shared, tasks, progress, total, "open").await
+}
+
+/// Open loop with shared conversations: one dispatcher sends every arrival at its scheduled
+/// time, each as its own task, whether or not its conversation has a turn in flight.
+async fn run_open_shared(
+    shared: Arc<Shared>,
+    cfg: &RunConfig,
+    arrivals: &[workload::Arrival],
+) -> Result<RunSummary, DriverError> {
+    let total = arrivals.len() as u64;
+    let plan_end = Duration::from_micros(arrivals.last().map_or(0, |a| a.at_us));
+    let start = shared.requester.clock_start();
+    let progress = spawn_progress(&shared, cfg, total, Some(plan_end));
+    let dispatcher = {
+        let shared = shared.clone();
+        let arrivals = arrivals.to_vec();
+        tokio::spawn(async move {
+            let mut sends = tokio::task::JoinSet::new();
+            let mut sent = 0u64;
+            // A send task only fails by panicking; pass that on to `finish`.
+            let mut count = |done: Result<(), tokio::task::JoinError>| match done {
+                Ok(()) => sent += 1,
+                Err(e) => panic!("a send task failed: {e}"),
+            };
+            for (i, a) in arrivals.into_iter().enumerate() {
+                let scheduled = Duration::from_micros(a.at_us);
+                if shared.stopped(scheduled) {
+                    break;
+                }
+                sleep_until(start + scheduled).await;
+                let shared = shared.clone();
+                sends.spawn(async move {
+                    shared
+                        .fire(&open_request_id(i), a.conversation, a.turn, scheduled)
+                        .await;
+                });
+                // Reap finished sends as we go, so a long schedule holds only those in flight.
+                while let Some(done) = sends.try_join_next() {
+                    count(done);
+                }
+            }
+            while let Some(done) = sends.join_next().await {
+                count(done);
+            }
+            (sent, 0)
+        })
+    };
+    finish(shared, vec![dispatcher], progress, total, "open").await
 }
 
 /// Sleeps until `at`, not at all when it has passed: tokio rounds deadlines up to its next

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use driver::testserver::{MODEL, Reply, ScriptUsage, ScriptedServer, StreamScript};
 use driver::{ClientRow, DriverError, ProgressMode, RunConfig, read_rows, run_closed, run_open};
-use workload::{ArrivalSpec, Plan, Schedule, Sizing, Step, WorkloadSpec};
+use workload::{ArrivalSpec, Plan, Schedule, Sharing, Sizing, Step, WorkloadSpec};
 
 fn ms(v: u64) -> Duration {
     Duration::from_millis(v)
@@ -465,6 +465,103 @@ async fn a_user_skips_a_conversation_another_user_is_walking() {
     assert_eq!(row("u1-3").session_id, c0);
     let end = |r: &ClientRow| r.sent_s.unwrap() + r.e2el_ms.unwrap() / 1e3;
     assert!(row("u1-3").sent_s.unwrap() >= end(row("u0-2")) - 1e-6);
+}
+
+/// Whether two rows of one session were in flight at the same time.
+fn overlapping_turns(rows: &[ClientRow], session: &str) -> bool {
+    let mine: Vec<&ClientRow> = rows.iter().filter(|r| r.session_id == session).collect();
+    let span = |r: &ClientRow| {
+        (
+            r.sent_s.unwrap(),
+            r.sent_s.unwrap() + r.e2el_ms.unwrap() / 1e3,
+        )
+    };
+    mine.iter().enumerate().any(|(i, a)| {
+        mine[i + 1..].iter().any(|b| {
+            let ((a0, a1), (b0, b1)) = (span(a), span(b));
+            a0 < b1 && b0 < a1
+        })
+    })
+}
+
+#[tokio::test]
+async fn shared_conversations_are_walked_by_two_users_at_once() {
+    // Each response takes ~25 ms; both users' scripts walk conversation 0 from the start.
+    let server =
+        ScriptedServer::start(|_| Reply::Stream(StreamScript::uniform(ms(20), ms(1), 4, 50)))
+            .await
+            .unwrap();
+    let spec = WorkloadSpec {
+        sharing: Sharing::Shared,
+        ..small_spec(2)
+    };
+    let mut plan = Plan::build(
+        &spec,
+        &ArrivalSpec::Closed {
+            users: 2,
+            think_mean_s: 0.0,
+            requests_per_user: 3,
+        },
+    )
+    .unwrap();
+    let walk = vec![step(0, 1), step(0, 2), step(0, 3)];
+    plan.schedule = Schedule::Closed {
+        users: vec![walk.clone(), walk],
+        spare_draws: vec![vec![], vec![]],
+    };
+    plan.check().unwrap();
+    let out = out_dir("closed-shared").join("client.csv");
+    let summary = run_closed(&plan, &config(server.url(), out.clone()))
+        .await
+        .unwrap();
+    assert_eq!((summary.requests, summary.errors), (6, 0));
+    assert_eq!(summary.skipped_draws, 0);
+    let rows = read_rows(&out).unwrap();
+    // Both users sent their scripts as drawn, the same turns of conversation 0 side by side.
+    let c0 = plan.session_id(0);
+    assert!(rows.iter().all(|r| r.session_id == c0));
+    let row = |id: &str| rows.iter().find(|r| r.request_id == id).unwrap();
+    assert!(row("u1-0").sent_s.unwrap() < row("u0-0").sent_s.unwrap() + 0.015);
+    assert!(overlapping_turns(&rows, &c0));
+}
+
+#[tokio::test]
+async fn shared_open_loop_arrivals_are_sent_on_time_while_a_turn_is_in_flight() {
+    // Responses take ~60 ms and one conversation gets every arrival (~40 req/s): exclusive,
+    // each turn waits for the previous one; shared, each goes at its scheduled time.
+    let server =
+        ScriptedServer::start(|_| Reply::Stream(StreamScript::uniform(ms(50), ms(2), 4, 50)))
+            .await
+            .unwrap();
+    let run = |sharing, name: &'static str| {
+        let url = server.url();
+        async move {
+            let plan = Plan::build(
+                &WorkloadSpec {
+                    sharing,
+                    ..small_spec(1)
+                },
+                &ArrivalSpec::Open {
+                    rate_rps: 40.0,
+                    duration_s: 1.0,
+                },
+            )
+            .unwrap();
+            let out = out_dir(name).join("client.csv");
+            let summary = run_open(&plan, &config(url, out.clone())).await.unwrap();
+            assert_eq!(summary.requests, plan.request_count() as u64);
+            assert_eq!(summary.errors, 0);
+            (plan, read_rows(&out).unwrap())
+        }
+    };
+    let (plan, shared) = run(Sharing::Shared, "open-shared").await;
+    let c0 = plan.session_id(0);
+    assert!(overlapping_turns(&shared, &c0));
+    let mut lags: Vec<f64> = shared.iter().map(|r| r.send_lag_ms.unwrap()).collect();
+    lags.sort_by(f64::total_cmp);
+    assert!(lags[lags.len() / 2] < 15.0, "median send lag {lags:?}");
+    let (_, exclusive) = run(Sharing::Exclusive, "open-exclusive").await;
+    assert_no_overlap_per_session(&exclusive);
 }
 
 #[tokio::test]

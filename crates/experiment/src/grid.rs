@@ -4,6 +4,9 @@
 
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
+use workload::spec::{DEFAULT_PREFIX_TOKENS, DEFAULT_PRIVATE_CONTEXT_TOKENS};
+/// The workload options a sweep's flags choose, re-exported for `cargo xtask sweep`.
+pub use workload::{PrefixGroups, Sharing};
 
 /// Every policy name the router knows (docs/CONTRACTS.md), in the order a sweep runs them (the
 /// same names as `policies::POLICY_NAMES`, tested; this order decides the cells' order and the
@@ -90,6 +93,48 @@ pub enum Arrival {
     },
 }
 
+/// The workload options every point of a sweep shares: prefix groups and conversation sharing.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct WorkloadShape {
+    /// Shared prefixes (`None`: every context private, the workload before prefix groups).
+    pub prefix_groups: Option<PrefixGroups>,
+    /// Whether several users may send turns of one conversation at once.
+    pub sharing: Sharing,
+}
+
+impl WorkloadShape {
+    /// The sweeps' default workload: [`PrefixGroups::DEFAULT`] (16 groups sharing 2,048-token
+    /// prefixes, membership skew 1; why in `crates/workload/README.md`, "Prefix groups"),
+    /// exclusive conversations.
+    pub const DEFAULT: WorkloadShape = WorkloadShape {
+        prefix_groups: Some(PrefixGroups::DEFAULT),
+        sharing: Sharing::Exclusive,
+    };
+
+    /// The workload before prefix groups (`--prefix-groups 0`): private contexts, exclusive.
+    pub const PRIVATE: WorkloadShape = WorkloadShape {
+        prefix_groups: None,
+        sharing: Sharing::Exclusive,
+    };
+
+    /// The context at turn 1 a point has unless it varies it: 512 private tokens after the
+    /// group's shared prefix with groups, the whole 1,100-token context without (so that
+    /// `--prefix-groups 0` gives back the old workload, name and bytes).
+    pub fn context_tokens(&self) -> u32 {
+        if self.prefix_groups.is_some() {
+            DEFAULT_PRIVATE_CONTEXT_TOKENS
+        } else {
+            DEFAULT_PREFIX_TOKENS
+        }
+    }
+}
+
+impl Default for WorkloadShape {
+    fn default() -> Self {
+        WorkloadShape::DEFAULT
+    }
+}
+
 /// One grid point: the workload parameters that vary, and the arrival process.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Point {
@@ -101,8 +146,13 @@ pub struct Point {
     pub zipf_s: f64,
     /// Turns per conversation.
     pub turns: u32,
-    /// Context prefix at turn 1, tokens.
+    /// Context at turn 1, tokens: with prefix groups, the private context after the shared
+    /// prefix.
     pub prefix_tokens: u32,
+    /// Shared prefixes (`None`: every context private).
+    pub prefix_groups: Option<PrefixGroups>,
+    /// Whether several users may send turns of one conversation at once.
+    pub sharing: Sharing,
     /// Arrival process.
     pub arrival: Arrival,
 }
@@ -121,34 +171,29 @@ pub struct GridParams {
     pub rates_rps: Vec<f64>,
     /// Replicas in use (scales the default `load` rates).
     pub replicas: usize,
+    /// Prefix groups and sharing of every point.
+    pub workload: WorkloadShape,
 }
 
 fn fmt(x: f64) -> String {
     format!("{x}")
 }
 
-fn point(
-    ratio: f64,
-    zipf_s: f64,
-    turns: u32,
-    prefix: u32,
-    arrival: Arrival,
-    suffix: &str,
-) -> Point {
-    Point {
+/// The points of sweep `name`. Every sweep runs `p.workload` (the point names do not say which:
+/// the workload name in each `meta.json` does).
+pub fn points(name: SweepName, p: &GridParams) -> Result<Vec<Point>> {
+    let turns = workload::spec::DEFAULT_TURNS;
+    let prefix = p.workload.context_tokens();
+    let point = |ratio: f64, zipf_s: f64, turns, prefix_tokens, arrival, suffix: &str| Point {
         name: format!("ws{}-s{}{suffix}", fmt(ratio), fmt(zipf_s)),
         ratio,
         zipf_s,
         turns,
-        prefix_tokens: prefix,
+        prefix_tokens,
+        prefix_groups: p.workload.prefix_groups,
+        sharing: p.workload.sharing,
         arrival,
-    }
-}
-
-/// The points of sweep `name`.
-pub fn points(name: SweepName, p: &GridParams) -> Result<Vec<Point>> {
-    let turns = workload::spec::DEFAULT_TURNS;
-    let prefix = workload::spec::DEFAULT_PREFIX_TOKENS;
+    };
     let arrival = match p.open_rate_rps {
         Some(rate) if rate > 0.0 && rate.is_finite() => Arrival::Open { rate_rps: rate },
         Some(rate) => bail!("--rate must be a positive number of requests per second, got {rate}"),
@@ -298,7 +343,33 @@ mod tests {
             open_rate_rps: None,
             rates_rps: vec![],
             replicas: 5,
+            workload: WorkloadShape::default(),
         }
+    }
+
+    #[test]
+    fn the_default_workload_has_prefix_groups_and_the_old_one_stays_reachable() {
+        let grouped = points(SweepName::PressureGrid, &params(false)).unwrap();
+        assert!(grouped.iter().all(|p| {
+            p.prefix_groups == Some(PrefixGroups::DEFAULT)
+                && p.prefix_tokens == 512
+                && p.sharing == Sharing::Exclusive
+        }));
+        let mut old = params(false);
+        old.workload = WorkloadShape::PRIVATE;
+        let plain = points(SweepName::PressureGrid, &old).unwrap();
+        assert!(
+            plain
+                .iter()
+                .all(|p| p.prefix_groups.is_none() && p.prefix_tokens == 1_100)
+        );
+        // Same point names either way; the workload names differ.
+        let names = |ps: &[Point]| ps.iter().map(|p| p.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&grouped), names(&plain));
+        let mut shared = params(true);
+        shared.workload.sharing = Sharing::Shared;
+        let turns = points(SweepName::Turns, &shared).unwrap();
+        assert!(turns.iter().all(|p| p.sharing == Sharing::Shared));
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::calibrate::{CalibrateSettings, calibrate};
 use crate::calibration::{Calibration, Routing, requests_per_user};
 use crate::cell;
 use crate::fleet_spec::{FleetKind, FleetSpec};
-use crate::grid::{self, Arrival, GridParams, Point, SweepName};
+use crate::grid::{self, Arrival, GridParams, Point, SweepName, WorkloadShape};
 use crate::plan_file::{PlanFile, ensure_plan};
 
 /// What a sweep runs with (defaults already applied); the live and the virtual sweep share it.
@@ -43,6 +43,8 @@ pub struct SweepSettings {
     pub open_rate_rps: Option<f64>,
     /// Model-time rates of the `load` sweep (empty: the defaults).
     pub rates_rps: Vec<f64>,
+    /// Prefix groups and conversation sharing of every point.
+    pub workload: WorkloadShape,
     /// Only these points (empty: all).
     pub points: Vec<String>,
     /// Mean think time of closed-loop users, s of model time (wall = think ÷ speed).
@@ -92,6 +94,7 @@ impl SweepSettings {
                 open_rate_rps: self.open_rate_rps,
                 rates_rps: self.rates_rps.clone(),
                 replicas,
+                workload: self.workload,
             },
         )?;
         grid::select_points(points, &self.points)
@@ -110,6 +113,8 @@ impl SweepSettings {
             zipf_s: point.zipf_s,
             turns: point.turns,
             prefix_tokens: point.prefix_tokens,
+            prefix_groups: point.prefix_groups,
+            sharing: point.sharing,
             ..WorkloadSpec::default()
         };
         let run_s = self.run_s();

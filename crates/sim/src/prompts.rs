@@ -95,7 +95,7 @@ impl PromptBook {
             let mut byte_lens = Vec::with_capacity(turns as usize);
             bytes.clear();
             for m in &msgs {
-                tokenizer::encode_into(&segment(m.role.as_str(), m.content), false, &mut tokens);
+                tokenizer::encode_into(&segment(m.role.as_str(), &m.content), false, &mut tokens);
                 canonical_bytes(std::slice::from_ref(m), &mut bytes);
                 if m.role == Role::User {
                     user_ends.push(tokens.len() as u32);

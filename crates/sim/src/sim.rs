@@ -9,7 +9,9 @@
 //!   picks its next walk with `workload::WalkCursor` exactly as the live driver does: a draw
 //!   owned by another user is dropped for the next free one in the window (script draws, then
 //!   the plan's spare draws), and only a fully owned window waits, FIFO. Open loop: a conversation's turns go one at a time, so a turn
-//!   whose predecessor is still running waits, FIFO.
+//!   whose predecessor is still running waits, FIFO. With shared conversations
+//!   (`workload::Sharing::Shared`) neither holds: the cursor never claims, and every request is
+//!   sent when it fires, whatever else of its conversation is in flight — the live driver's rule.
 //! - router: belief and keyless policies decide on arrival; exact residency first pays the
 //!   tokenize round trip. `decide`, then the chosen replica's outstanding is incremented; it is
 //!   decremented when the response ends. The request reaches the engine after the modelled
@@ -404,7 +406,10 @@ impl Sim<'_> {
                 self.cursors = users
                     .iter()
                     .enumerate()
-                    .map(|(u, s)| WalkCursor::new(s, spare_draws.get(u).map_or(&[], Vec::as_slice)))
+                    .map(|(u, s)| {
+                        let spare = spare_draws.get(u).map_or(&[][..], Vec::as_slice);
+                        WalkCursor::new(s, spare, self.plan.spec.sharing)
+                    })
                     .collect();
                 self.user_step = vec![(0, 0, false); users.len()];
                 self.user_sched_us = vec![0; users.len()];
@@ -446,7 +451,10 @@ impl Sim<'_> {
                 conversation,
                 ends_walk,
             } => {
-                self.user_owns[u] = Some(conversation);
+                // Only a claiming (exclusive) cursor owns what it walks.
+                if self.cursors[u].claims() {
+                    self.user_owns[u] = Some(conversation);
+                }
                 let at = ready_us + script[step].think_us;
                 if self.stopped(at) {
                     self.release(user, ready_us);
@@ -589,7 +597,9 @@ impl Sim<'_> {
             done: false,
         });
         let c = conversation as usize;
-        if self.conv_busy[c] {
+        if !self.plan.spec.sharing.one_turn_at_a_time() {
+            self.send(r, t);
+        } else if self.conv_busy[c] {
             self.conv_queue[c].push_back(r);
         } else {
             self.conv_busy[c] = true;

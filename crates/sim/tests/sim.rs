@@ -95,11 +95,11 @@ fn canonical_bytes_follow_the_documented_form() {
     let msgs = [
         workload::Message {
             role: workload::Role::System,
-            content: "ctx",
+            content: "ctx".into(),
         },
         workload::Message {
             role: workload::Role::User,
-            content: "hi",
+            content: "hi".into(),
         },
     ];
     let mut out = Vec::new();
@@ -664,4 +664,84 @@ fn skewed_closed_loop_users_skip_owned_conversations_instead_of_convoying() {
     }
     assert_eq!(skips, [out.skipped_draws, out.skipped_draws]);
     assert!(files[0] == files[1], "rows differ between identical runs");
+}
+
+/// Whether two requests of one conversation were in flight at once.
+fn overlaps(outcomes: &[sim::rows::Outcome]) -> usize {
+    let mut by_conv: HashMap<u32, Vec<(u64, u64)>> = HashMap::new();
+    for o in outcomes {
+        by_conv
+            .entry(o.conversation)
+            .or_default()
+            .push((o.sent_us, o.end_us));
+    }
+    by_conv
+        .values_mut()
+        .map(|list| {
+            list.sort_unstable();
+            list.windows(2).filter(|w| w[1].0 < w[0].1).count()
+        })
+        .sum()
+}
+
+#[test]
+fn shared_conversations_are_walked_by_several_users_at_once() {
+    // Two conversations, six users without think time: exclusive, at most two users walk at
+    // once and the rest wait; shared, users send turns of one conversation side by side.
+    let cfg = small(2, "round-robin");
+    let plan_with = |sharing| {
+        let spec = workload::WorkloadSpec {
+            sizing: workload::Sizing::Conversations(2),
+            sharing,
+            ..workload::WorkloadSpec::default()
+        };
+        let arrival = workload::ArrivalSpec::Closed {
+            users: 6,
+            think_mean_s: 0.0,
+            requests_per_user: 12,
+        };
+        workload::Plan::build(&spec, &arrival).expect("plan")
+    };
+    let exclusive = simulate(&cfg, &plan_with(workload::Sharing::Exclusive)).expect("simulate");
+    assert_eq!(overlaps(&exclusive.outcomes), 0);
+    let shared_plan = plan_with(workload::Sharing::Shared);
+    let shared = simulate(&cfg, &shared_plan).expect("simulate");
+    assert_eq!(shared.outcomes.len(), shared_plan.request_count());
+    assert_eq!(shared.skipped_draws, 0);
+    assert!(
+        overlaps(&shared.outcomes) > 0,
+        "shared turns never overlapped"
+    );
+    // Each user sent its script as drawn: its requests' conversations are the script's.
+    let Schedule::Closed { users, .. } = &shared_plan.schedule else {
+        panic!("closed plan");
+    };
+    for o in &shared.outcomes {
+        let sim::rows::Origin::Closed { user, index } = o.origin else {
+            panic!("closed origin");
+        };
+        let step = users[user as usize][index as usize];
+        assert_eq!((o.conversation, o.turn), (step.conversation, step.turn));
+    }
+    // Nothing waits for the conversation: every request goes out when its user is ready.
+    assert!(shared.outcomes.iter().all(|o| o.sent_us == o.scheduled_us));
+}
+
+#[test]
+fn shared_open_loop_arrivals_go_out_on_time() {
+    // The schedule of `open_loop_keeps_a_conversations_turns_in_order`, where turns must wait
+    // when exclusive; shared, every arrival is sent at its time and some overlap.
+    let exclusive = open_plan(6, 8.0, 20.0, 4);
+    let plan = workload::Plan::build(
+        &workload::WorkloadSpec {
+            sharing: workload::Sharing::Shared,
+            ..exclusive.spec
+        },
+        &exclusive.arrival,
+    )
+    .expect("plan");
+    let out = simulate(&small(2, "session-affinity"), &plan).expect("simulate");
+    assert_eq!(out.outcomes.len(), plan.request_count());
+    assert!(out.outcomes.iter().all(|o| o.sent_us == o.scheduled_us));
+    assert!(overlaps(&out.outcomes) > 0);
 }

@@ -1,8 +1,8 @@
 //! Deterministic multi-turn chat workloads for kvroute.
 //!
-//! A [`Plan`] holds conversations (a context prefix, scripted user turns and scripted assistant
-//! replies, so no turn depends on what an engine generated), sized against the fleet's KV
-//! capacity, plus an arrival schedule (closed loop or open loop) drawn with a bounded
+//! A [`Plan`] holds conversations (a context prefix — optionally a prefix group's shared prefix
+//! then a private context — scripted user turns and scripted assistant replies, so no turn
+//! depends on what an engine generated), sized against the fleet's KV capacity, plus an arrival schedule (closed loop or open loop) drawn with a bounded
 //! [`Zipf`] over conversations. Plans serialize with bincode so the identical plan is replayed
 //! for every policy; [`Plan::name`] is derived from the parameters and
 //! [`Plan::fingerprint`] hashes the plan's bytes.
@@ -16,10 +16,10 @@ pub mod walk;
 pub mod zipf;
 
 pub use plan::{
-    Arrival, Conversation, Message, PLAN_FORMAT, Plan, Role, Schedule, Step, closed_request_id,
-    open_request_id, prefix_lengths,
+    Arrival, Conversation, Layout, Message, PLAN_FORMAT, Plan, Role, Schedule, Step,
+    closed_request_id, layout, open_request_id, prefix_lengths,
 };
-pub use spec::{ArrivalSpec, Sizing, WorkloadSpec};
+pub use spec::{ArrivalSpec, PrefixGroups, Sharing, Sizing, WorkloadSpec};
 pub use walk::{Pick, SKIP_WINDOW_DRAWS, Walk, WalkCursor, walks};
 pub use zipf::Zipf;
 

@@ -1,33 +1,41 @@
 //! Conversations plus an arrival schedule: the unit replayed identically for every policy.
 
+use std::borrow::Cow;
+
 use rand::SeedableRng;
 use rand_pcg::Pcg64;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::WorkloadError;
-use crate::spec::{ArrivalSpec, MAX_CONVERSATIONS, Sizing, WorkloadSpec};
+use crate::spec::{ArrivalSpec, MAX_CONVERSATIONS, Sharing, Sizing, WorkloadSpec};
 use crate::text::english_like;
 use crate::walk::SKIP_WINDOW_DRAWS;
 use crate::zipf::Zipf;
 
-/// Version of the serialized plan layout; bumped whenever [`Plan`]'s fields change.
-pub const PLAN_FORMAT: u32 = 2;
+/// Version of the serialized plan layout; bumped whenever [`Plan`]'s fields change (3: prefix
+/// groups and conversation sharing in the spec, each conversation's group).
+pub const PLAN_FORMAT: u32 = 3;
 
 /// Decoding refuses inputs that claim more than this many bytes, so a corrupt file fails
 /// with an error instead of a huge allocation.
 const DECODE_LIMIT_BYTES: usize = 1 << 30;
 
-/// One conversation's scripted text. Turn `k` (1-based) sends `system`, then for each earlier
-/// turn `j` the pair `users[j-1]`, `replies[j-1]`, then `users[k-1]`.
+/// One conversation's scripted text. Turn `k` (1-based) sends the system message (its group's
+/// shared prefix, if any, then `system`), then for each earlier turn `j` the pair
+/// `users[j-1]`, `replies[j-1]`, then `users[k-1]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Conversation {
-    /// Context prefix, sent as the system message.
+    /// The conversation's own context: the whole system message without prefix groups; with
+    /// them, the private context sent after the group's shared prefix
+    /// ([`Plan::group_prefixes`], stored once per group).
     pub system: String,
     /// One user message per turn.
     pub users: Vec<String>,
     /// Scripted assistant replies; one per turn except the last (whose reply is never re-sent).
     pub replies: Vec<String>,
+    /// The prefix group this conversation belongs to (`None` without prefix groups).
+    pub group: Option<u32>,
 }
 
 /// Chat role of a message.
@@ -52,13 +60,14 @@ impl Role {
     }
 }
 
-/// One chat message borrowed from a plan.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// One chat message from a plan: borrowed, except a grouped conversation's system message
+/// (its group's shared prefix joined to its private context).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message<'a> {
     /// Who speaks.
     pub role: Role,
     /// What is said.
-    pub content: &'a str,
+    pub content: Cow<'a, str>,
 }
 
 /// One request of a closed-loop user script.
@@ -93,7 +102,7 @@ pub enum Schedule {
         /// `spare_draws[u]`: further Zipf draws of user `u`, taken (in order) in place of
         /// draws skipped because another user owned the conversation (`crate::walk`):
         /// `SKIP_WINDOW_DRAWS - 1` per walk of the script, enough for every walk to skip a
-        /// full window.
+        /// full window; empty with shared conversations (nothing is ever skipped).
         spare_draws: Vec<Vec<u32>>,
     },
     /// Arrivals in time order.
@@ -112,6 +121,9 @@ pub struct Plan {
     pub spec: WorkloadSpec,
     /// The arrival parameters.
     pub arrival: ArrivalSpec,
+    /// Each prefix group's shared prefix, indexed by group (empty without prefix groups); a
+    /// group no conversation belongs to holds an empty string (its text is never drawn).
+    pub group_prefixes: Vec<String>,
     /// Every conversation's text.
     pub conversations: Vec<Conversation>,
     /// The schedule drawn from `arrival` and the Zipf law.
@@ -126,6 +138,8 @@ mod tag {
     pub const CLOSED_USER: u64 = 4;
     pub const OPEN: u64 = 5;
     pub const CLOSED_SPARE: u64 = 6;
+    pub const GROUP_TEXT: u64 = 7;
+    pub const GROUP_OF: u64 = 8;
 }
 
 /// A seed for one stream, independent of how many other streams exist, so that (for example)
@@ -138,37 +152,129 @@ fn derive_seed(seed: u64, stream: u64, a: u64, b: u64) -> u64 {
     xxh3_64_with_seed(&bytes, seed)
 }
 
-/// Context-prefix lengths (estimated tokens at turn 1), one per conversation.
+/// How a workload's conversations are laid out: each one's private context length and group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// Each conversation's context at turn 1 in estimated tokens: without prefix groups its
+    /// whole context prefix, with groups the private context after the group's shared prefix.
+    pub private_tokens: Vec<u64>,
+    /// Each conversation's prefix group; empty without prefix groups.
+    pub groups: Vec<u32>,
+}
+
+impl Layout {
+    /// Groups with at least one conversation (0 without prefix groups).
+    pub fn used_groups(&self) -> usize {
+        let mut seen: Vec<u32> = self.groups.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        seen.len()
+    }
+
+    /// Distinct prefix tokens of all conversations at their last turn: each conversation's
+    /// private context, turns and replies, plus each used group's shared prefix once.
+    pub fn working_set_tokens(&self, spec: &WorkloadSpec) -> u64 {
+        let own: u64 = self
+            .private_tokens
+            .iter()
+            .map(|&p| spec.last_turn_tokens(p))
+            .sum();
+        own + self.used_groups() as u64 * spec.group_prefix_tokens()
+    }
+}
+
+/// Conversation `c`'s group: a Zipf draw over the groups from `c`'s own stream, so adding
+/// conversations never moves an existing one to another group.
+fn group_of(seed: u64, groups: &Zipf, c: u64) -> u32 {
+    let mut rng = Pcg64::seed_from_u64(derive_seed(seed, tag::GROUP_OF, c, 0));
+    groups.sample(&mut rng) as u32
+}
+
+/// The conversations' context lengths and groups (see [`Layout`]).
 ///
-/// With working-set sizing the count is the nearest integer to `target ÷ per-conversation
-/// tokens`, and the rounding remainder is spread over the prefixes so that the total is exact
-/// to the token. Errors when that would shrink a prefix below half its nominal length (the
-/// capacity is too small for whole conversations of this shape).
-pub fn prefix_lengths(spec: &WorkloadSpec) -> Result<Vec<u64>, WorkloadError> {
+/// With working-set sizing the target is `ratio × capacity_tokens` distinct prefix tokens at the
+/// last turn, a shared prefix counted once per group that has a conversation
+/// ([`Layout::working_set_tokens`]). The count `n` is the one whose nominal total
+/// `n × per-conversation tokens + used groups × shared prefix` is nearest the target (the
+/// larger on a tie; without groups that is `round(target ÷ per-conversation tokens)`), and the
+/// remainder is spread over the private contexts so that the total is exact to the token.
+/// Errors when that would shrink a context below half its nominal length (the capacity is too
+/// small for whole conversations of this shape).
+pub fn layout(spec: &WorkloadSpec) -> Result<Layout, WorkloadError> {
     spec.validate()?;
     let nominal = u64::from(spec.prefix_tokens);
+    let zipf = spec
+        .prefix_groups
+        .map(|g| Zipf::new(g.count as usize, g.zipf_s))
+        .transpose()?;
+    let draw_groups = |n: u64| -> Vec<u32> {
+        zipf.as_ref().map_or_else(Vec::new, |z| {
+            (0..n).map(|c| group_of(spec.seed, z, c)).collect()
+        })
+    };
     match spec.sizing {
-        Sizing::Conversations(n) => Ok(vec![nominal; n as usize]),
+        Sizing::Conversations(n) => Ok(Layout {
+            private_tokens: vec![nominal; n as usize],
+            groups: draw_groups(u64::from(n)),
+        }),
         Sizing::WorkingSet {
             capacity_tokens,
             ratio,
         } => {
             let target = (ratio * capacity_tokens as f64).round();
-            let per = spec.last_turn_tokens(nominal) as f64;
-            let n = (target / per).round().max(1.0);
-            if n > MAX_CONVERSATIONS as f64 {
-                return Err(WorkloadError::InvalidSpec(format!(
+            let per = spec.last_turn_tokens(nominal);
+            let too_many = |n: f64| {
+                WorkloadError::InvalidSpec(format!(
                     "working set of {target} tokens needs {n} conversations (max {MAX_CONVERSATIONS})"
-                )));
+                ))
+            };
+            let estimate = (target / per as f64).round().max(1.0);
+            if estimate > MAX_CONVERSATIONS as f64 {
+                return Err(too_many(estimate));
             }
-            let n = n as u64;
-            let target = target as i128;
-            let deficit =
-                target - i128::from(n) * i128::from(spec.last_turn_tokens(nominal) as i64);
+            let target = target as u64;
+            let (n, groups) = match &zipf {
+                None => (estimate as u64, Vec::new()),
+                Some(z) => {
+                    // The nominal total f(n) = n·per + used(n)·shared grows strictly with n:
+                    // walk up to the first n whose total reaches the target, then keep it or
+                    // the one before, whichever is nearer.
+                    let shared = spec.group_prefix_tokens();
+                    let mut seen = vec![false; z.len()];
+                    let (mut used, mut below, mut groups) = (0u64, 0u64, Vec::new());
+                    loop {
+                        let c = groups.len() as u64;
+                        if c >= MAX_CONVERSATIONS {
+                            return Err(too_many(c as f64 + 1.0));
+                        }
+                        let g = group_of(spec.seed, z, c);
+                        if !std::mem::replace(&mut seen[g as usize], true) {
+                            used += 1;
+                        }
+                        groups.push(g);
+                        let total = (c + 1) * per + used * shared;
+                        if total >= target {
+                            let n = if c > 0 && target - below < total - target {
+                                c
+                            } else {
+                                c + 1
+                            };
+                            groups.truncate(n as usize);
+                            break (n, groups);
+                        }
+                        below = total;
+                    }
+                }
+            };
+            let layout = Layout {
+                private_tokens: vec![nominal; n as usize],
+                groups,
+            };
+            let deficit = i128::from(target) - i128::from(layout.working_set_tokens(spec));
             let base = deficit.div_euclid(i128::from(n));
             let extra = deficit.rem_euclid(i128::from(n));
             let floor = (nominal / 2).max(1) as i128;
-            let mut out = Vec::with_capacity(n as usize);
+            let mut private_tokens = Vec::with_capacity(n as usize);
             for i in 0..n {
                 let p = nominal as i128 + base + i128::from(i128::from(i) < extra);
                 if p < floor {
@@ -178,11 +284,34 @@ pub fn prefix_lengths(spec: &WorkloadSpec) -> Result<Vec<u64>, WorkloadError> {
                          raise the ratio or capacity, or give a conversation count"
                     )));
                 }
-                out.push(p as u64);
+                private_tokens.push(p as u64);
             }
-            Ok(out)
+            Ok(Layout {
+                private_tokens,
+                ..layout
+            })
         }
     }
+}
+
+/// Context-prefix lengths (estimated tokens at turn 1), one per conversation: with prefix
+/// groups, the private contexts after the shared prefix ([`layout`] has the groups too).
+pub fn prefix_lengths(spec: &WorkloadSpec) -> Result<Vec<u64>, WorkloadError> {
+    Ok(layout(spec)?.private_tokens)
+}
+
+/// The text of group `group`'s shared prefix: exactly `prefix_tokens × bytes_per_token` bytes,
+/// opening with a line that names the group (so two groups never share a first block) and
+/// ending with a newline (so the private context after it starts a fresh line and token).
+fn group_text(spec: &WorkloadSpec, group: u32) -> String {
+    let len = spec.group_prefix_tokens() as usize * spec.bytes_per_token as usize;
+    let mut text = english_like(
+        derive_seed(spec.seed, tag::GROUP_TEXT, u64::from(group), 0),
+        &format!("Group {group} shared prefix. "),
+        len.saturating_sub(1),
+    );
+    text.push('\n');
+    text
 }
 
 impl Plan {
@@ -191,13 +320,22 @@ impl Plan {
     pub fn build(spec: &WorkloadSpec, arrival: &ArrivalSpec) -> Result<Plan, WorkloadError> {
         spec.validate()?;
         arrival.validate()?;
-        let prefixes = prefix_lengths(spec)?;
+        let layout = layout(spec)?;
         let bpt = spec.bytes_per_token as usize;
-        let conversations: Vec<Conversation> = prefixes
+        let mut group_prefixes: Vec<String> =
+            vec![String::new(); spec.prefix_groups.map_or(0, |g| g.count as usize)];
+        for &g in &layout.groups {
+            if group_prefixes[g as usize].is_empty() {
+                group_prefixes[g as usize] = group_text(spec, g);
+            }
+        }
+        let conversations: Vec<Conversation> = layout
+            .private_tokens
             .iter()
             .enumerate()
             .map(|(c, &prefix)| {
                 let c64 = c as u64;
+                let group = layout.groups.get(c).copied();
                 let system = english_like(
                     derive_seed(spec.seed, tag::SYSTEM, c64, 0),
                     &format!("Conversation {c} context. "),
@@ -225,6 +363,7 @@ impl Plan {
                     system,
                     users,
                     replies,
+                    group,
                 }
             })
             .collect();
@@ -236,9 +375,12 @@ impl Plan {
                 requests_per_user,
             } => {
                 // A separate stream, so the scripts are the same draws they would be without
-                // spares.
+                // spares. Shared conversations are never skipped, so they need none.
                 let walks = requests_per_user.div_ceil(spec.turns) as usize;
-                let spare_count = walks * (SKIP_WINDOW_DRAWS - 1);
+                let spare_count = match spec.sharing {
+                    Sharing::Exclusive => walks * (SKIP_WINDOW_DRAWS - 1),
+                    Sharing::Shared => 0,
+                };
                 Schedule::Closed {
                     users: (0..users)
                         .map(|u| {
@@ -279,6 +421,7 @@ impl Plan {
             format: PLAN_FORMAT,
             spec: *spec,
             arrival: *arrival,
+            group_prefixes,
             conversations,
             schedule,
         })
@@ -296,17 +439,22 @@ impl Plan {
             .map_err(|e| WorkloadError::Encode(e.to_string()))
     }
 
-    /// Decodes and checks a plan written by [`Plan::to_bytes`].
+    /// Decodes and checks a plan written by [`Plan::to_bytes`]. The format number is read
+    /// first, so a plan of another format is refused as such (its layout differs, so decoding
+    /// it whole would fail with a less useful message).
     pub fn from_bytes(bytes: &[u8]) -> Result<Plan, WorkloadError> {
         let config = bincode::config::standard().with_limit::<DECODE_LIMIT_BYTES>();
-        let (plan, used): (Plan, usize) = bincode::serde::decode_from_slice(bytes, config)
+        let (format, _): (u32, usize) = bincode::serde::decode_from_slice(bytes, config)
             .map_err(|e| WorkloadError::Decode(e.to_string()))?;
-        if plan.format != PLAN_FORMAT {
+        if format != PLAN_FORMAT {
             return Err(WorkloadError::Decode(format!(
-                "plan format {} is not the supported format {PLAN_FORMAT}",
-                plan.format
+                "plan format {format} is not the supported format {PLAN_FORMAT}: the plan was \
+                 written by another version of kvroute; build it again (`driver plan`, or rerun \
+                 the sweep with --fresh)"
             )));
         }
+        let (plan, used): (Plan, usize) = bincode::serde::decode_from_slice(bytes, config)
+            .map_err(|e| WorkloadError::Decode(e.to_string()))?;
         if used != bytes.len() {
             return Err(WorkloadError::Decode(format!(
                 "{} trailing bytes after the plan",
@@ -331,7 +479,7 @@ impl Plan {
     /// equal across arrival plans that send the same conversations.
     pub fn workload_fingerprint_hex(&self) -> Result<String, WorkloadError> {
         let bytes = bincode::serde::encode_to_vec(
-            (&self.spec, &self.conversations),
+            (&self.spec, &self.group_prefixes, &self.conversations),
             bincode::config::standard(),
         )
         .map_err(|e| WorkloadError::Encode(e.to_string()))?;
@@ -350,6 +498,7 @@ impl Plan {
                 return bad(format!("conversation {i} does not have {turns} turns"));
             }
         }
+        self.check_groups()?;
         let in_range = |conv: u32, turn: u32| {
             (conv as usize) < self.conversations.len() && turn >= 1 && turn as usize <= turns
         };
@@ -385,6 +534,57 @@ impl Plan {
         Ok(())
     }
 
+    /// Every conversation has a group exactly when the spec has prefix groups, in range, and
+    /// each group a conversation belongs to has its shared prefix, of the spec's length.
+    fn check_groups(&self) -> Result<(), WorkloadError> {
+        let bad = |m: String| Err(WorkloadError::Decode(m));
+        let count = self.spec.prefix_groups.map_or(0, |g| g.count) as usize;
+        if self.group_prefixes.len() != count {
+            return bad(format!(
+                "{} group prefixes for {count} groups",
+                self.group_prefixes.len()
+            ));
+        }
+        let shared_bytes = self.group_prefix_bytes();
+        if let Some(g) = self
+            .group_prefixes
+            .iter()
+            .position(|p| !p.is_empty() && p.len() != shared_bytes)
+        {
+            return bad(format!("group {g}'s prefix is not {shared_bytes} bytes"));
+        }
+        for (i, c) in self.conversations.iter().enumerate() {
+            match (c.group, count) {
+                (None, 0) => {}
+                (Some(g), n) if (g as usize) < n => {
+                    if self.group_prefixes[g as usize].is_empty() {
+                        return bad(format!("conversation {i}'s group {g} has no prefix"));
+                    }
+                }
+                (group, _) => {
+                    return bad(format!(
+                        "conversation {i} has group {group:?} but the workload has {count} groups"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of one group's shared prefix (0 without groups).
+    fn group_prefix_bytes(&self) -> usize {
+        self.spec.group_prefix_tokens() as usize * self.spec.bytes_per_token as usize
+    }
+
+    /// Group `group`'s shared prefix as sent (the opening bytes of each of its conversations'
+    /// system message); `None` without groups or when no conversation belongs to it.
+    pub fn group_prefix(&self, group: u32) -> Option<&str> {
+        self.group_prefixes
+            .get(group as usize)
+            .map(String::as_str)
+            .filter(|p| !p.is_empty())
+    }
+
     /// The messages of turn `turn` (1-based) of conversation `conversation`.
     pub fn messages(
         &self,
@@ -402,23 +602,27 @@ impl Plan {
         }
         let k = turn as usize;
         let mut out = Vec::with_capacity(2 * k);
+        let system = match c.group.and_then(|g| self.group_prefixes.get(g as usize)) {
+            Some(shared) => Cow::Owned(format!("{shared}{}", c.system)),
+            None => Cow::Borrowed(c.system.as_str()),
+        };
         out.push(Message {
             role: Role::System,
-            content: &c.system,
+            content: system,
         });
         for j in 0..k - 1 {
             out.push(Message {
                 role: Role::User,
-                content: &c.users[j],
+                content: Cow::Borrowed(&c.users[j]),
             });
             out.push(Message {
                 role: Role::Assistant,
-                content: &c.replies[j],
+                content: Cow::Borrowed(&c.replies[j]),
             });
         }
         out.push(Message {
             role: Role::User,
-            content: &c.users[k - 1],
+            content: Cow::Borrowed(&c.users[k - 1]),
         });
         Ok(out)
     }
@@ -442,14 +646,21 @@ impl Plan {
     }
 
     /// Distinct prefix tokens of all conversations at their last turn (estimated from bytes):
-    /// the working set the sizing targets.
+    /// the working set the sizing targets. A group's shared prefix counts once.
     pub fn working_set_tokens(&self) -> f64 {
-        let last = self.spec.turns;
-        (0..self.conversations.len() as u32)
-            .filter_map(|c| self.messages(c, last).ok())
-            .flatten()
-            .map(|m| self.estimate_tokens(m.content))
-            .sum()
+        // The last turn sends a conversation's context, every user turn and every reply.
+        let own: usize = self
+            .conversations
+            .iter()
+            .map(|c| {
+                c.system.len()
+                    + c.users.iter().map(String::len).sum::<usize>()
+                    + c.replies.iter().map(String::len).sum::<usize>()
+            })
+            .sum();
+        // Only groups with a conversation hold a prefix.
+        let shared: usize = self.group_prefixes.iter().map(String::len).sum();
+        (own + shared) as f64 / f64::from(self.spec.bytes_per_token)
     }
 }
 

@@ -18,6 +18,102 @@ pub const DEFAULT_BYTES_PER_TOKEN: u32 = 4;
 pub const MAX_CONVERSATIONS: u64 = 1_000_000;
 /// Most requests a plan may hold.
 pub const MAX_REQUESTS: u64 = 20_000_000;
+/// Fewest bytes a group's shared prefix may have: room for its opening line
+/// (`Group 65535 shared prefix. `, 27 bytes), which keeps two groups apart from their first
+/// block on.
+pub const MIN_GROUP_PREFIX_BYTES: u64 = 32;
+/// Most prefix groups a workload may have: far more system prompts than any fleet's cache holds.
+pub const MAX_GROUPS: u32 = 65_536;
+
+/// Prefix groups of the grouped workload (the pressure grid's default; see the README's
+/// "Prefix groups" for why): 16 groups.
+pub const DEFAULT_GROUPS: u32 = 16;
+/// Shared prefix of each group in the grouped workload, in estimated tokens.
+pub const DEFAULT_GROUP_PREFIX_TOKENS: u32 = 2_048;
+/// Zipf exponent of group membership in the grouped workload.
+pub const DEFAULT_GROUP_SKEW: f64 = 1.0;
+/// Private context of each conversation in the grouped workload (after its group's shared
+/// prefix), in estimated tokens.
+pub const DEFAULT_PRIVATE_CONTEXT_TOKENS: u32 = 512;
+
+/// Conversations share one of `count` prefixes (a system prompt, a document, an agent's tool
+/// preamble): each conversation belongs to one group, drawn deterministically from a Zipf law
+/// over the groups, and its context is the group's shared prefix followed by its own private
+/// context.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PrefixGroups {
+    /// Number of groups G (≥ 1).
+    pub count: u32,
+    /// Every group's shared prefix, in estimated tokens.
+    pub prefix_tokens: u32,
+    /// Zipf exponent of group membership (0 = every group equally likely), separate from the
+    /// conversation skew.
+    pub zipf_s: f64,
+}
+
+impl PrefixGroups {
+    /// The grouped workload's groups: [`DEFAULT_GROUPS`] groups of
+    /// [`DEFAULT_GROUP_PREFIX_TOKENS`] tokens, membership skew [`DEFAULT_GROUP_SKEW`].
+    pub const DEFAULT: PrefixGroups = PrefixGroups {
+        count: DEFAULT_GROUPS,
+        prefix_tokens: DEFAULT_GROUP_PREFIX_TOKENS,
+        zipf_s: DEFAULT_GROUP_SKEW,
+    };
+
+    /// `Some(groups)` for a positive count, `None` (no groups) for 0: how a `--prefix-groups 0`
+    /// flag turns groups off.
+    pub fn from_count(count: u32, prefix_tokens: u32, zipf_s: f64) -> Option<PrefixGroups> {
+        (count > 0).then_some(PrefixGroups {
+            count,
+            prefix_tokens,
+            zipf_s,
+        })
+    }
+}
+
+/// Whether several users may send turns of one conversation at the same time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum Sharing {
+    /// A conversation belongs to one user at a time and its turns go one at a time
+    /// (`crate::walk`).
+    #[default]
+    Exclusive,
+    /// Any number of users may send turns of one conversation at once, and an open-loop
+    /// arrival is sent at its time even while the conversation's previous turn is in flight.
+    /// Scripted replies make every turn's bytes independent of what an engine generated, so
+    /// nothing has to wait: hot conversations are hit by several users at the same moment.
+    Shared,
+}
+
+impl Sharing {
+    /// The flag / name form: `exclusive` or `shared`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Sharing::Exclusive => "exclusive",
+            Sharing::Shared => "shared",
+        }
+    }
+
+    /// Whether a conversation's turns are sent one at a time (the driver's and the
+    /// simulator's per-conversation ordering, and the closed loop's ownership of a walk).
+    pub fn one_turn_at_a_time(self) -> bool {
+        self == Sharing::Exclusive
+    }
+}
+
+impl std::str::FromStr for Sharing {
+    type Err = WorkloadError;
+
+    fn from_str(s: &str) -> Result<Self, WorkloadError> {
+        match s {
+            "exclusive" => Ok(Sharing::Exclusive),
+            "shared" => Ok(Sharing::Shared),
+            other => Err(WorkloadError::InvalidSpec(format!(
+                "conversation sharing must be `exclusive` or `shared`, got `{other}`"
+            ))),
+        }
+    }
+}
 
 /// How many conversations the workload holds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -34,7 +130,8 @@ pub enum Sizing {
     Conversations(u32),
 }
 
-/// What the conversations contain: everything that decides the bytes sent.
+/// What the conversations contain (everything that decides the bytes sent) and how users share
+/// them.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct WorkloadSpec {
     /// Seed for every text and every draw.
@@ -45,7 +142,8 @@ pub struct WorkloadSpec {
     pub zipf_s: f64,
     /// Turns per conversation.
     pub turns: u32,
-    /// Context prefix (system message) at turn 1, in estimated tokens.
+    /// Context prefix (system message) at turn 1, in estimated tokens; with prefix groups, the
+    /// private context that follows the group's shared prefix.
     pub prefix_tokens: u32,
     /// Each user turn, in estimated tokens.
     pub user_tokens: u32,
@@ -53,6 +151,10 @@ pub struct WorkloadSpec {
     pub output_tokens: u32,
     /// Bytes per estimated token; text lengths are `tokens × bytes_per_token` bytes.
     pub bytes_per_token: u32,
+    /// Shared prefixes, or `None`: every conversation's context is its own.
+    pub prefix_groups: Option<PrefixGroups>,
+    /// Whether several users may send turns of one conversation at once.
+    pub sharing: Sharing,
 }
 
 impl Default for WorkloadSpec {
@@ -66,6 +168,8 @@ impl Default for WorkloadSpec {
             user_tokens: DEFAULT_USER_TOKENS,
             output_tokens: DEFAULT_OUTPUT_TOKENS,
             bytes_per_token: DEFAULT_BYTES_PER_TOKEN,
+            prefix_groups: None,
+            sharing: Sharing::Exclusive,
         }
     }
 }
@@ -112,11 +216,37 @@ impl WorkloadSpec {
                 self.bytes_per_token
             ));
         }
+        if let Some(g) = self.prefix_groups {
+            if g.count == 0 || g.count > MAX_GROUPS {
+                return bad(format!(
+                    "prefix groups must be in 1..={MAX_GROUPS} (or none), got {}",
+                    g.count
+                ));
+            }
+            if u64::from(g.prefix_tokens) * u64::from(self.bytes_per_token) < MIN_GROUP_PREFIX_BYTES
+            {
+                return bad(format!(
+                    "a group prefix must hold at least {MIN_GROUP_PREFIX_BYTES} bytes (its \
+                     opening line names the group), got {} tokens × {} bytes",
+                    g.prefix_tokens, self.bytes_per_token
+                ));
+            }
+            if !g.zipf_s.is_finite() || g.zipf_s < 0.0 {
+                return bad(format!("group skew must be >= 0, got {}", g.zipf_s));
+            }
+        }
         Ok(())
     }
 
+    /// Estimated tokens of one group's shared prefix (0 without groups).
+    pub fn group_prefix_tokens(&self) -> u64 {
+        self.prefix_groups.map_or(0, |g| u64::from(g.prefix_tokens))
+    }
+
     /// Estimated tokens of one conversation's last-turn prompt with a context prefix of
-    /// `prefix_tokens`: the prefix, every user turn and every reply but the last.
+    /// `prefix_tokens`: the prefix, every user turn and every reply but the last. With prefix
+    /// groups `prefix_tokens` is the private context and the group's shared prefix is not
+    /// counted (the working set counts it once per group, not per conversation).
     pub fn last_turn_tokens(&self, prefix_tokens: u64) -> u64 {
         let turns = u64::from(self.turns);
         prefix_tokens
@@ -124,8 +254,10 @@ impl WorkloadSpec {
             + (turns - 1) * u64::from(self.output_tokens)
     }
 
-    /// Human-readable name of the content, e.g. `chat-ws1-cap200000-s0-t6-p1100-u150-o128-seed7`.
-    /// Any parameter change changes the name.
+    /// Human-readable name of the content, e.g. `chat-ws1-cap200000-s0-t6-p1100-u150-o128-seed7`;
+    /// with prefix groups `-g{count}-gp{prefix_tokens}-gs{skew}` and with shared conversations
+    /// `-shared` come before the seed (absent otherwise, so a workload without them keeps its
+    /// old name). Any parameter change changes the name.
     pub fn name(&self) -> String {
         let size = match self.sizing {
             Sizing::WorkingSet {
@@ -139,8 +271,15 @@ impl WorkloadSpec {
         } else {
             format!("-bpt{}", self.bytes_per_token)
         };
+        let groups = self.prefix_groups.map_or(String::new(), |g| {
+            format!("-g{}-gp{}-gs{}", g.count, g.prefix_tokens, num(g.zipf_s))
+        });
+        let sharing = match self.sharing {
+            Sharing::Exclusive => "",
+            Sharing::Shared => "-shared",
+        };
         format!(
-            "chat-{size}-s{}-t{}-p{}-u{}-o{}{bpt}-seed{}",
+            "chat-{size}-s{}-t{}-p{}-u{}-o{}{bpt}{groups}{sharing}-seed{}",
             num(self.zipf_s),
             self.turns,
             self.prefix_tokens,
@@ -253,6 +392,16 @@ mod tests {
             ws.name(),
             "chat-ws0.25-cap200000-s1.4-t6-p1100-u150-o128-seed7"
         );
+        let grouped = WorkloadSpec {
+            prefix_groups: Some(PrefixGroups::DEFAULT),
+            prefix_tokens: DEFAULT_PRIVATE_CONTEXT_TOKENS,
+            sharing: Sharing::Shared,
+            ..ws
+        };
+        assert_eq!(
+            grouped.name(),
+            "chat-ws0.25-cap200000-s1.4-t6-p512-u150-o128-g16-gp2048-gs1-shared-seed7"
+        );
     }
 
     #[test]
@@ -263,6 +412,17 @@ mod tests {
         };
         let e = s.validate().unwrap_err().to_string();
         assert!(e.contains("turns"), "{e}");
+        let g = WorkloadSpec {
+            prefix_groups: Some(PrefixGroups {
+                zipf_s: -1.0,
+                ..PrefixGroups::DEFAULT
+            }),
+            ..WorkloadSpec::default()
+        };
+        let e = g.validate().unwrap_err().to_string();
+        assert!(e.contains("group skew"), "{e}");
+        assert!("both".parse::<Sharing>().is_err());
+        assert_eq!("shared".parse::<Sharing>(), Ok(Sharing::Shared));
         let a = ArrivalSpec::Open {
             rate_rps: -1.0,
             duration_s: 1.0,

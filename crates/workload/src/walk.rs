@@ -16,10 +16,15 @@
 //! sends exactly its script. The live driver and the simulator both drive a [`WalkCursor`] per
 //! user, so they apply the identical rule; only what "claim" means (a lock, or a table entry)
 //! differs.
+//!
+//! With [`Sharing::Shared`] nobody owns a conversation: a cursor takes each walk's draw as it
+//! comes, never asks to claim it, never skips and never waits, so several users may send turns
+//! of one conversation at the same moment — the script is sent exactly as drawn.
 
 use std::collections::VecDeque;
 
 use crate::plan::Step;
+use crate::spec::Sharing;
 
 /// How many draws a user looks at before it waits: the current one plus up to 31 later ones.
 /// A walk start consumes at most this many draws. Sized for skew: at s = 1.4 the users can own
@@ -103,12 +108,13 @@ pub struct WalkCursor {
     waiting: Option<u32>,
     skipped: u64,
     waits: u64,
+    sharing: Sharing,
 }
 
 impl WalkCursor {
     /// A cursor at the start of `script`, with `spare` draws to skip to after the script's
-    /// own.
-    pub fn new(script: &[Step], spare: &[u32]) -> Self {
+    /// own, under the workload's `sharing` rule.
+    pub fn new(script: &[Step], spare: &[u32], sharing: Sharing) -> Self {
         let walks = walks(script);
         let draws = walks
             .iter()
@@ -123,19 +129,33 @@ impl WalkCursor {
             waiting: None,
             skipped: 0,
             waits: 0,
+            sharing,
         }
+    }
+
+    /// Whether this cursor claims conversations (exclusive sharing): only then does a
+    /// [`Pick::Step`] mean the user owns the conversation until its walk ends.
+    pub fn claims(&self) -> bool {
+        self.sharing.one_turn_at_a_time()
     }
 
     /// The next step. Mid-walk it is the walk's next turn. At a walk start, `try_claim(c)` is
     /// called for the draws of the window in order until one succeeds (it must make the user
     /// the owner of `c` when it returns true); the owned draws before it are dropped and count
-    /// as skips. If none succeeds the answer is [`Pick::Wait`] for the first draw.
+    /// as skips. If none succeeds the answer is [`Pick::Wait`] for the first draw. With shared
+    /// conversations `try_claim` is never called: the walk takes its draw.
     pub fn next(&mut self, mut try_claim: impl FnMut(u32) -> bool) -> Pick {
         if let Some(pick) = self.continue_walk() {
             return pick;
         }
         if self.next_walk >= self.walks.len() {
             return Pick::Done;
+        }
+        if !self.claims() {
+            return match self.draws.pop_front() {
+                Some(c) => self.begin(c),
+                None => Pick::Done,
+            };
         }
         let window = self.draws.len().min(SKIP_WINDOW_DRAWS);
         for i in 0..window {
@@ -252,7 +272,7 @@ mod tests {
     #[test]
     fn free_draws_follow_the_script() {
         let s = script(&[(1, 2), (2, 1)]);
-        let mut c = WalkCursor::new(&s, &[9, 9]);
+        let mut c = WalkCursor::new(&s, &[9, 9], Sharing::Exclusive);
         let mut order = Vec::new();
         loop {
             match c.next(|_| true) {
@@ -272,7 +292,7 @@ mod tests {
     #[test]
     fn an_owned_draw_is_dropped_for_the_next_one() {
         let s = script(&[(7, 2), (8, 1)]);
-        let mut c = WalkCursor::new(&s, &[5, 6]);
+        let mut c = WalkCursor::new(&s, &[5, 6], Sharing::Exclusive);
         // 7 is owned elsewhere: the first walk (two slots) goes to 8, the next draw.
         let step = |step, conversation, ends_walk| Pick::Step {
             step,
@@ -292,7 +312,7 @@ mod tests {
     fn an_owned_window_waits_for_the_first_draw() {
         let s = script(&[(0, 1), (1, 1)]);
         let spare: Vec<u32> = (2..2 + SKIP_WINDOW_DRAWS as u32).collect();
-        let mut c = WalkCursor::new(&s, &spare);
+        let mut c = WalkCursor::new(&s, &spare, Sharing::Exclusive);
         let mut asked = Vec::new();
         let pick = c.next(|conv| {
             asked.push(conv);
@@ -325,5 +345,80 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    /// Two users whose scripts both start with conversation 0, claiming through one owner
+    /// table as the driver (a mutex per conversation) and the simulator (an owner per
+    /// conversation) do: exclusive, the second user skips to its next draw; shared, both hold
+    /// conversation 0 at once and nobody skips or waits.
+    #[test]
+    fn shared_conversations_are_held_by_two_users_at_once() {
+        let s = script(&[(0, 2), (1, 1)]);
+        let walk_start = |sharing| {
+            let mut owner: Vec<Option<usize>> = vec![None; 2];
+            let mut cursors = [
+                WalkCursor::new(&s, &[], sharing),
+                WalkCursor::new(&s, &[], sharing),
+            ];
+            let picks: Vec<Pick> = cursors
+                .iter_mut()
+                .enumerate()
+                .map(|(user, cursor)| {
+                    cursor.next(|c| match &mut owner[c as usize] {
+                        o @ None => {
+                            *o = Some(user);
+                            true
+                        }
+                        Some(_) => false,
+                    })
+                })
+                .collect();
+            let skipped: u64 = cursors.iter().map(WalkCursor::skipped).sum();
+            (picks, skipped, owner)
+        };
+        let (picks, skipped, owner) = walk_start(Sharing::Exclusive);
+        assert_eq!(
+            picks,
+            [
+                Pick::Step {
+                    step: 0,
+                    conversation: 0,
+                    ends_walk: false
+                },
+                Pick::Step {
+                    step: 0,
+                    conversation: 1,
+                    ends_walk: false
+                },
+            ]
+        );
+        assert_eq!((skipped, owner), (1, vec![Some(0), Some(1)]));
+        let (picks, skipped, owner) = walk_start(Sharing::Shared);
+        let both_on_zero = Pick::Step {
+            step: 0,
+            conversation: 0,
+            ends_walk: false,
+        };
+        assert_eq!(picks, [both_on_zero, both_on_zero]);
+        assert_eq!((skipped, owner), (0, vec![None, None]));
+    }
+
+    #[test]
+    fn a_shared_cursor_sends_its_script_as_drawn() {
+        let s = script(&[(4, 2), (4, 1), (2, 1)]);
+        let mut c = WalkCursor::new(&s, &[], Sharing::Shared);
+        assert!(!c.claims());
+        let mut sent = Vec::new();
+        loop {
+            match c.next(|_| panic!("a shared cursor never claims")) {
+                Pick::Step {
+                    step, conversation, ..
+                } => sent.push((step, conversation)),
+                Pick::Wait { .. } => panic!("a shared cursor never waits"),
+                Pick::Done => break,
+            }
+        }
+        assert_eq!(sent, [(0, 4), (1, 4), (2, 4), (3, 2)]);
+        assert_eq!((c.skipped(), c.waits()), (0, 0));
     }
 }

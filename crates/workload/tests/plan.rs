@@ -1,6 +1,9 @@
 //! Plan-level properties: sizing, determinism, serialization, names, schedules.
 
-use workload::{ArrivalSpec, Plan, Role, Schedule, Sizing, WorkloadError, WorkloadSpec};
+use workload::{
+    ArrivalSpec, PLAN_FORMAT, Plan, PrefixGroups, Role, Schedule, Sharing, Sizing, WorkloadError,
+    WorkloadSpec, layout,
+};
 
 fn closed() -> ArrivalSpec {
     ArrivalSpec::Closed {
@@ -27,6 +30,15 @@ fn ws(capacity_tokens: u64, ratio: f64) -> WorkloadSpec {
     }
 }
 
+/// The grouped workload (the pressure grid's default shape) sized against `capacity_tokens`.
+fn grouped(capacity_tokens: u64, ratio: f64) -> WorkloadSpec {
+    WorkloadSpec {
+        prefix_groups: Some(PrefixGroups::DEFAULT),
+        prefix_tokens: workload::spec::DEFAULT_PRIVATE_CONTEXT_TOKENS,
+        ..ws(capacity_tokens, ratio)
+    }
+}
+
 #[test]
 fn sizing_hits_the_ratio_within_one_percent() {
     // 5 replicas of a 3090-class card hold on the order of 10^5 tokens each; also a small fleet.
@@ -45,6 +57,136 @@ fn sizing_hits_the_ratio_within_one_percent() {
 }
 
 #[test]
+fn grouped_sizing_counts_each_shared_prefix_once_exact_to_the_token() {
+    // The quick and full fleets' capacities (3 × 4096 and 5 × 8192 blocks of 16 tokens).
+    for capacity in [196_608u64, 655_360] {
+        for ratio in [0.25, 1.0, 3.0, 8.0] {
+            let spec = grouped(capacity, ratio);
+            let plan = Plan::build(&spec, &closed()).unwrap();
+            let target = (ratio * capacity as f64).round();
+            // Bytes counted on the built texts: every conversation's whole last-turn prompt,
+            // less the shared prefix of all but one conversation per group.
+            assert_eq!(plan.working_set_tokens(), target, "{capacity} × {ratio}");
+            let l = layout(&spec).unwrap();
+            assert_eq!(l.working_set_tokens(&spec) as f64, target);
+            let shared_once = l.used_groups() as f64 * 2_048.0;
+            let per_conversation: f64 = (0..plan.conversations.len() as u32)
+                .map(|c| {
+                    plan.messages(c, 6)
+                        .unwrap()
+                        .iter()
+                        .map(|m| plan.estimate_tokens(&m.content))
+                        .sum::<f64>()
+                        - 2_048.0
+                })
+                .sum();
+            assert_eq!(per_conversation + shared_once, target);
+            // Counting the prefix per conversation would overshoot by this much.
+            assert!(plan.conversations.len() > l.used_groups());
+        }
+    }
+}
+
+#[test]
+fn group_prefixes_are_shared_within_a_group_and_distinct_across_groups() {
+    let spec = WorkloadSpec {
+        sizing: Sizing::Conversations(200),
+        ..grouped(1, 1.0)
+    };
+    let plan = Plan::build(&spec, &closed()).unwrap();
+    let shared_bytes = 2_048 * 4;
+    // The system message each conversation sends (the same at every turn).
+    let systems: Vec<String> = (0..200)
+        .map(|c| plan.messages(c, 1).unwrap()[0].content.to_string())
+        .collect();
+    let mut prefixes: Vec<(u32, &str)> = Vec::new();
+    for (c, conv) in plan.conversations.iter().enumerate() {
+        let g = conv.group.expect("every conversation has a group");
+        let prefix = plan.group_prefix(g).unwrap();
+        assert_eq!(prefix.len(), shared_bytes);
+        // Exactly the group's bytes, then the conversation's own line.
+        let system = &systems[c];
+        assert_eq!(system.len(), (2_048 + 512) * 4);
+        assert_eq!(&system[..shared_bytes], prefix, "conversation {c}");
+        assert!(
+            system[shared_bytes..].starts_with(&format!("Conversation {c} context. ")),
+            "conversation {c}"
+        );
+        if !prefixes.iter().any(|&(h, _)| h == g) {
+            prefixes.push((g, prefix));
+        }
+    }
+    assert_eq!(prefixes.len(), 16, "200 conversations use all 16 groups");
+    // Two groups never share a first block: they differ within the first 32 bytes.
+    for (i, (g, a)) in prefixes.iter().enumerate() {
+        for (h, b) in &prefixes[i + 1..] {
+            assert_ne!(a[..32], b[..32], "groups {g} and {h}");
+        }
+    }
+    // Two conversations of one group share exactly the group prefix: they differ right after
+    // it, in the number of their opening line.
+    let same: Vec<usize> = (0..200)
+        .filter(|&c| plan.conversations[c].group == Some(prefixes[0].0))
+        .take(2)
+        .collect();
+    let (a, b) = (&systems[same[0]], &systems[same[1]]);
+    let common = a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count();
+    let (x, y) = (same[0].to_string(), same[1].to_string());
+    let digits = x.bytes().zip(y.bytes()).take_while(|(p, q)| p == q).count();
+    assert_eq!(
+        common,
+        shared_bytes + "Conversation ".len() + digits,
+        "conversations {same:?}"
+    );
+}
+
+#[test]
+fn adding_conversations_keeps_the_existing_ones_and_their_groups() {
+    let spec = |n| WorkloadSpec {
+        sizing: Sizing::Conversations(n),
+        ..grouped(1, 1.0)
+    };
+    let small = Plan::build(&spec(10), &closed()).unwrap();
+    let large = Plan::build(&spec(40), &closed()).unwrap();
+    assert_eq!(small.conversations[..], large.conversations[..10]);
+}
+
+#[test]
+fn shared_closed_plans_keep_the_scripts_and_need_no_spares() {
+    let spec = WorkloadSpec {
+        sharing: Sharing::Shared,
+        ..WorkloadSpec::default()
+    };
+    let shared = Plan::build(&spec, &closed()).unwrap();
+    let exclusive = Plan::build(&WorkloadSpec::default(), &closed()).unwrap();
+    let (
+        Schedule::Closed {
+            users: a,
+            spare_draws: spare_a,
+        },
+        Schedule::Closed { users: b, .. },
+    ) = (&shared.schedule, &exclusive.schedule)
+    else {
+        panic!("closed plans expected")
+    };
+    assert_eq!(a, b);
+    assert!(spare_a.iter().all(Vec::is_empty));
+    assert_eq!(shared.conversations, exclusive.conversations);
+}
+
+#[test]
+fn a_plan_of_the_previous_format_is_refused_by_its_format() {
+    // Written by `driver plan` of format 2 (before prefix groups and sharing).
+    let old = include_bytes!("fixtures/plan-format2.bin");
+    let e = Plan::from_bytes(old).unwrap_err().to_string();
+    assert!(
+        e.contains("plan format 2") && e.contains(&format!("supported format {PLAN_FORMAT}")),
+        "{e}"
+    );
+    assert!(e.contains("build it again"), "{e}");
+}
+
+#[test]
 fn sizing_too_small_is_an_error_not_a_panic() {
     let e = Plan::build(&ws(1_000, 0.25), &closed()).unwrap_err();
     assert!(matches!(e, WorkloadError::InvalidSpec(_)), "{e}");
@@ -56,7 +198,7 @@ fn first_turn_prefix_is_about_1100_tokens() {
     let plan = Plan::build(&WorkloadSpec::default(), &closed()).unwrap();
     let msgs = plan.messages(0, 1).unwrap();
     assert_eq!(msgs.len(), 2);
-    let tokens: f64 = msgs.iter().map(|m| plan.estimate_tokens(m.content)).sum();
+    let tokens: f64 = msgs.iter().map(|m| plan.estimate_tokens(&m.content)).sum();
     assert_eq!(tokens, 1_100.0 + 150.0);
 }
 
@@ -121,6 +263,40 @@ fn names_and_fingerprints_change_with_every_parameter() {
             bytes_per_token: 3,
             ..base
         },
+        WorkloadSpec {
+            prefix_groups: Some(PrefixGroups::DEFAULT),
+            ..base
+        },
+        WorkloadSpec {
+            prefix_groups: Some(PrefixGroups {
+                count: 8,
+                ..PrefixGroups::DEFAULT
+            }),
+            ..base
+        },
+        WorkloadSpec {
+            prefix_groups: Some(PrefixGroups {
+                prefix_tokens: 1_024,
+                ..PrefixGroups::DEFAULT
+            }),
+            ..base
+        },
+        WorkloadSpec {
+            prefix_groups: Some(PrefixGroups {
+                zipf_s: 0.0,
+                ..PrefixGroups::DEFAULT
+            }),
+            ..base
+        },
+        WorkloadSpec {
+            sharing: Sharing::Shared,
+            ..base
+        },
+        WorkloadSpec {
+            prefix_groups: Some(PrefixGroups::DEFAULT),
+            sharing: Sharing::Shared,
+            ..base
+        },
     ];
     let base_plan = Plan::build(&base, &closed()).unwrap();
     let mut names = vec![base_plan.name()];
@@ -168,6 +344,28 @@ fn names_and_fingerprints_change_with_every_parameter() {
     prints.sort_unstable();
     prints.dedup();
     assert_eq!(prints.len(), names.len());
+    // Open-loop plans: sharing changes the fingerprint though the arrivals are the same draws.
+    let open_print = |sharing| {
+        let spec = WorkloadSpec { sharing, ..base };
+        Plan::build(&spec, &open()).unwrap().fingerprint().unwrap()
+    };
+    assert_ne!(open_print(Sharing::Exclusive), open_print(Sharing::Shared));
+}
+
+#[test]
+fn without_groups_and_sharing_the_name_is_the_old_one() {
+    // The name measurements recorded before prefix groups existed.
+    let spec = ws(266_240, 1.0);
+    assert_eq!(
+        spec.name(),
+        "chat-ws1-cap266240-s0-t6-p1100-u150-o128-seed7"
+    );
+    let plan = Plan::build(&spec, &closed()).unwrap();
+    assert_eq!(
+        plan.name(),
+        "chat-ws1-cap266240-s0-t6-p1100-u150-o128-seed7-closed-u4-th0.5-r20"
+    );
+    assert!(plan.conversations.iter().all(|c| c.group.is_none()));
 }
 
 #[test]
@@ -206,8 +404,8 @@ fn messages_alternate_and_grow_by_whole_turns() {
     assert!(plan.messages(5, 7).is_err());
     assert!(plan.messages(64, 1).is_err());
     // Distinct conversations differ from their first bytes on.
-    let a = plan.messages(0, 1).unwrap()[0].content;
-    let b = plan.messages(1, 1).unwrap()[0].content;
+    let a = plan.messages(0, 1).unwrap()[0].content.to_string();
+    let b = plan.messages(1, 1).unwrap()[0].content.to_string();
     assert_ne!(a[..32], b[..32]);
 }
 
@@ -309,7 +507,7 @@ fn invalid_arrivals_are_errors() {
 
 mod sizing_props {
     use proptest::prelude::*;
-    use workload::{Sizing, WorkloadSpec, prefix_lengths};
+    use workload::{PrefixGroups, Sizing, WorkloadSpec, layout};
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
@@ -324,6 +522,7 @@ mod sizing_props {
             prefix in 16u32..4_000,
             user in 1u32..400,
             output in 1u32..300,
+            groups in prop::option::of((1u32..64, 8u32..4_000, 0.0f64..2.0)),
         ) {
             let spec = WorkloadSpec {
                 sizing: Sizing::WorkingSet { capacity_tokens: capacity, ratio },
@@ -331,14 +530,26 @@ mod sizing_props {
                 prefix_tokens: prefix,
                 user_tokens: user,
                 output_tokens: output,
+                prefix_groups: groups.map(|(count, prefix_tokens, zipf_s)| PrefixGroups {
+                    count,
+                    prefix_tokens,
+                    zipf_s,
+                }),
                 ..WorkloadSpec::default()
             };
-            match prefix_lengths(&spec) {
-                Ok(prefixes) => {
-                    let total: u64 = prefixes.iter().map(|&p| spec.last_turn_tokens(p)).sum();
+            match layout(&spec) {
+                Ok(l) => {
+                    let prefixes = &l.private_tokens;
+                    // Every conversation's own tokens, plus each used group's prefix once.
+                    let own: u64 = prefixes.iter().map(|&p| spec.last_turn_tokens(p)).sum();
+                    let mut used = l.groups.clone();
+                    used.sort_unstable();
+                    used.dedup();
+                    let total = own + used.len() as u64 * spec.group_prefix_tokens();
                     let target = (ratio * capacity as f64).round();
                     prop_assert_eq!(total as f64, target);
                     prop_assert!(prefixes.iter().all(|&p| p >= u64::from(prefix / 2).max(1)));
+                    prop_assert_eq!(l.groups.len(), if groups.is_some() { prefixes.len() } else { 0 });
                 }
                 Err(e) => prop_assert!(e.to_string().contains("too small"), "{}", e),
             }

@@ -3,7 +3,7 @@
 use rand::SeedableRng;
 use rand_pcg::Pcg64;
 use statrs::distribution::{ChiSquared, ContinuousCDF};
-use workload::Zipf;
+use workload::{PrefixGroups, Sizing, WorkloadSpec, Zipf, layout};
 
 /// Chi-square statistic and degrees of freedom of `counts` against `pmf`, merging the tail so
 /// that every bin expects at least 5 draws (the usual validity condition).
@@ -68,4 +68,44 @@ fn the_test_rejects_a_wrong_exponent() {
     let (stat, dof) = chi_square(&sample_counts(&truth, 12_345, draws), &pmf, draws);
     let critical = ChiSquared::new(dof).unwrap().inverse_cdf(0.999);
     assert!(stat > critical);
+}
+
+/// Group membership counts of `conversations` conversations with `groups` groups at skew `s`.
+fn group_counts(groups: u32, s: f64, conversations: u32) -> Vec<u64> {
+    let spec = WorkloadSpec {
+        sizing: Sizing::Conversations(conversations),
+        prefix_groups: Some(PrefixGroups {
+            count: groups,
+            prefix_tokens: 64,
+            zipf_s: s,
+        }),
+        ..WorkloadSpec::default()
+    };
+    let mut counts = vec![0u64; groups as usize];
+    for g in layout(&spec).unwrap().groups {
+        counts[g as usize] += 1;
+    }
+    counts
+}
+
+#[test]
+fn group_membership_fits_its_own_skew() {
+    // Conversations join groups by a Zipf law with the group skew, whatever the conversation
+    // skew (which only orders their popularity).
+    let draws = 200_000u32;
+    for (g, s) in [(16u32, 0.0), (16, 1.0), (16, 1.4), (200, 1.0)] {
+        let z = Zipf::new(g as usize, s).unwrap();
+        let pmf: Vec<f64> = (0..g as usize).map(|k| z.pmf(k)).collect();
+        let (stat, dof) = chi_square(&group_counts(g, s, draws), &pmf, u64::from(draws));
+        let critical = ChiSquared::new(dof).unwrap().inverse_cdf(0.999);
+        assert!(
+            stat < critical,
+            "groups {g} s {s}: chi2 {stat} >= {critical} (dof {dof})"
+        );
+    }
+    // Power: membership drawn at s = 1 fails against the s = 1.4 pmf.
+    let claimed = Zipf::new(16, 1.4).unwrap();
+    let pmf: Vec<f64> = (0..16).map(|k| claimed.pmf(k)).collect();
+    let (stat, dof) = chi_square(&group_counts(16, 1.0, draws), &pmf, u64::from(draws));
+    assert!(stat > ChiSquared::new(dof).unwrap().inverse_cdf(0.999));
 }
