@@ -626,12 +626,18 @@ pub fn reference_workload(
     run_s: f64,
     floors: Slo,
 ) -> (WorkloadSpec, ArrivalSpec) {
+    // The sweeps' default workload (shared group prefixes), so the TTL and node cap are measured
+    // on the traffic they will serve.
+    let shape = crate::grid::WorkloadShape::DEFAULT;
     let spec = WorkloadSpec {
         seed,
         sizing: Sizing::WorkingSet {
             capacity_tokens,
             ratio: 1.0,
         },
+        prefix_tokens: shape.context_tokens(),
+        prefix_groups: shape.prefix_groups,
+        sharing: shape.sharing,
         ..WorkloadSpec::default()
     };
     let arrival = ArrivalSpec::Closed {
@@ -705,11 +711,11 @@ pub fn fit_floor_prompts(
             count(&[
                 Message {
                     role: Role::System,
-                    content: &system[..len],
+                    content: std::borrow::Cow::Borrowed(&system[..len]),
                 },
                 Message {
                     role: Role::User,
-                    content: &user,
+                    content: std::borrow::Cow::Borrowed(&user),
                 },
             ])
         };
@@ -1220,6 +1226,7 @@ mod tests {
             request_timeout_s: 60.0,
             seed: 7,
             fleet: fleet.clone(),
+            workload: crate::grid::WorkloadShape::DEFAULT,
             git_rev: None,
             versions: serde_json::Value::Null,
         };
