@@ -86,8 +86,8 @@ struct Args {
     /// Seed of every tie-break.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Tokio worker threads.
-    #[arg(long, default_value_t = 1)]
+    /// Tokio worker threads (2 measured best on a 2-core machine; see docs/proxy-bench.md).
+    #[arg(long, default_value_t = proxy::config::DEFAULT_WORKERS)]
     workers: usize,
     /// Largest request body accepted; larger gets 413.
     #[arg(long, default_value_t = 8 << 20)]

@@ -57,7 +57,7 @@ pub struct RouterConfig {
     pub max_body_bytes: usize,
     /// Health-check period.
     pub health_interval_ms: u64,
-    /// Tokio worker threads.
+    /// Tokio worker threads (default [`DEFAULT_WORKERS`]).
     pub workers: usize,
     /// How long graceful shutdown waits for in-flight responses before cutting them.
     pub shutdown_grace_ms: u64,
@@ -92,6 +92,14 @@ pub struct RouterConfig {
     /// replica is at it the router answers 429. `None` = no ceiling.
     pub max_in_flight_per_replica: Option<u32>,
 }
+
+/// Default of [`RouterConfig::workers`]: 2, chosen by measurement (docs/proxy-bench.md,
+/// 2026-12-01): side by side in one `cargo xtask proxy-bench` run on the shared 2-core machine,
+/// two workers used less CPU per request in all four cells at 50 and 200 streams (0.38–0.49 vs
+/// 0.43–0.55 s per 1,000 requests, ns resolution), and their first-event medians were lower in
+/// 7 of 8 comparisons (within the round-to-round spread of that loaded machine). With one
+/// worker every stream's frames wait behind each request's parse, hash and decision.
+pub const DEFAULT_WORKERS: usize = 2;
 
 /// Default of [`RouterConfig::header_read_timeout_ms`]: 10 s, HAProxy's documented
 /// `timeout http-request` example (HAProxy also uses it for idle keep-alive connections when
@@ -152,7 +160,7 @@ impl RouterConfig {
             bytes_per_token: policies::DEFAULT_BELIEF_BYTES_PER_TOKEN,
             max_body_bytes: 8 << 20,
             health_interval_ms: 1000,
-            workers: 1,
+            workers: DEFAULT_WORKERS,
             shutdown_grace_ms: 30_000,
             rows_queue: crate::rows::DEFAULT_QUEUE_ROWS,
             admin_host: "127.0.0.1".into(),

@@ -586,7 +586,10 @@ pub fn parse_kv_usage(text: &str) -> Option<f32> {
 pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
     // A multi-thread runtime even with one worker: measured against a current-thread runtime,
     // CPU per request was the same but `overhead_us` p50 rose from ~10 µs to 160–770 µs at 50–200
-    // streams (the I/O driver is polled less often there).
+    // streams (the I/O driver is polled less often there). Two workers by default: with one,
+    // every stream's frames wait behind each request's parse, hash and decision (tens of µs on
+    // cold caches; `examples/decide_cost.rs`), and two measured lower CPU per request and lower
+    // first-event p99 at 50 and 200 streams (docs/proxy-bench.md).
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.workers.max(1))
         .enable_all()
