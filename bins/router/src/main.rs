@@ -86,8 +86,8 @@ struct Args {
     /// Seed of every tie-break.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Tokio worker threads (on a small shared machine one can beat two).
-    #[arg(long, default_value_t = 1)]
+    /// Tokio worker threads (2 measured best on a 2-core machine; see docs/proxy-bench.md).
+    #[arg(long, default_value_t = proxy::config::DEFAULT_WORKERS)]
     workers: usize,
     /// Largest request body accepted; larger gets 413.
     #[arg(long, default_value_t = 8 << 20)]
@@ -98,6 +98,44 @@ struct Args {
     /// How long SIGTERM/SIGINT waits for in-flight responses, milliseconds.
     #[arg(long, default_value_t = 30_000)]
     shutdown_grace_ms: u64,
+    /// Admin listener address (`/admin/*`, `/metrics`, `/health`). A non-loopback address needs
+    /// --admin-token-file.
+    #[arg(long, default_value = "127.0.0.1")]
+    admin_host: String,
+    /// Admin listener port (0 = ephemeral; the readiness line names it).
+    #[arg(long, default_value_t = 0)]
+    admin_port: u16,
+    /// File holding the bearer token the admin listener requires (`Authorization: Bearer …`).
+    #[arg(long)]
+    admin_token_file: Option<PathBuf>,
+    /// Time a client has to send a request head (and an idle keep-alive connection stays open), ms.
+    #[arg(long, default_value_t = proxy::config::DEFAULT_HEADER_READ_TIMEOUT_MS)]
+    header_read_timeout_ms: u64,
+    /// Time a client has to send a request body once its head is in, ms (408 beyond).
+    #[arg(long, default_value_t = proxy::config::DEFAULT_BODY_READ_TIMEOUT_MS)]
+    body_read_timeout_ms: u64,
+    /// Most client connections at once; past it new ones get 503 and are closed.
+    #[arg(long, default_value_t = proxy::config::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Time a replica has to send its response head, ms (504 beyond; never retried).
+    #[arg(long, default_value_t = proxy::config::DEFAULT_UPSTREAM_HEAD_TIMEOUT_MS)]
+    upstream_head_timeout_ms: u64,
+    /// Longest silence between two frames of a replica's response, ms (the stream ends with an
+    /// error event beyond).
+    #[arg(long, default_value_t = proxy::config::DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS)]
+    upstream_idle_timeout_ms: u64,
+    /// Health-check timeout, milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    health_timeout_ms: u64,
+    /// Consecutive failures (probes or requests) that mark a replica down.
+    #[arg(long, default_value_t = 3)]
+    health_fails_to_down: u32,
+    /// Consecutive passing probes that mark a down replica up.
+    #[arg(long, default_value_t = 2)]
+    health_oks_to_up: u32,
+    /// Per-replica in-flight ceiling; when every eligible replica is at it, 429 (off when absent).
+    #[arg(long)]
+    max_in_flight_per_replica: Option<u32>,
 }
 
 fn config(a: Args) -> Result<RouterConfig, String> {
@@ -167,6 +205,12 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     if a.block_bytes == 0 {
         return Err("--block-bytes must be ≥ 1".into());
     }
+    if a.admin_token_file.is_none() && !proxy::config::is_loopback_host(&a.admin_host) {
+        return Err(format!(
+            "--admin-host {} is not loopback: the admin API (drain, add or remove replicas) needs --admin-token-file there",
+            a.admin_host
+        ));
+    }
     let mut cfg = RouterConfig::new(replicas, p);
     cfg.host = a.host;
     cfg.port = a.port;
@@ -178,6 +222,21 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     cfg.health_interval_ms = a.health_interval_ms;
     cfg.workers = a.workers.max(1);
     cfg.shutdown_grace_ms = a.shutdown_grace_ms;
+    cfg.admin_host = a.admin_host;
+    cfg.admin_port = a.admin_port;
+    cfg.admin_token = match &a.admin_token_file {
+        Some(p) => Some(proxy::config::load_admin_token(p)?),
+        None => None,
+    };
+    cfg.header_read_timeout_ms = a.header_read_timeout_ms;
+    cfg.body_read_timeout_ms = a.body_read_timeout_ms;
+    cfg.max_connections = a.max_connections;
+    cfg.upstream_head_timeout_ms = a.upstream_head_timeout_ms;
+    cfg.upstream_idle_timeout_ms = a.upstream_idle_timeout_ms;
+    cfg.health_timeout_ms = a.health_timeout_ms;
+    cfg.health_fails_to_down = a.health_fails_to_down;
+    cfg.health_oks_to_up = a.health_oks_to_up;
+    cfg.max_in_flight_per_replica = a.max_in_flight_per_replica;
     Ok(cfg)
 }
 

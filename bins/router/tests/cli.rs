@@ -1,4 +1,5 @@
-//! The `router` binary: readiness line, one proxied stream, rows flushed on SIGTERM, flag errors.
+//! The `router` binary: readiness line (serving and admin listeners), one proxied stream, rows
+//! flushed on SIGTERM, the admin API on its own port (and behind a token), flag errors.
 //! Std-only on purpose (a blocking mock replica and a raw HTTP/1.1 client).
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -46,6 +47,21 @@ fn mock_replica(n: usize) -> (String, std::thread::JoinHandle<Vec<String>>) {
         seen
     });
     (url, h)
+}
+
+/// A GET on a fresh connection (`authorization` when given); the whole raw response.
+fn get(addr: &str, path: &str, authorization: Option<&str>) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let auth = authorization.map_or(String::new(), |a| format!("authorization: {a}\r\n"));
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: x\r\n{auth}connection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    resp
 }
 
 fn read_request(s: &mut TcpStream) -> String {
@@ -103,6 +119,10 @@ fn serves_a_stream_and_flushes_rows_on_sigterm() {
     let ready: serde_json::Value = serde_json::from_str(&line).expect("readiness line is JSON");
     let addr = ready["listening"].as_str().unwrap().to_string();
     assert!(addr.starts_with("127.0.0.1:"));
+    let admin = ready["admin"]
+        .as_str()
+        .expect("the admin listener is announced");
+    assert!(admin.starts_with("127.0.0.1:") && admin != addr, "{ready}");
 
     let body =
         r#"{"model":"m","prompt":"hello","stream":true,"stream_options":{"include_usage":true}}"#;
@@ -157,6 +177,18 @@ fn bad_flags_are_refused_with_a_message() {
         ],
         vec!["--replicas", "ftp://x"],
         vec!["--replicas", "http://127.0.0.1:1", "--spill-ratio", "-1"],
+        vec![
+            "--replicas",
+            "http://127.0.0.1:1",
+            "--admin-host",
+            "0.0.0.0",
+        ],
+        vec![
+            "--replicas",
+            "http://127.0.0.1:1",
+            "--admin-token-file",
+            "/nonexistent/token",
+        ],
         vec![],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_router"))
@@ -195,12 +227,15 @@ fn replicas_come_from_a_config_file() {
         .read_line(&mut line)
         .unwrap();
     let ready: serde_json::Value = serde_json::from_str(&line).unwrap();
-    let mut s = TcpStream::connect(ready["listening"].as_str().unwrap()).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(b"GET /admin/replicas HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        .unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
+    // The serving port has no admin API; the admin listener does.
+    let resp = get(
+        ready["listening"].as_str().unwrap(),
+        "/admin/replicas",
+        None,
+    );
+    assert!(resp.starts_with("HTTP/1.1 404"), "{resp}");
+    let resp = get(ready["admin"].as_str().unwrap(), "/admin/replicas", None);
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     let body = resp.split("\r\n\r\n").nth(1).unwrap();
     let list: serde_json::Value = serde_json::from_str(body).unwrap();
     assert_eq!(list[0]["url"], "http://127.0.0.1:9");
@@ -211,4 +246,44 @@ fn replicas_come_from_a_config_file() {
         .unwrap();
     assert!(status.success());
     assert!(guard.0.wait().unwrap().success(), "SIGINT exits cleanly");
+}
+
+#[test]
+fn the_admin_token_file_locks_the_admin_listener() {
+    let dir = std::env::temp_dir().join(format!("router-cli-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token = dir.join("admin.token");
+    std::fs::write(&token, "cli-s3cret\n").unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_router"))
+        .args([
+            "--port",
+            "0",
+            "--replicas",
+            "http://127.0.0.1:9",
+            "--health-interval-ms",
+            "60000",
+        ])
+        .arg("--admin-token-file")
+        .arg(&token)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut guard = Guard(child);
+    let mut line = String::new();
+    BufReader::new(guard.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let admin = ready["admin"].as_str().unwrap();
+    let resp = get(admin, "/admin/replicas", None);
+    assert!(resp.starts_with("HTTP/1.1 401"), "{resp}");
+    let resp = get(admin, "/admin/replicas", Some("Bearer cli-s3cret"));
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    let status = Command::new("kill")
+        .args(["-TERM", &guard.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(guard.0.wait().unwrap().success());
 }

@@ -448,7 +448,7 @@ impl<'a> FaultRun<'a> {
             .cloned()
             .ok_or_else(|| anyhow!("no replica {victim} in the fleet"))?;
         let router_settings = router_settings(s, &self.setup, policy, rep)?;
-        let (mut router, url) = fleet::ingress::start_router(
+        let (mut router, url, admin_url) = fleet::ingress::start_router(
             &self.bins.router,
             fleet,
             &router_settings,
@@ -514,7 +514,7 @@ impl<'a> FaultRun<'a> {
         // kill has something to lose and a drain something to finish.
         let wait_from = t0.elapsed().as_secs_f64();
         let outstanding = loop {
-            let r = admin_replica(&url, victim_id)?;
+            let r = admin_replica(&admin_url, victim_id)?;
             let now = t0.elapsed().as_secs_f64();
             if r.outstanding > 0 || now - wait_from >= s.inflight_wait_s {
                 break r.outstanding;
@@ -536,7 +536,7 @@ impl<'a> FaultRun<'a> {
                 (fault_s, None, t0.elapsed().as_secs_f64())
             }
             FaultKind::Drain => {
-                let answer = admin_post(&url, victim_id, "drain")?;
+                let answer = admin_post(&admin_url, victim_id, "drain")?;
                 // The drain is in force once the router has answered; a request arriving before
                 // that may still be routed to the victim (and is then one to finish, not to lose).
                 let fault_s = t0.elapsed().as_secs_f64();
@@ -545,7 +545,7 @@ impl<'a> FaultRun<'a> {
                 }
                 let limit = fault_s + s.request_timeout_s + 10.0;
                 let drained_s = loop {
-                    let r = admin_replica(&url, victim_id)?;
+                    let r = admin_replica(&admin_url, victim_id)?;
                     let now = t0.elapsed().as_secs_f64();
                     if r.outstanding == 0 {
                         break now;
@@ -572,7 +572,7 @@ impl<'a> FaultRun<'a> {
         let up_s = t0.elapsed().as_secs_f64();
         let undrain_s = match s.kind {
             FaultKind::Drain => {
-                admin_post(&url, victim_id, "undrain")?;
+                admin_post(&admin_url, victim_id, "undrain")?;
                 Some(t0.elapsed().as_secs_f64())
             }
             FaultKind::Kill => None,

@@ -29,6 +29,9 @@ pub struct Readiness {
     /// ZMQ ROUTER endpoint of the KV event replay socket, when events are on.
     #[serde(default)]
     pub kv_replay: Option<String>,
+    /// `host:port` of the router's admin listener (`/admin/*`, `/metrics`); routers only.
+    #[serde(default)]
+    pub admin: Option<String>,
 }
 
 impl Readiness {
@@ -44,6 +47,11 @@ impl Readiness {
     /// The HTTP base URL, `http://host:port`.
     pub fn url(&self) -> String {
         format!("http://{}", self.listening)
+    }
+
+    /// The admin base URL, `http://host:port`, when the line names an admin listener.
+    pub fn admin_url(&self) -> Option<String> {
+        self.admin.as_ref().map(|a| format!("http://{a}"))
     }
 
     /// The TCP port of the HTTP listener, when `listening` ends in one.
@@ -336,8 +344,11 @@ mod tests {
         assert_eq!(engine.port(), Some(4001));
         assert_eq!(engine.kv_events.as_deref(), Some("tcp://127.0.0.1:4002"));
         assert_eq!(engine.kv_replay, None);
-        let router = Readiness::parse(r#"  {"listening":"127.0.0.1:9"}  "#).expect("router line");
+        assert_eq!(engine.admin_url(), None);
+        let router = Readiness::parse(r#"  {"listening":"127.0.0.1:9","admin":"127.0.0.1:10"}  "#)
+            .expect("router line");
         assert_eq!(router.kv_events, None);
+        assert_eq!(router.admin_url().as_deref(), Some("http://127.0.0.1:10"));
         assert_eq!(Readiness::parse("INFO starting"), None);
         assert_eq!(Readiness::parse(r#"{"other":1}"#), None);
     }

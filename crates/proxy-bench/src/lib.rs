@@ -69,9 +69,10 @@ pub struct ProxyBenchArgs {
         default_value = "session-affinity,prefix-affinity,round-robin,least-outstanding,session-bounded,prefix-hash,exact-residency"
     )]
     pub policies: Vec<String>,
-    /// Router worker threads.
-    #[arg(long, default_value_t = 1)]
-    pub router_workers: usize,
+    /// Router worker threads; several (`1,2`) start one router per count and policy, measured
+    /// side by side in the same rounds (named `router <policy> w<N>`).
+    #[arg(long, value_delimiter = ',', default_value = "2")]
+    pub router_workers: Vec<usize>,
     /// HAProxy threads (`nbthread`).
     #[arg(long, default_value_t = 1)]
     pub haproxy_threads: usize,
@@ -123,8 +124,15 @@ pub fn run(a: &ProxyBenchArgs) -> Result<()> {
     }
 
     let mut targets = vec![Target::direct(&upstreams[0])];
+    ensure!(
+        !a.router_workers.is_empty() && a.router_workers.iter().all(|&w| w > 0),
+        "--router-workers needs counts ≥ 1"
+    );
     for p in &a.policies {
-        targets.push(targets::start_router(a, p, &upstreams)?);
+        for &w in &a.router_workers {
+            let named = a.router_workers.len() > 1;
+            targets.push(targets::start_router(a, p, w, named, &upstreams)?);
+        }
     }
     let mut skipped = Vec::new();
     if !a.no_haproxy {
@@ -196,7 +204,12 @@ pub fn run(a: &ProxyBenchArgs) -> Result<()> {
         gap_ms: a.gap_ms,
         rounds: a.rounds,
         cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
-        router_workers: a.router_workers,
+        router_workers: a
+            .router_workers
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
         haproxy_threads: a.haproxy_threads,
     };
     let notes: Vec<String> = cpu_sources

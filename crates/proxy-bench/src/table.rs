@@ -17,7 +17,7 @@ pub(crate) struct TableSpec {
     /// Cores shared by everything.
     pub(crate) cores: usize,
     /// Router worker threads.
-    pub(crate) router_workers: usize,
+    pub(crate) router_workers: String,
     /// HAProxy threads.
     pub(crate) haproxy_threads: usize,
 }
@@ -125,7 +125,7 @@ mod tests {
             gap_ms: 8,
             rounds: 5,
             cores: 2,
-            router_workers: 1,
+            router_workers: "1".into(),
             haproxy_threads: 1,
         };
         let rows = [

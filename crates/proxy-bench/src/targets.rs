@@ -115,14 +115,22 @@ fn wait_listening(addr: &str) -> Result<()> {
     Ok(())
 }
 
-/// Starts the router binary with `policy` in front of `upstreams`, writing its rows into the
-/// working directory; its readiness line gives the address.
+/// Starts the router binary with `policy` and `workers` threads in front of `upstreams`,
+/// writing its rows into the working directory; its readiness line gives the address. With
+/// `name_workers` the target's name (and rows file) says the worker count.
 pub(crate) fn start_router(
     a: &ProxyBenchArgs,
     policy: &str,
+    workers: usize,
+    name_workers: bool,
     upstreams: &[String],
 ) -> Result<Target> {
-    let rows = a.dir.join(format!("router-{policy}.csv"));
+    let suffix = if name_workers {
+        format!("-w{workers}")
+    } else {
+        String::new()
+    };
+    let rows = a.dir.join(format!("router-{policy}{suffix}.csv"));
     let mut child = Command::new(&a.router_bin)
         .args([
             "--port",
@@ -130,7 +138,7 @@ pub(crate) fn start_router(
             "--policy",
             policy,
             "--workers",
-            &a.router_workers.to_string(),
+            &workers.to_string(),
             "--model",
             "bench",
         ])
@@ -159,7 +167,11 @@ pub(crate) fn start_router(
         serde_json::from_str(&line).with_context(|| format!("router readiness line: {line:?}"))?;
     let addr = v["listening"].as_str().context("listening")?.to_string();
     Ok(Target {
-        name: format!("router {policy}"),
+        name: if name_workers {
+            format!("router {policy} w{workers}")
+        } else {
+            format!("router {policy}")
+        },
         addr,
         pids: vec![child.id()],
         child: Some(child),

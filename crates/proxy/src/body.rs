@@ -2,13 +2,15 @@
 //!
 //! [`ProxyBody`] hands each upstream frame to hyper as soon as it arrives (no buffering, no
 //! `collect()`), scans it for the usage chunk in passing, and finishes the request's row when the
-//! body ends or is dropped. A mid-stream upstream failure on an SSE response becomes an
-//! OpenAI-style error event followed by `data: [DONE]`, as vLLM itself ends a failed stream.
+//! body ends or is dropped. A mid-stream upstream failure on an SSE response — the replica's
+//! connection failing, or no frame for the idle-stream timeout — becomes an OpenAI-style error
+//! event followed by `data: [DONE]`, as vLLM itself ends a failed stream.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::Full;
@@ -44,6 +46,41 @@ enum Stashed {
     Err(hyper::Error),
 }
 
+/// The idle-stream deadline: one timer per response, re-armed only when it fires (from the
+/// last frame's time), never per frame.
+struct IdleTimer {
+    limit: Duration,
+    /// When the last upstream frame (or the head) arrived, router clock ns.
+    last_frame_ns: u64,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl IdleTimer {
+    /// Polled when the upstream has nothing: ready (with the silence so far, ms) once no frame
+    /// came for `limit`. The timer keeps the deadline it was armed with; frames only move
+    /// `last_frame_ns`, and a timer that fires early is re-armed from it.
+    fn poll_expired(&mut self, now_ns: u64, cx: &mut Context<'_>) -> Poll<u64> {
+        let deadline_ns = self
+            .last_frame_ns
+            .saturating_add(self.limit.as_nanos() as u64);
+        if now_ns >= deadline_ns {
+            return Poll::Ready((now_ns - self.last_frame_ns) / 1_000_000);
+        }
+        let left = Duration::from_nanos(deadline_ns - now_ns);
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(left)));
+        if sleep.as_mut().poll(cx).is_ready() {
+            // Armed for an earlier frame: re-arm for the latest one (and register the waker).
+            sleep.as_mut().reset(tokio::time::Instant::now() + left);
+            if sleep.as_mut().poll(cx).is_ready() {
+                cx.waker().wake_by_ref();
+            }
+        }
+        Poll::Pending
+    }
+}
+
 /// A proxied upstream response body.
 pub struct ProxyBody {
     inner: Incoming,
@@ -52,10 +89,16 @@ pub struct ProxyBody {
     finish: Option<Finish>,
     injected: Option<Bytes>,
     done: bool,
+    idle: IdleTimer,
 }
 
 impl ProxyBody {
     pub(crate) fn new(inner: Incoming, kind: BodyKind, finish: Finish) -> Self {
+        let idle = IdleTimer {
+            limit: finish.shared.settings.upstream_idle_timeout,
+            last_frame_ns: finish.upstream_first_ns,
+            sleep: None,
+        };
         ProxyBody {
             inner,
             stash: None,
@@ -63,6 +106,7 @@ impl ProxyBody {
             finish: Some(finish),
             injected: None,
             done: false,
+            idle,
         }
     }
 
@@ -94,6 +138,41 @@ impl ProxyBody {
             }
         }
         merged.map_or(first, BytesMut::freeze)
+    }
+
+    fn clock_ns(&self) -> u64 {
+        match &self.finish {
+            Some(f) => f.shared.clock.now_ns(),
+            None => self.idle.last_frame_ns,
+        }
+    }
+
+    /// Ends the response on an upstream failure: counted (stream error, the replica's upstream
+    /// errors, passive health), the row completed, and the client told — an error event and
+    /// `[DONE]` on an SSE stream, else the body's error (hyper cuts the response).
+    fn fail(
+        &mut self,
+        msg: String,
+        code: u16,
+        err: Option<BoxError>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.done = true;
+        if let Some(f) = &self.finish {
+            f.shared
+                .metrics
+                .stream_errors
+                .fetch_add(1, Ordering::Relaxed);
+            let replica = f.guard.replica();
+            replica.upstream_errors.fetch_add(1, Ordering::Relaxed);
+            replica.record_failure(f.shared.settings.health_fails_to_down);
+        }
+        let sse = self.scanner.kind() == BodyKind::Sse;
+        let ev = sse.then(|| error_event(&msg, code, self.scanner.mid_event()));
+        self.complete(Some(format!("stream: {msg}")));
+        match ev {
+            Some(ev) => Poll::Ready(Some(Ok(Frame::data(ev)))),
+            None => Poll::Ready(Some(Err(err.unwrap_or_else(|| msg.into())))),
+        }
     }
 
     fn complete(&mut self, error: Option<String>) {
@@ -130,9 +209,9 @@ impl ProxyBody {
     }
 }
 
-fn error_event(message: &str, terminate_partial: bool) -> Bytes {
+fn error_event(message: &str, code: u16, terminate_partial: bool) -> Bytes {
     let body = serde_json::json!({
-        "error": {"message": message, "type": "upstream_error", "param": null, "code": 502}
+        "error": {"message": message, "type": "upstream_error", "param": null, "code": code}
     });
     let mut out = String::with_capacity(160);
     if terminate_partial {
@@ -167,7 +246,25 @@ impl Body for ProxyBody {
         let next = match this.stash.take() {
             Some(s) => s,
             None => match Pin::new(&mut this.inner).poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    let now = this.clock_ns();
+                    return match this.idle.poll_expired(now, cx) {
+                        Poll::Pending => Poll::Pending,
+                        Poll::Ready(silent_ms) => {
+                            let msg = format!(
+                                "replica sent nothing for {silent_ms} ms (idle-stream timeout {} ms)",
+                                this.idle.limit.as_millis()
+                            );
+                            if let Some(f) = &this.finish {
+                                f.shared
+                                    .metrics
+                                    .upstream_timeouts
+                                    .fetch_add(1, Ordering::Relaxed);
+                            }
+                            this.fail(msg, 504, None)
+                        }
+                    };
+                }
                 Poll::Ready(Some(Ok(frame))) => Stashed::Frame(frame),
                 Poll::Ready(None) => Stashed::End,
                 Poll::Ready(Some(Err(e))) => Stashed::Err(e),
@@ -177,6 +274,7 @@ impl Body for ProxyBody {
             Stashed::Frame(frame) => match frame.into_data() {
                 Ok(data) => {
                     let data = this.coalesce(data, cx);
+                    this.idle.last_frame_ns = this.clock_ns();
                     this.scanner.feed(&data);
                     Poll::Ready(Some(Ok(Frame::data(data))))
                 }
@@ -188,26 +286,8 @@ impl Body for ProxyBody {
                 Poll::Ready(None)
             }
             Stashed::Err(e) => {
-                this.done = true;
                 let msg = format!("replica failed mid-stream: {e}");
-                if let Some(f) = &this.finish {
-                    f.shared
-                        .metrics
-                        .stream_errors
-                        .fetch_add(1, Ordering::Relaxed);
-                    f.guard
-                        .replica()
-                        .upstream_errors
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                if this.scanner.kind() == BodyKind::Sse {
-                    let ev = error_event(&msg, this.scanner.mid_event());
-                    this.complete(Some(format!("stream: {msg}")));
-                    Poll::Ready(Some(Ok(Frame::data(ev))))
-                } else {
-                    this.complete(Some(format!("stream: {msg}")));
-                    Poll::Ready(Some(Err(e.into())))
-                }
+                this.fail(msg, 502, Some(e.into()))
             }
         }
     }

@@ -57,12 +57,93 @@ pub struct RouterConfig {
     pub max_body_bytes: usize,
     /// Health-check period.
     pub health_interval_ms: u64,
-    /// Tokio worker threads.
+    /// Tokio worker threads (default [`DEFAULT_WORKERS`]).
     pub workers: usize,
     /// How long graceful shutdown waits for in-flight responses before cutting them.
     pub shutdown_grace_ms: u64,
     /// Capacity of the row queue.
     pub rows_queue: usize,
+    /// Admin listener address (`/admin/*`, `/metrics`, `/health`); loopback by default.
+    pub admin_host: String,
+    /// Admin listener port (0 = ephemeral; the readiness line names it).
+    pub admin_port: u16,
+    /// Bearer token the admin listener requires; `None` = no token, which is refused unless
+    /// `admin_host` is a loopback address.
+    pub admin_token: Option<String>,
+    /// How long a client may take to send a request head (and, on a keep-alive connection, how
+    /// long it may stay idle between requests), ms.
+    pub header_read_timeout_ms: u64,
+    /// How long a client may take to send a request body once its head is in, ms.
+    pub body_read_timeout_ms: u64,
+    /// Most client connections open at once on the serving port; past it new connections are
+    /// answered 503 and closed.
+    pub max_connections: usize,
+    /// How long a replica may take to send its response head (from dispatch), ms.
+    pub upstream_head_timeout_ms: u64,
+    /// Longest silence between two frames of a replica's response body, ms.
+    pub upstream_idle_timeout_ms: u64,
+    /// Health-check timeout, ms.
+    pub health_timeout_ms: u64,
+    /// Consecutive failures (probes or requests) that mark a healthy replica down.
+    pub health_fails_to_down: u32,
+    /// Consecutive passing probes that mark a down replica up.
+    pub health_oks_to_up: u32,
+    /// Per-replica in-flight ceiling: a replica at it gets no new request; when every eligible
+    /// replica is at it the router answers 429. `None` = no ceiling.
+    pub max_in_flight_per_replica: Option<u32>,
+}
+
+/// Default of [`RouterConfig::workers`]: 2, chosen by measurement (docs/proxy-bench.md,
+/// 2026-12-01): side by side in one `cargo xtask proxy-bench` run on the shared 2-core machine,
+/// two workers used less CPU per request in all four cells at 50 and 200 streams (0.38–0.49 vs
+/// 0.43–0.55 s per 1,000 requests, ns resolution), and their first-event medians were lower in
+/// 7 of 8 comparisons (within the round-to-round spread of that loaded machine). With one
+/// worker every stream's frames wait behind each request's parse, hash and decision.
+pub const DEFAULT_WORKERS: usize = 2;
+
+/// Default of [`RouterConfig::header_read_timeout_ms`]: 10 s, HAProxy's documented
+/// `timeout http-request` example (HAProxy also uses it for idle keep-alive connections when
+/// `timeout http-keep-alive` is not set, as hyper's timer does here).
+pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// Default of [`RouterConfig::body_read_timeout_ms`]: 30 s — the largest default body (8 MiB)
+/// at about 2 Mbit/s; a body trickled slower than that is refused with 408.
+pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
+/// Default of [`RouterConfig::max_connections`]: each client connection may hold an upstream
+/// connection too, so 4,096 stays inside a common 10,000–20,000 open-file limit.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// Default of [`RouterConfig::upstream_head_timeout_ms`]: 5 min. A streamed response's head
+/// comes at once (vLLM sends it before the first token), but a non-streamed one comes only after
+/// the whole generation (8,192 tokens at 30 tokens/s ≈ 4.5 min).
+pub const DEFAULT_UPSTREAM_HEAD_TIMEOUT_MS: u64 = 300_000;
+/// Default of [`RouterConfig::upstream_idle_timeout_ms`]: 2 min between frames. The wait for
+/// the first token (a queued request's TTFT under load) falls in it, so it is twice nginx's
+/// `proxy_read_timeout` default of 60 s.
+pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS: u64 = 120_000;
+
+/// Whether `host` (an admin listener address) is loopback-only: `localhost` or a loopback IP.
+/// Anything else (another IP, a host name, `0.0.0.0`) may be reachable from other machines.
+pub fn is_loopback_host(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case("localhost")
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Reads an admin token file: its content with surrounding whitespace trimmed; an empty file is
+/// an error (it would accept an empty bearer token).
+pub fn load_admin_token(path: &Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(format!("{}: the admin token file is empty", path.display()));
+    }
+    if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!(
+            "{}: the admin token must be one word (no whitespace)",
+            path.display()
+        ));
+    }
+    Ok(token.to_string())
 }
 
 impl RouterConfig {
@@ -79,9 +160,21 @@ impl RouterConfig {
             bytes_per_token: policies::DEFAULT_BELIEF_BYTES_PER_TOKEN,
             max_body_bytes: 8 << 20,
             health_interval_ms: 1000,
-            workers: 1,
+            workers: DEFAULT_WORKERS,
             shutdown_grace_ms: 30_000,
             rows_queue: crate::rows::DEFAULT_QUEUE_ROWS,
+            admin_host: "127.0.0.1".into(),
+            admin_port: 0,
+            admin_token: None,
+            header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
+            body_read_timeout_ms: DEFAULT_BODY_READ_TIMEOUT_MS,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            upstream_head_timeout_ms: DEFAULT_UPSTREAM_HEAD_TIMEOUT_MS,
+            upstream_idle_timeout_ms: DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS,
+            health_timeout_ms: 1000,
+            health_fails_to_down: 3,
+            health_oks_to_up: 2,
+            max_in_flight_per_replica: None,
         }
     }
 }
@@ -140,5 +233,35 @@ mod tests {
         assert_eq!(b.len(), 1);
         assert!(parse_replicas_json(r#"{"replicas":[{"uri":"x"}]}"#).is_err());
         assert!(parse_replicas_json(r#"["not a url"]"#).is_err());
+    }
+
+    #[test]
+    fn loopback_hosts() {
+        for h in [
+            "127.0.0.1",
+            "127.0.0.2",
+            "::1",
+            "[::1]",
+            "localhost",
+            "LOCALHOST",
+        ] {
+            assert!(is_loopback_host(h), "{h}");
+        }
+        for h in ["0.0.0.0", "::", "10.0.0.1", "example.org", ""] {
+            assert!(!is_loopback_host(h), "{h}");
+        }
+    }
+
+    #[test]
+    fn admin_token_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("token");
+        std::fs::write(&p, "  s3cret-token\n").unwrap();
+        assert_eq!(load_admin_token(&p).unwrap(), "s3cret-token");
+        std::fs::write(&p, "\n").unwrap();
+        assert!(load_admin_token(&p).unwrap_err().contains("empty"));
+        std::fs::write(&p, "two words").unwrap();
+        assert!(load_admin_token(&p).unwrap_err().contains("one word"));
+        assert!(load_admin_token(&dir.path().join("missing")).is_err());
     }
 }

@@ -7,10 +7,12 @@
 //! request path. Exact residency consumes each replica's KV event stream (vLLM's ZMQ format).
 //!
 //! Module map:
-//! - [`server`]: [`Router`] (start, address, graceful shutdown), [`run_blocking`] (the binary's
-//!   main loop), health checks, KV subscriber start-up.
-//! - [`service`]: the HTTP handler — LLM endpoints, retries, `/v1/models`, `/health`, `/metrics`,
-//!   admin API, OpenAI-style errors.
+//! - [`server`]: [`Router`] (start, addresses, graceful shutdown), [`run_blocking`] (the
+//!   binary's main loop), the serving and admin listeners (timeouts, connection cap, lingering
+//!   close), health checks with hysteresis, KV subscriber start-up.
+//! - [`service`]: the serving port's handler — LLM endpoints, safe retries, upstream timeouts,
+//!   hop-by-hop headers, `/v1/models`, `/health`, OpenAI-style errors.
+//! - [`admin`]: the admin listener's handler — replica API, `/metrics`, bearer token.
 //! - [`state`]: replica table, policy lock, RAII load guards.
 //! - [`body`]: the streaming response body (usage scan, mid-stream failure, row completion).
 //! - [`request`]: body parsing, canonical rendering, `/tokenize` bodies.
@@ -23,6 +25,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod body;
 pub mod config;
 pub mod events;

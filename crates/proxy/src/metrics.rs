@@ -45,6 +45,22 @@ pub struct Metrics {
     pub client_disconnects: AtomicU64,
     /// Tokenize round trips that failed (the request was routed without exact keys).
     pub tokenize_errors: AtomicU64,
+    /// LLM requests refused with 408: the body did not arrive within the body-read timeout.
+    pub body_timeouts: AtomicU64,
+    /// Connections closed because a request head did not arrive within the header-read
+    /// timeout (idle keep-alive connections closed by the same timer are not counted).
+    pub header_timeouts: AtomicU64,
+    /// Connections past `--max-connections`, answered 503 (or closed at once when even the
+    /// refusals are at their bound).
+    pub connections_refused: AtomicU64,
+    /// Client connections open on the serving port (a gauge).
+    pub connections_open: AtomicU64,
+    /// LLM requests answered 429: every eligible replica at its in-flight ceiling.
+    pub overloaded: AtomicU64,
+    /// Upstream attempts that timed out: no response head in time (504) or a silent stream.
+    pub upstream_timeouts: AtomicU64,
+    /// Admin requests refused with 401 (missing or wrong bearer token).
+    pub admin_unauthorized: AtomicU64,
     decisions: [AtomicU64; BRANCHES.len() + 1],
     overhead_buckets: [AtomicU64; OVERHEAD_BUCKETS_US.len() + 1],
     overhead_sum_us: AtomicU64,
@@ -137,6 +153,47 @@ impl Metrics {
             "kvroute_router_tokenize_errors_total",
             "Failed tokenize round trips.",
             &self.tokenize_errors,
+        );
+        c(
+            out,
+            "kvroute_router_body_timeouts_total",
+            "Requests refused with 408 (body not received in time).",
+            &self.body_timeouts,
+        );
+        c(
+            out,
+            "kvroute_router_header_timeouts_total",
+            "Connections closed for a request head not received in time.",
+            &self.header_timeouts,
+        );
+        c(
+            out,
+            "kvroute_router_connections_refused_total",
+            "Connections refused past --max-connections.",
+            &self.connections_refused,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvroute_router_connections_open Client connections open on the serving port.\n# TYPE kvroute_router_connections_open gauge\nkvroute_router_connections_open {}",
+            self.connections_open.load(Ordering::Relaxed)
+        );
+        c(
+            out,
+            "kvroute_router_overloaded_total",
+            "Requests answered 429 (every eligible replica at its in-flight ceiling).",
+            &self.overloaded,
+        );
+        c(
+            out,
+            "kvroute_router_upstream_timeouts_total",
+            "Upstream attempts that timed out (no response head, or a silent stream).",
+            &self.upstream_timeouts,
+        );
+        c(
+            out,
+            "kvroute_router_admin_unauthorized_total",
+            "Admin requests refused with 401.",
+            &self.admin_unauthorized,
         );
 
         out.push_str("# HELP kvroute_router_decisions_total Routing decisions by policy branch.\n# TYPE kvroute_router_decisions_total counter\n");

@@ -1,5 +1,5 @@
-//! The listener, connection tasks, background tasks (health checks, KV event subscribers) and
-//! graceful shutdown.
+//! The listeners (serving and admin), connection tasks (timeouts, the connection cap, lingering
+//! close), background tasks (health checks, KV event subscribers) and graceful shutdown.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -7,15 +7,31 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::{Method, Request, StatusCode};
+use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 
-use crate::config::RouterConfig;
+use crate::admin::AdminAuth;
+use crate::config::{RouterConfig, is_loopback_host};
 use crate::rows::RowSink;
+use crate::service::ConnCtx;
 use crate::state::{NO_KV_USAGE, Replica, Settings, Shared, start_replica_tasks};
 use crate::upstream::{TimedBody, join_uri};
+
+/// Lingering close (after an answer given before the request body was read): how long the
+/// router keeps reading and discarding what the client still sends, in all and between two
+/// reads, and how much at most — nginx's `lingering_time` and `lingering_timeout` (30 s, 5 s),
+/// with a byte bound so one connection cannot make the router read without end.
+pub const LINGER_TOTAL: Duration = Duration::from_secs(30);
+/// See [`LINGER_TOTAL`].
+pub const LINGER_IDLE: Duration = Duration::from_secs(5);
+/// See [`LINGER_TOTAL`]: 256 MiB, 32 times the default body limit.
+pub const LINGER_MAX_BYTES: usize = 256 << 20;
+/// Most connections on the admin listener at once; more are closed at once.
+pub const ADMIN_MAX_CONNECTIONS: usize = 64;
 
 /// Why the router could not start.
 #[derive(Debug, thiserror::Error)]
@@ -32,9 +48,11 @@ pub enum RouterError {
 pub struct Router {
     shared: Arc<Shared>,
     addr: SocketAddr,
+    admin_addr: SocketAddr,
     stop_tx: watch::Sender<bool>,
     kill_tx: watch::Sender<bool>,
     accept: tokio::task::JoinHandle<()>,
+    admin_accept: tokio::task::JoinHandle<()>,
     conns: Arc<ConnCount>,
     health: tokio::task::JoinHandle<()>,
 }
@@ -61,14 +79,44 @@ impl ConnCount {
     }
 }
 
-struct ConnGuard(Arc<ConnCount>);
+/// One connection task: counted for graceful shutdown, and (`slot`) in the counter its
+/// listener's cap is checked against.
+struct ConnGuard {
+    conns: Arc<ConnCount>,
+    slot: Option<Arc<dyn Fn(isize) + Send + Sync>>,
+}
+
+impl ConnGuard {
+    fn new(conns: &Arc<ConnCount>, slot: Option<Arc<dyn Fn(isize) + Send + Sync>>) -> Self {
+        conns.open.fetch_add(1, Ordering::AcqRel);
+        if let Some(s) = &slot {
+            s(1);
+        }
+        ConnGuard {
+            conns: conns.clone(),
+            slot,
+        }
+    }
+}
 
 impl Drop for ConnGuard {
     fn drop(&mut self) {
-        if self.0.open.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.idle.notify_waiters();
+        if let Some(s) = &self.slot {
+            s(-1);
+        }
+        if self.conns.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.conns.idle.notify_waiters();
         }
     }
+}
+
+/// Timeouts and limits of the connection tasks.
+#[derive(Clone, Copy)]
+struct ConnLimits {
+    header_read_timeout: Duration,
+    max_connections: usize,
+    /// Most over-cap connections being answered 503 at once; past it they are closed at once.
+    max_refusing: usize,
 }
 
 impl Router {
@@ -81,6 +129,31 @@ impl Router {
                 "bytes per token must be a positive number, got {}",
                 cfg.bytes_per_token
             )));
+        }
+        if cfg.admin_token.is_none() && !is_loopback_host(&cfg.admin_host) {
+            return Err(RouterError::Config(format!(
+                "the admin API (drain, add or remove replicas) would be reachable on {} without a token: give --admin-token-file, or keep --admin-host on loopback",
+                cfg.admin_host
+            )));
+        }
+        if cfg.max_connections == 0 {
+            return Err(RouterError::Config("max connections must be ≥ 1".into()));
+        }
+        for (name, ms) in [
+            ("header-read timeout", cfg.header_read_timeout_ms),
+            ("body-read timeout", cfg.body_read_timeout_ms),
+            ("upstream head timeout", cfg.upstream_head_timeout_ms),
+            ("upstream idle timeout", cfg.upstream_idle_timeout_ms),
+            ("health timeout", cfg.health_timeout_ms),
+        ] {
+            if ms == 0 {
+                return Err(RouterError::Config(format!("the {name} must be ≥ 1 ms")));
+            }
+        }
+        if cfg.max_in_flight_per_replica == Some(0) {
+            return Err(RouterError::Config(
+                "the per-replica in-flight ceiling must be ≥ 1".into(),
+            ));
         }
         let rows = match &cfg.rows {
             Some(p) => RowSink::create(p, cfg.rows_queue)?,
@@ -97,6 +170,12 @@ impl Router {
             exact_salt: cfg.policy.salt.clone(),
             scrape_kv_usage: cfg.policy.residency_branch,
             max_body_bytes: cfg.max_body_bytes,
+            body_read_timeout: Duration::from_millis(cfg.body_read_timeout_ms),
+            upstream_head_timeout: Duration::from_millis(cfg.upstream_head_timeout_ms),
+            upstream_idle_timeout: Duration::from_millis(cfg.upstream_idle_timeout_ms),
+            health_fails_to_down: cfg.health_fails_to_down.max(1),
+            health_oks_to_up: cfg.health_oks_to_up.max(1),
+            max_in_flight_per_replica: cfg.max_in_flight_per_replica.unwrap_or(u32::MAX),
         };
         let salt = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -111,37 +190,64 @@ impl Router {
         for r in shared.replicas() {
             start_replica_tasks(&shared, &r).await;
         }
+        let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
+        let addr = listener.local_addr()?;
+        let admin_listener = TcpListener::bind((cfg.admin_host.as_str(), cfg.admin_port)).await?;
+        let admin_addr = admin_listener.local_addr()?;
         let health = tokio::spawn(health_loop(
             Arc::downgrade(&shared),
             Duration::from_millis(cfg.health_interval_ms.max(10)),
+            Duration::from_millis(cfg.health_timeout_ms),
         ));
-
-        let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
-        let addr = listener.local_addr()?;
         let (stop_tx, stop_rx) = watch::channel(false);
         let (kill_tx, kill_rx) = watch::channel(false);
         let conns = Arc::new(ConnCount::default());
+        let limits = ConnLimits {
+            header_read_timeout: Duration::from_millis(cfg.header_read_timeout_ms),
+            max_connections: cfg.max_connections,
+            max_refusing: (cfg.max_connections / 8).max(64),
+        };
+        let watch = Watches {
+            stop: stop_rx,
+            kill: kill_rx,
+        };
         let accept = tokio::spawn(accept_loop(
             listener,
             shared.clone(),
-            stop_rx,
-            kill_rx,
+            watch.clone(),
             conns.clone(),
+            limits,
+        ));
+        let auth = Arc::new(AdminAuth::new(cfg.admin_token.as_deref()));
+        let admin_accept = tokio::spawn(admin_accept_loop(
+            admin_listener,
+            shared.clone(),
+            auth,
+            watch,
+            conns.clone(),
+            limits.header_read_timeout,
         ));
         Ok(Router {
             shared,
             addr,
+            admin_addr,
             stop_tx,
             kill_tx,
             accept,
+            admin_accept,
             conns,
             health,
         })
     }
 
-    /// The bound address.
+    /// The bound address of the serving port.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The bound address of the admin listener (`/admin/*`, `/metrics`, `/health`).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
     }
 
     /// Shared state (replica table, counters), for embedding and tests.
@@ -154,6 +260,7 @@ impl Router {
     pub async fn shutdown(self, grace: Duration) {
         let _ = self.stop_tx.send(true);
         let _ = self.accept.await;
+        let _ = self.admin_accept.await;
         if !self.conns.wait_idle(grace).await {
             // Past the grace period: cut what is left. Dropped handlers and bodies write their
             // rows (`shutdown: cut …`) before the row file is closed below.
@@ -170,53 +277,244 @@ impl Router {
     }
 }
 
-async fn accept_loop(
-    listener: TcpListener,
-    shared: Arc<Shared>,
-    mut stop: watch::Receiver<bool>,
+/// The shutdown signals every connection task watches: `stop` (finish the response in flight,
+/// then close) and `kill` (past the grace period: cut now).
+#[derive(Clone)]
+struct Watches {
+    stop: watch::Receiver<bool>,
     kill: watch::Receiver<bool>,
-    conns: Arc<ConnCount>,
-) {
+}
+
+/// Accepts, waiting out transient errors (out of file descriptors and similar) instead of
+/// spinning; `None` once shutdown began.
+async fn accept(
+    listener: &TcpListener,
+    stop: &mut watch::Receiver<bool>,
+) -> Option<(TcpStream, SocketAddr)> {
     loop {
         let accepted = tokio::select! {
             r = listener.accept() => r,
-            _ = stop.changed() => return,
+            _ = stop.changed() => return None,
         };
-        let (stream, _) = match accepted {
-            Ok(s) => s,
-            Err(_) => {
-                // Out of file descriptors and similar: back off instead of spinning.
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                continue;
-            }
-        };
+        match accepted {
+            Ok(s) => return Some(s),
+            Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    mut watch: Watches,
+    conns: Arc<ConnCount>,
+    limits: ConnLimits,
+) {
+    let refusing = Arc::new(AtomicUsize::new(0));
+    while let Some((stream, peer)) = accept(&listener, &mut watch.stop).await {
         let _ = stream.set_nodelay(true);
-        conns.open.fetch_add(1, Ordering::AcqRel);
-        let guard = ConnGuard(conns.clone());
+        let open = shared.metrics.connections_open.load(Ordering::Relaxed) as usize;
+        let (over_cap, slot): (Option<usize>, Arc<dyn Fn(isize) + Send + Sync>) =
+            if open < limits.max_connections {
+                let s = shared.clone();
+                (
+                    None,
+                    Arc::new(move |d: isize| {
+                        if d > 0 {
+                            s.metrics.connections_open.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            s.metrics.connections_open.fetch_sub(1, Ordering::Relaxed);
+                        }
+                    }),
+                )
+            } else {
+                shared
+                    .metrics
+                    .connections_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                if refusing.load(Ordering::Relaxed) >= limits.max_refusing {
+                    // Even the refusals are at their bound: close without a word.
+                    drop(stream);
+                    continue;
+                }
+                let r = refusing.clone();
+                (
+                    Some(limits.max_connections),
+                    Arc::new(move |d: isize| {
+                        if d > 0 {
+                            r.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            r.fetch_sub(1, Ordering::Relaxed);
+                        }
+                    }),
+                )
+            };
+        let guard = ConnGuard::new(&conns, Some(slot));
+        let ctx = Arc::new(ConnCtx::new(Some(peer.ip()), over_cap));
         let shared = shared.clone();
-        let mut stop = stop.clone();
-        let mut kill = kill.clone();
+        let watch = watch.clone();
         tokio::spawn(async move {
             let _guard = guard;
-            let svc = service_fn(move |req| crate::service::handle(shared.clone(), req));
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc);
-            let mut conn = std::pin::pin!(conn);
-            tokio::select! {
-                _ = conn.as_mut() => return,
-                _ = stop.changed() => {}
+            let svc = {
+                let (shared, ctx) = (shared.clone(), ctx.clone());
+                service_fn(move |req| crate::service::handle(shared.clone(), ctx.clone(), req))
+            };
+            let mut b = http1::Builder::new();
+            b.timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout);
+            if over_cap.is_some() {
+                b.keep_alive(false);
             }
-            // Finish the response in flight, then close.
-            conn.as_mut().graceful_shutdown();
-            tokio::select! {
-                _ = conn.as_mut() => {}
-                _ = kill.changed() => {}
+            let conn = b.serve_connection(TokioIo::new(stream), svc);
+            let Some((result, conn)) = drive(conn, watch.clone()).await else {
+                return;
+            };
+            match result {
+                Ok(()) if ctx.linger.load(Ordering::Relaxed) => {
+                    linger(conn.into_parts().io.into_inner(), watch.kill).await;
+                }
+                Err(e) if e.is_timeout() => {
+                    let parts = conn.into_parts();
+                    let idle = parts.read_buf.is_empty() && ctx.requests() > 0;
+                    if !idle {
+                        // A partial head (or nothing at all on a fresh connection).
+                        shared
+                            .metrics
+                            .header_timeouts
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    if !parts.read_buf.is_empty() {
+                        let stream = parts.io.into_inner();
+                        answer_header_timeout(stream, limits.header_read_timeout, watch.kill).await;
+                    }
+                }
+                _ => {}
             }
         });
     }
 }
 
-async fn health_loop(shared: std::sync::Weak<Shared>, every: Duration) {
+/// Runs a connection until it ends, or, once shutdown begins, until its response in flight is
+/// done; `None` when the grace period's end cut it. Returns the result with the connection
+/// (whose IO a lingering close still needs).
+async fn drive<S>(
+    mut conn: http1::Connection<TokioIo<TcpStream>, S>,
+    mut watch: Watches,
+) -> Option<(hyper::Result<()>, http1::Connection<TokioIo<TcpStream>, S>)>
+where
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = crate::body::RouterBody>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    http1::Connection<TokioIo<TcpStream>, S>: Unpin,
+{
+    let result = tokio::select! {
+        r = &mut conn => Some(r),
+        _ = watch.stop.changed() => None,
+    };
+    let result = match result {
+        Some(r) => r,
+        None => {
+            // Finish the response in flight, then close.
+            std::pin::Pin::new(&mut conn).graceful_shutdown();
+            tokio::select! {
+                r = &mut conn => r,
+                _ = watch.kill.changed() => return None,
+            }
+        }
+    };
+    Some((result, conn))
+}
+
+/// The 408 a client gets when its request head did not arrive in time (hyper closes the
+/// connection without a word), then a lingering close.
+async fn answer_header_timeout(
+    mut stream: TcpStream,
+    limit: Duration,
+    kill: watch::Receiver<bool>,
+) {
+    let body = serde_json::json!({"error": {
+        "message": format!("request head not received within {} ms", limit.as_millis()),
+        "type": "RequestTimeoutError", "param": null, "code": 408}})
+    .to_string();
+    let answer = format!(
+        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let written =
+        tokio::time::timeout(Duration::from_secs(1), stream.write_all(answer.as_bytes())).await;
+    if matches!(written, Ok(Ok(()))) {
+        linger(stream, kill).await;
+    }
+}
+
+/// Lingering close: FIN after the answer, then read and discard what the client still sends —
+/// so a client that writes its whole body before reading gets to read the answer instead of a
+/// reset — until it closes, goes quiet for [`LINGER_IDLE`], [`LINGER_TOTAL`] passes, or
+/// [`LINGER_MAX_BYTES`] were read (or shutdown cuts it).
+async fn linger(mut stream: TcpStream, mut kill: watch::Receiver<bool>) {
+    let _ = stream.shutdown().await;
+    let end = tokio::time::Instant::now() + LINGER_TOTAL;
+    let mut buf = vec![0u8; 64 << 10];
+    let mut drained = 0usize;
+    loop {
+        let wait = LINGER_IDLE.min(end.saturating_duration_since(tokio::time::Instant::now()));
+        if wait.is_zero() {
+            return;
+        }
+        let read = tokio::select! {
+            r = tokio::time::timeout(wait, stream.read(&mut buf)) => r,
+            _ = kill.changed() => return,
+        };
+        match read {
+            Ok(Ok(n)) if n > 0 => {
+                drained += n;
+                if drained >= LINGER_MAX_BYTES {
+                    return;
+                }
+            }
+            _ => return,
+        }
+    }
+}
+
+async fn admin_accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    auth: Arc<AdminAuth>,
+    mut watch: Watches,
+    conns: Arc<ConnCount>,
+    header_read_timeout: Duration,
+) {
+    let open = Arc::new(AtomicUsize::new(0));
+    while let Some((stream, _)) = accept(&listener, &mut watch.stop).await {
+        if open.load(Ordering::Relaxed) >= ADMIN_MAX_CONNECTIONS {
+            continue;
+        }
+        let slot: Arc<dyn Fn(isize) + Send + Sync> = {
+            let open = open.clone();
+            Arc::new(move |d: isize| {
+                if d > 0 {
+                    open.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    open.fetch_sub(1, Ordering::Relaxed);
+                }
+            })
+        };
+        let guard = ConnGuard::new(&conns, Some(slot));
+        let (shared, auth, watch) = (shared.clone(), auth.clone(), watch.clone());
+        tokio::spawn(async move {
+            let _guard = guard;
+            let svc =
+                service_fn(move |req| crate::admin::handle(shared.clone(), auth.clone(), req));
+            let conn = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_read_timeout)
+                .serve_connection(TokioIo::new(stream), svc);
+            let _ = drive(conn, watch).await;
+        });
+    }
+}
+
+async fn health_loop(shared: std::sync::Weak<Shared>, every: Duration, timeout: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -227,10 +525,10 @@ async fn health_loop(shared: std::sync::Weak<Shared>, every: Duration) {
             let s = s.clone();
             let r = r.clone();
             tokio::spawn(async move {
-                let timeout = every.max(Duration::from_millis(500));
                 let ok = check_health(&s, &r, timeout).await;
-                r.healthy.store(ok, Ordering::Relaxed);
-                if ok && s.settings.scrape_kv_usage {
+                let (down, up) = (s.settings.health_fails_to_down, s.settings.health_oks_to_up);
+                let healthy = r.record_probe(ok, down, up);
+                if healthy && s.settings.scrape_kv_usage {
                     let usage = scrape_kv_usage(&s, &r, timeout).await;
                     r.kv_usage_bits
                         .store(usage.map_or(NO_KV_USAGE, f32::to_bits), Ordering::Relaxed);
@@ -283,12 +581,15 @@ pub fn parse_kv_usage(text: &str) -> Option<f32> {
 }
 
 /// Runs the router until SIGTERM or SIGINT: builds a runtime with `cfg.workers` threads, prints
-/// the readiness line (`{"listening":"HOST:PORT"}`) on stdout, then shuts down gracefully and
-/// flushes the rows.
+/// the readiness line (`{"listening":"HOST:PORT","admin":"HOST:PORT"}`) on stdout, then shuts
+/// down gracefully and flushes the rows.
 pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
     // A multi-thread runtime even with one worker: measured against a current-thread runtime,
     // CPU per request was the same but `overhead_us` p50 rose from ~10 µs to 160–770 µs at 50–200
-    // streams (the I/O driver is polled less often there).
+    // streams (the I/O driver is polled less often there). Two workers by default: with one,
+    // every stream's frames wait behind each request's parse, hash and decision (tens of µs on
+    // cold caches; `examples/decide_cost.rs`), and two measured lower CPU per request and lower
+    // first-event p99 at 50 and 200 streams (docs/proxy-bench.md).
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.workers.max(1))
         .enable_all()
@@ -302,7 +603,10 @@ pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
         let router = Router::start(cfg).await?;
         println!(
             "{}",
-            serde_json::json!({ "listening": router.local_addr().to_string() })
+            serde_json::json!({
+                "listening": router.local_addr().to_string(),
+                "admin": router.admin_addr().to_string(),
+            })
         );
         use std::io::Write;
         let _ = std::io::stdout().flush();

@@ -1,9 +1,10 @@
-//! The request handler: OpenAI-compatible endpoints, health, metrics and the admin API.
+//! The serving port's handler: the OpenAI-compatible endpoints, `/v1/models` and `/health`.
+//! (The admin API and `/metrics` are on the admin listener, [`crate::admin`].)
 
 use std::convert::Infallible;
-use std::fmt::Write as _;
+use std::net::IpAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -14,10 +15,9 @@ use hyper::body::Incoming;
 use policies::{Keying, ReplicaId, RouteRequest};
 
 use crate::body::{Finish, ProxyBody, RouterBody};
-use crate::config::ReplicaSpec;
 use crate::request::{Endpoint, ParsedRequest, parse, parse_tokenize_reply};
 use crate::rows::Row;
-use crate::state::{Replica, Shared, start_replica_tasks};
+use crate::state::{NoRoute, Replica, Shared};
 use crate::upstream::{TimedBody, join_uri};
 use crate::usage::BodyKind;
 
@@ -27,6 +27,11 @@ pub const SESSION_HEADER: &str = "x-session-id";
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// Response header naming the replica that served the request.
 pub const REPLICA_HEADER: &str = "x-kvroute-replica";
+/// What the router adds to `Via` (RFC 9110 §7.6.3) in both directions.
+pub const VIA: &str = "1.1 kvroute";
+/// `Retry-After` (seconds) of a 429 when every replica is at its in-flight ceiling: streams end
+/// within seconds under load, so one second is the shortest useful wait.
+pub const OVERLOAD_RETRY_AFTER_S: u32 = 1;
 
 /// Most upstream attempts for one request (each replica at most once).
 const MAX_ATTEMPTS: usize = 8;
@@ -43,11 +48,15 @@ pub fn error_response(
 ) -> Response<RouterBody> {
     let kind = match status {
         StatusCode::BAD_REQUEST => "BadRequestError",
+        StatusCode::UNAUTHORIZED => "AuthenticationError",
         StatusCode::NOT_FOUND => "NotFoundError",
         StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowedError",
+        StatusCode::REQUEST_TIMEOUT => "RequestTimeoutError",
         StatusCode::PAYLOAD_TOO_LARGE => "RequestTooLargeError",
+        StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
         StatusCode::BAD_GATEWAY => "BadGatewayError",
         StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+        StatusCode::GATEWAY_TIMEOUT => "GatewayTimeoutError",
         _ => "Error",
     };
     let body = serde_json::json!({
@@ -56,7 +65,7 @@ pub fn error_response(
     json_response(status, body.to_string())
 }
 
-fn json_response(status: StatusCode, body: String) -> Response<RouterBody> {
+pub(crate) fn json_response(status: StatusCode, body: String) -> Response<RouterBody> {
     let mut r = Response::new(RouterBody::full(body));
     *r.status_mut() = status;
     r.headers_mut().insert(
@@ -66,13 +75,48 @@ fn json_response(status: StatusCode, body: String) -> Response<RouterBody> {
     r
 }
 
-/// Entry point for every request on a router connection.
+/// What the handler knows about the connection a request came on.
+#[derive(Debug)]
+pub struct ConnCtx {
+    /// The peer's IP, as the element the router appends to `X-Forwarded-For`.
+    peer_ip: Option<HeaderValue>,
+    /// Set when the router answered before reading the whole request body: the connection
+    /// then closes with a lingering drain (so the client can finish sending and read the
+    /// answer) instead of a reset.
+    pub linger: AtomicBool,
+    /// `Some(cap)` on a connection accepted past `--max-connections`: every request on it is
+    /// answered 503 and the connection closed.
+    pub over_cap: Option<usize>,
+    /// Requests received on the connection (tells an idle keep-alive connection from a fresh one
+    /// when the header-read timer closes it).
+    requests: std::sync::atomic::AtomicU32,
+}
+
+impl ConnCtx {
+    /// A connection from `peer`; `over_cap` as in [`ConnCtx::over_cap`].
+    pub fn new(peer: Option<IpAddr>, over_cap: Option<usize>) -> Self {
+        ConnCtx {
+            peer_ip: peer.and_then(|ip| HeaderValue::from_str(&ip.to_string()).ok()),
+            linger: AtomicBool::new(false),
+            over_cap,
+            requests: std::sync::atomic::AtomicU32::new(0),
+        }
+    }
+
+    /// Requests received on the connection so far.
+    pub fn requests(&self) -> u32 {
+        self.requests.load(Ordering::Relaxed)
+    }
+}
+
+/// Entry point for every request on a serving connection.
 ///
 /// Not an `async fn`: an LLM request's row is created here, when hyper hands the request over,
 /// because hyper may drop the returned future before ever polling it (a client whose hang-up
 /// arrives in the same read as its request).
 pub fn handle(
     shared: Arc<Shared>,
+    conn: Arc<ConnCtx>,
     req: Request<Incoming>,
 ) -> impl Future<Output = Result<Response<RouterBody>, Infallible>> + Send + 'static {
     let endpoint = match (req.method(), req.uri().path()) {
@@ -80,31 +124,64 @@ pub fn handle(
         (&Method::POST, "/v1/chat/completions") => Some(Endpoint::Chat),
         _ => None,
     };
+    conn.requests.fetch_add(1, Ordering::Relaxed);
     let pending = endpoint.map(|e| (e, PendingRow::new(&shared, req.headers())));
     async move {
+        if let Some(cap) = conn.over_cap {
+            return Ok(refuse_over_cap(
+                &shared,
+                &conn,
+                cap,
+                pending.map(|(_, row)| row),
+            ));
+        }
         Ok(match pending {
-            Some((endpoint, row)) => llm(&shared, req, endpoint, row).await,
+            Some((endpoint, row)) => llm(&shared, &conn, req, endpoint, row).await,
             None => not_llm(&shared, req).await,
         })
     }
 }
 
-/// Every request but the two LLM endpoints: models, health, metrics, admin, and errors.
+/// The answer on a connection past `--max-connections`: 503, `Connection: close`, and the row
+/// of an LLM request.
+fn refuse_over_cap(
+    shared: &Arc<Shared>,
+    conn: &ConnCtx,
+    cap: usize,
+    pending: Option<PendingRow>,
+) -> Response<RouterBody> {
+    let r = Refusal {
+        status: Some(StatusCode::SERVICE_UNAVAILABLE),
+        message: format!("the router is at its connection limit ({cap}); retry later"),
+        param: None,
+        kind: "overload",
+        unread_body: true,
+    };
+    match pending {
+        Some(row) => refuse(shared, conn, row, r),
+        None => {
+            conn.linger.store(true, Ordering::Relaxed);
+            let mut resp = error_response(StatusCode::SERVICE_UNAVAILABLE, &r.message, None);
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            resp
+        }
+    }
+}
+
+/// Every request but the two LLM endpoints on the serving port: models, health, and errors.
+/// The admin API and `/metrics` are not here (404): they are on the admin listener.
 async fn not_llm(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<RouterBody> {
     let path = req.uri().path();
     match (req.method(), path) {
         (&Method::GET, "/v1/models") => models(shared).await,
         (&Method::GET, "/health") => health(shared),
-        (&Method::GET, "/metrics") => metrics(shared),
-        (_, "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/metrics") => {
+        (_, "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health") => {
             error_response(
                 StatusCode::METHOD_NOT_ALLOWED,
                 &format!("method {} not allowed on {path}", req.method()),
                 None,
             )
-        }
-        (_, p) if p == "/admin/replicas" || p.starts_with("/admin/replicas/") => {
-            admin(shared, req).await
         }
         (_, p) => error_response(StatusCode::NOT_FOUND, &format!("no route for {p}"), None),
     }
@@ -170,7 +247,8 @@ fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
         .filter(|s| !s.is_empty())
 }
 
-/// Hop-by-hop headers are the connection's, not the message's: never forwarded.
+/// Hop-by-hop headers (RFC 9110 §7.6.1) are the connection's, not the message's: never
+/// forwarded, in either direction. `proxy-connection` and `keep-alive` are the pre-RFC forms.
 fn is_hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
@@ -184,47 +262,146 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
+/// The field names a message's `Connection` header lists (lower-cased by the comparison, not
+/// copied): they are hop-by-hop for that message too (RFC 9110 §7.6.1).
+struct ConnectionListed<'h> {
+    values: Vec<&'h str>,
+}
+
+impl<'h> ConnectionListed<'h> {
+    fn of(headers: &'h HeaderMap) -> Self {
+        let mut values = Vec::new();
+        for v in headers.get_all(header::CONNECTION) {
+            if let Ok(v) = v.to_str() {
+                values.extend(v.split(',').map(str::trim).filter(|t| {
+                    !t.is_empty()
+                        && !t.eq_ignore_ascii_case("close")
+                        && !t.eq_ignore_ascii_case("keep-alive")
+                }));
+            }
+        }
+        ConnectionListed { values }
+    }
+
+    /// Whether `name` (already lower case, as `HeaderName`s are) is listed.
+    fn contains(&self, name: &HeaderName) -> bool {
+        self.values
+            .iter()
+            .any(|t| t.eq_ignore_ascii_case(name.as_str()))
+    }
+}
+
+/// `existing` values of a list header joined with `, `, then `last` appended.
+fn append_list(
+    existing: http::header::GetAll<'_, HeaderValue>,
+    last: &[u8],
+) -> Option<HeaderValue> {
+    let mut out: Vec<u8> = Vec::new();
+    for v in existing {
+        if !out.is_empty() {
+            out.extend_from_slice(b", ");
+        }
+        out.extend_from_slice(v.as_bytes());
+    }
+    if out.is_empty() {
+        return None;
+    }
+    out.extend_from_slice(b", ");
+    out.extend_from_slice(last);
+    HeaderValue::from_bytes(&out).ok()
+}
+
+/// A router refusal: the status it answers (or none), the message, and how it ends the
+/// connection.
 struct Refusal {
     /// The router's answer; `None` when the client is gone and the answer reaches nobody.
     status: Option<StatusCode>,
     message: String,
     param: Option<&'static str>,
     kind: &'static str,
+    /// The request body was not read to its end: answer with `Connection: close` and linger.
+    unread_body: bool,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, kind: &'static str, message: String) -> Self {
+        Refusal {
+            status: Some(status),
+            message,
+            param: None,
+            kind,
+            unread_body: false,
+        }
+    }
 }
 
 async fn llm(
     shared: &Arc<Shared>,
+    conn: &ConnCtx,
     req: Request<Incoming>,
     endpoint: Endpoint,
     mut pending: PendingRow,
 ) -> Response<RouterBody> {
     let (parts, body) = req.into_parts();
     let arrival_ns = pending.arrival_ns;
-    match proxy_llm(shared, parts, body, endpoint, arrival_ns, &mut pending).await {
+    match proxy_llm(
+        shared,
+        conn,
+        parts,
+        body,
+        endpoint,
+        arrival_ns,
+        &mut pending,
+    )
+    .await
+    {
         Ok(resp) => resp,
-        Err(r) => {
-            let mut row = pending.take();
-            let counter = match r.status {
-                None => Some(&shared.metrics.client_disconnects),
-                Some(StatusCode::BAD_REQUEST) => Some(&shared.metrics.bad_requests),
-                Some(StatusCode::PAYLOAD_TOO_LARGE) => Some(&shared.metrics.too_large),
-                Some(StatusCode::SERVICE_UNAVAILABLE) => Some(&shared.metrics.no_replica),
-                _ => None,
-            };
-            if let Some(c) = counter {
-                c.fetch_add(1, Ordering::Relaxed);
-            }
-            row.upstream_status = r.status.map(|s| s.as_u16());
-            row.error = Some(format!("{}: {}", r.kind, r.message));
-            let status = r.status.unwrap_or(StatusCode::BAD_REQUEST);
-            let mut resp = error_response(status, &r.message, r.param);
-            if let Ok(v) = HeaderValue::from_str(&row.request_id) {
-                resp.headers_mut().insert(REQUEST_ID_HEADER, v);
-            }
-            shared.rows.send(row);
-            resp
-        }
+        Err(r) => refuse(shared, conn, pending, r),
     }
+}
+
+/// The router's own answer to an LLM request, with its row (exactly once, from `pending`).
+fn refuse(
+    shared: &Arc<Shared>,
+    conn: &ConnCtx,
+    mut pending: PendingRow,
+    r: Refusal,
+) -> Response<RouterBody> {
+    let mut row = pending.take();
+    let m = &shared.metrics;
+    let counter = match r.status {
+        None => Some(&m.client_disconnects),
+        Some(StatusCode::BAD_REQUEST) => Some(&m.bad_requests),
+        Some(StatusCode::REQUEST_TIMEOUT) => Some(&m.body_timeouts),
+        Some(StatusCode::PAYLOAD_TOO_LARGE) => Some(&m.too_large),
+        Some(StatusCode::TOO_MANY_REQUESTS) => Some(&m.overloaded),
+        Some(StatusCode::SERVICE_UNAVAILABLE) if r.kind == "no_replica" => Some(&m.no_replica),
+        _ => None,
+    };
+    if let Some(c) = counter {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+    row.upstream_status = r.status.map(|s| s.as_u16());
+    row.error = Some(format!("{}: {}", r.kind, r.message));
+    let status = r.status.unwrap_or(StatusCode::BAD_REQUEST);
+    let mut resp = error_response(status, &r.message, r.param);
+    let headers = resp.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&row.request_id) {
+        headers.insert(REQUEST_ID_HEADER, v);
+    }
+    if status == StatusCode::TOO_MANY_REQUESTS {
+        headers.insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(OVERLOAD_RETRY_AFTER_S),
+        );
+    }
+    if r.unread_body {
+        // The rest of the body will not be read: say so, and drain it after the answer.
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        conn.linger.store(true, Ordering::Relaxed);
+    }
+    shared.rows.send(row);
+    resp
 }
 
 async fn read_body(
@@ -234,31 +411,52 @@ async fn read_body(
 ) -> Result<Bytes, Refusal> {
     let limit = shared.settings.max_body_bytes;
     let too_large = || Refusal {
-        status: Some(StatusCode::PAYLOAD_TOO_LARGE),
-        message: format!("request body exceeds {limit} bytes"),
-        param: None,
-        kind: "too_large",
+        unread_body: true,
+        ..Refusal::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("request body exceeds {limit} bytes"),
+        )
     };
     let declared = header_str(&parts.headers, header::CONTENT_LENGTH.as_str())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    // The request body must be whole to be routed; only responses are streamed.
-    match Limited::new(body, limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(e) if client_went_away(e.as_ref()) => Err(Refusal {
+    // The request body must be whole to be routed; only responses are streamed. A body that is
+    // already in the read buffer completes on the first poll, before the deadline's timer is
+    // even registered.
+    let deadline = shared.settings.body_read_timeout;
+    let collected = tokio::time::timeout(deadline, Limited::new(body, limit).collect()).await;
+    match collected {
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Ok(Err(e)) if client_went_away(e.as_ref()) => Err(Refusal {
             status: None,
-            message: "disconnected while sending the request body".into(),
-            param: None,
-            kind: "client",
+            ..Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "client",
+                "disconnected while sending the request body".into(),
+            )
         }),
-        Err(e) => Err(Refusal {
-            status: Some(StatusCode::BAD_REQUEST),
-            message: format!("failed to read request body: {e}"),
-            param: None,
-            kind: "bad_request",
+        Ok(Err(e)) => Err(Refusal {
+            unread_body: true,
+            ..Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!("failed to read request body: {e}"),
+            )
+        }),
+        Err(_) => Err(Refusal {
+            unread_body: true,
+            ..Refusal::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "client",
+                format!(
+                    "request body not received within {} ms",
+                    deadline.as_millis()
+                ),
+            )
         }),
     }
 }
@@ -290,6 +488,7 @@ fn client_went_away(e: &(dyn std::error::Error + 'static)) -> bool {
 
 async fn proxy_llm(
     shared: &Arc<Shared>,
+    conn: &ConnCtx,
     parts: http::request::Parts,
     body: Incoming,
     endpoint: Endpoint,
@@ -299,10 +498,8 @@ async fn proxy_llm(
     let row = &mut pending.row;
     let body = read_body(shared, &parts, body).await?;
     let parsed = parse(endpoint, &body).map_err(|e| Refusal {
-        status: Some(StatusCode::BAD_REQUEST),
-        message: e.to_string(),
         param: e.param(),
-        kind: "bad_request",
+        ..Refusal::new(StatusCode::BAD_REQUEST, "bad_request", e.to_string())
     })?;
     if row.session_id.is_none() {
         row.session_id = parsed.user.as_deref().map(str::to_string);
@@ -377,16 +574,40 @@ async fn proxy_llm(
         .map_or(endpoint.path(), |p| p.as_str())
         .to_string();
     let mut excluded: Vec<ReplicaId> = Vec::new();
+    // Why the last attempt failed, when it is safe to try another replica.
+    let mut last_failure: Option<String> = None;
+    let fails_to_down = shared.settings.health_fails_to_down;
     loop {
         route_req.now_us = shared.clock.now_us();
-        let routed = shared
-            .route_excluding(&route_req, &excluded)
-            .map_err(|e| Refusal {
-                status: Some(StatusCode::SERVICE_UNAVAILABLE),
-                message: format!("no replica available: {e:?}"),
-                param: None,
-                kind: "no_replica",
-            })?;
+        let routed = match shared.route_excluding(&route_req, &excluded) {
+            Ok(r) => r,
+            Err(NoRoute::AtCeiling(ceiling)) => {
+                return Err(Refusal::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "overload",
+                    format!(
+                        "every eligible replica has {ceiling} requests in flight (--max-in-flight-per-replica); retry after {OVERLOAD_RETRY_AFTER_S} s"
+                    ),
+                ));
+            }
+            Err(NoRoute::Policy(e)) => {
+                return Err(match last_failure {
+                    Some(why) => Refusal::new(
+                        StatusCode::BAD_GATEWAY,
+                        "upstream",
+                        format!(
+                            "no replica left to try after {} attempts: {why}",
+                            row.attempts
+                        ),
+                    ),
+                    None => Refusal::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "no_replica",
+                        format!("no replica available: {e:?}"),
+                    ),
+                });
+            }
+        };
         row.attempts += 1;
         let replica = routed.guard.replica().clone();
         let d = &routed.decision;
@@ -400,6 +621,7 @@ async fn proxy_llm(
         let written = Arc::new(AtomicU64::new(0));
         let up_req = build_upstream_request(
             &parts,
+            conn,
             &replica,
             &path_and_query,
             &row.request_id,
@@ -407,15 +629,19 @@ async fn proxy_llm(
             written.clone(),
             shared,
         )
-        .map_err(|e| Refusal {
-            status: Some(StatusCode::BAD_GATEWAY),
-            message: format!("cannot build upstream request: {e}"),
-            param: None,
-            kind: "upstream",
+        .map_err(|e| {
+            Refusal::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream",
+                format!("cannot build upstream request: {e}"),
+            )
         })?;
-        match shared.client.request(up_req).await {
-            Ok(resp) => {
+        let head_timeout = shared.settings.upstream_head_timeout;
+        let failure = match tokio::time::timeout(head_timeout, shared.client.request(up_req)).await
+        {
+            Ok(Ok(resp)) => {
                 let upstream_first_ns = shared.clock.now_ns();
+                replica.record_request_ok();
                 replica.served.fetch_add(1, Ordering::Relaxed);
                 shared
                     .metrics
@@ -439,30 +665,73 @@ async fn proxy_llm(
                     upstream_first_ns,
                 ));
             }
-            Err(e) => {
-                replica.upstream_errors.fetch_add(1, Ordering::Relaxed);
-                if e.is_connect() {
-                    // Refused or unreachable: out of rotation until a health check passes.
-                    replica.healthy.store(false, Ordering::Relaxed);
+            Ok(Err(e)) => AttemptFailure {
+                // Refused or unreachable: the request never left; else the body stamp tells.
+                reached: !e.is_connect() && written.load(Ordering::Acquire) != 0,
+                status: StatusCode::BAD_GATEWAY,
+                message: format!("replica {} failed: {e}", replica.id),
+            },
+            Err(_) => {
+                shared
+                    .metrics
+                    .upstream_timeouts
+                    .fetch_add(1, Ordering::Relaxed);
+                AttemptFailure {
+                    reached: written.load(Ordering::Acquire) != 0,
+                    status: StatusCode::GATEWAY_TIMEOUT,
+                    message: format!(
+                        "replica {} sent no response head within {} ms",
+                        replica.id,
+                        head_timeout.as_millis()
+                    ),
                 }
-                excluded.push(replica.id);
-                drop(routed);
-                if row.attempts as usize >= MAX_ATTEMPTS {
-                    return Err(Refusal {
-                        status: Some(StatusCode::BAD_GATEWAY),
-                        message: format!("upstream failed after {} attempts: {e}", row.attempts),
-                        param: None,
-                        kind: "upstream",
-                    });
-                }
-                shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
             }
+        };
+        replica.upstream_errors.fetch_add(1, Ordering::Relaxed);
+        // Passive health: a failed attempt counts like a failed probe.
+        replica.record_failure(fails_to_down);
+        drop(routed);
+        if failure.reached {
+            // The replica may be running it: another attempt could run a POST twice.
+            return Err(Refusal::new(
+                failure.status,
+                "upstream",
+                format!(
+                    "{} after the request was sent (not retried; attempt {})",
+                    failure.message, row.attempts
+                ),
+            ));
         }
+        if row.attempts as usize >= MAX_ATTEMPTS {
+            return Err(Refusal::new(
+                failure.status,
+                "upstream",
+                format!(
+                    "upstream failed after {} attempts: {}",
+                    row.attempts, failure.message
+                ),
+            ));
+        }
+        excluded.push(replica.id);
+        last_failure = Some(failure.message);
+        shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
     }
 }
 
+/// One failed upstream attempt.
+struct AttemptFailure {
+    /// Whether the request may have reached the replica (its body was handed to the
+    /// connection): such a request is never retried.
+    reached: bool,
+    /// The status the client gets if this is the last attempt.
+    status: StatusCode,
+    message: String,
+}
+
+#[allow(clippy::too_many_arguments)]
 fn build_upstream_request(
     parts: &http::request::Parts,
+    conn: &ConnCtx,
     replica: &Replica,
     path_and_query: &str,
     request_id: &str,
@@ -476,13 +745,18 @@ fn build_upstream_request(
     *req.method_mut() = parts.method.clone();
     *req.uri_mut() = uri;
     let headers = req.headers_mut();
-    headers.reserve(parts.headers.len() + 2);
+    headers.reserve(parts.headers.len() + 4);
+    let listed = ConnectionListed::of(&parts.headers);
     for (k, v) in &parts.headers {
         // The body is already whole, so `expect: 100-continue` has nothing left to negotiate.
+        // `x-forwarded-for` and `via` are rewritten below.
         if is_hop_by_hop(k)
             || *k == header::HOST
             || *k == header::CONTENT_LENGTH
             || *k == header::EXPECT
+            || *k == X_FORWARDED_FOR
+            || *k == header::VIA
+            || listed.contains(k)
         {
             continue;
         }
@@ -497,7 +771,23 @@ fn build_upstream_request(
     {
         headers.insert(REQUEST_ID_HEADER, v);
     }
+    // X-Forwarded-For: the client's list with this hop's peer appended (de-facto standard).
+    if let Some(peer) = &conn.peer_ip {
+        let xff = append_list(parts.headers.get_all(&X_FORWARDED_FOR), peer.as_bytes())
+            .unwrap_or_else(|| peer.clone());
+        headers.insert(X_FORWARDED_FOR.clone(), xff);
+    }
+    headers.insert(header::VIA, via(&parts.headers));
     Ok(req)
+}
+
+/// `X-Forwarded-For`.
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// The message's `Via` with this hop appended.
+fn via(headers: &HeaderMap) -> HeaderValue {
+    append_list(headers.get_all(header::VIA), VIA.as_bytes())
+        .unwrap_or_else(|| HeaderValue::from_static(VIA))
 }
 
 fn response(
@@ -515,7 +805,16 @@ fn response(
             .get(header::CONTENT_TYPE)
             .map(HeaderValue::as_bytes),
     );
-    parts.headers.retain_headers(|k, _| !is_hop_by_hop(k));
+    let via = via(&parts.headers);
+    let listed: Vec<HeaderName> = ConnectionListed::of(&parts.headers)
+        .values
+        .iter()
+        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+        .collect();
+    parts
+        .headers
+        .retain_headers(|k, _| !is_hop_by_hop(k) && !listed.contains(k));
+    parts.headers.insert(header::VIA, via);
     if let Ok(v) = HeaderValue::from_str(&row.request_id) {
         parts.headers.insert(REQUEST_ID_HEADER, v);
     }
@@ -630,186 +929,11 @@ async fn models(shared: &Shared) -> Response<RouterBody> {
     )
 }
 
-fn health(shared: &Shared) -> Response<RouterBody> {
+/// `/health`: 200 while any replica is eligible, else 503.
+pub(crate) fn health(shared: &Shared) -> Response<RouterBody> {
     if shared.replicas().iter().any(|r| r.eligible()) {
         Response::new(RouterBody::full(Bytes::new()))
     } else {
         error_response(StatusCode::SERVICE_UNAVAILABLE, "no healthy replica", None)
-    }
-}
-
-fn metrics(shared: &Shared) -> Response<RouterBody> {
-    let mut out = String::with_capacity(4096);
-    shared.metrics.render_into(&mut out, &shared.policy_name);
-    let reps = shared.replicas();
-    let gauge =
-        |out: &mut String, name: &str, help: &str, kind: &str, f: &dyn Fn(&Replica) -> u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            for r in &reps {
-                let _ = writeln!(out, "{name}{{replica=\"{}\"}} {}", r.id, f(r));
-            }
-        };
-    gauge(
-        &mut out,
-        "kvroute_router_outstanding",
-        "Requests in flight per replica.",
-        "gauge",
-        &|r| u64::from(r.outstanding.load(Ordering::Relaxed)),
-    );
-    gauge(
-        &mut out,
-        "kvroute_router_replica_healthy",
-        "1 when the replica passes health checks.",
-        "gauge",
-        &|r| u64::from(r.healthy.load(Ordering::Relaxed)),
-    );
-    gauge(
-        &mut out,
-        "kvroute_router_replica_draining",
-        "1 while the replica is draining.",
-        "gauge",
-        &|r| u64::from(r.draining.load(Ordering::Relaxed)),
-    );
-    gauge(
-        &mut out,
-        "kvroute_router_served_total",
-        "Requests served per replica.",
-        "counter",
-        &|r| r.served.load(Ordering::Relaxed),
-    );
-    gauge(
-        &mut out,
-        "kvroute_router_upstream_errors_total",
-        "Failed upstream attempts and mid-stream failures.",
-        "counter",
-        &|r| r.upstream_errors.load(Ordering::Relaxed),
-    );
-    gauge(
-        &mut out,
-        "kvroute_router_kv_event_batches_total",
-        "KV event batches applied.",
-        "counter",
-        &|r| r.events.batches.load(Ordering::Relaxed),
-    );
-    gauge(
-        &mut out,
-        "kvroute_router_kv_event_gaps_total",
-        "KV event sequence gaps detected.",
-        "counter",
-        &|r| r.events.gaps.load(Ordering::Relaxed),
-    );
-    gauge(
-        &mut out,
-        "kvroute_router_kv_event_gaps_unrepaired_total",
-        "Gaps not repaired by replay (replica treated as cleared).",
-        "counter",
-        &|r| r.events.gaps_unrepaired.load(Ordering::Relaxed),
-    );
-    gauge(
-        &mut out,
-        "kvroute_router_kv_event_decode_errors_total",
-        "KV event batches that failed to decode.",
-        "counter",
-        &|r| r.events.decode_errors.load(Ordering::Relaxed),
-    );
-    let st = shared.rows.stats();
-    let _ = writeln!(
-        out,
-        "# HELP kvroute_router_rows_written_total Router rows written.\n# TYPE kvroute_router_rows_written_total counter\nkvroute_router_rows_written_total {}\n# HELP kvroute_router_rows_dropped_total Router rows that could not be queued or written.\n# TYPE kvroute_router_rows_dropped_total counter\nkvroute_router_rows_dropped_total {}\n# HELP kvroute_router_rows_io_errors_total Failed flushes of router.csv.\n# TYPE kvroute_router_rows_io_errors_total counter\nkvroute_router_rows_io_errors_total {}",
-        st.written.load(Ordering::Relaxed),
-        st.dropped.load(Ordering::Relaxed),
-        st.io_errors.load(Ordering::Relaxed)
-    );
-    let mut r = Response::new(RouterBody::full(out));
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; version=0.0.4"),
-    );
-    r
-}
-
-/// One replica as the admin API lists it.
-pub fn replica_json(r: &Replica) -> serde_json::Value {
-    serde_json::json!({
-        "id": r.id,
-        "url": r.url,
-        "kv_events": r.kv_events,
-        "kv_replay": r.kv_replay,
-        "healthy": r.healthy.load(Ordering::Relaxed),
-        "draining": r.draining.load(Ordering::Relaxed),
-        "outstanding": r.outstanding.load(Ordering::Relaxed),
-        "served": r.served.load(Ordering::Relaxed),
-        "upstream_errors": r.upstream_errors.load(Ordering::Relaxed),
-        "kv_event_gaps": r.events.gaps.load(Ordering::Relaxed),
-    })
-}
-
-async fn admin(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<RouterBody> {
-    let path = req.uri().path().to_string();
-    let rest = path.strip_prefix("/admin/replicas").unwrap_or("");
-    let segs: Vec<&str> = rest.split('/').filter(|s| !s.is_empty()).collect();
-    let method = req.method().clone();
-    match (&method, segs.as_slice()) {
-        (&Method::GET, []) => {
-            let list: Vec<serde_json::Value> =
-                shared.replicas().iter().map(|r| replica_json(r)).collect();
-            json_response(StatusCode::OK, serde_json::Value::Array(list).to_string())
-        }
-        (&Method::POST, []) => {
-            let body = match Limited::new(req.into_body(), 64 << 10).collect().await {
-                Ok(b) => b.to_bytes(),
-                Err(e) => {
-                    return error_response(
-                        StatusCode::BAD_REQUEST,
-                        &format!("failed to read body: {e}"),
-                        None,
-                    );
-                }
-            };
-            let spec: ReplicaSpec = match serde_json::from_slice(&body) {
-                Ok(s) => s,
-                Err(e) => {
-                    return error_response(
-                        StatusCode::BAD_REQUEST,
-                        &format!("invalid replica: {e}"),
-                        None,
-                    );
-                }
-            };
-            match shared.add_replica(&spec) {
-                Ok(r) => {
-                    start_replica_tasks(shared, &r).await;
-                    json_response(StatusCode::CREATED, replica_json(&r).to_string())
-                }
-                Err(e) => error_response(StatusCode::BAD_REQUEST, &e, Some("url")),
-            }
-        }
-        (&Method::DELETE, [id]) => match id
-            .parse::<ReplicaId>()
-            .ok()
-            .and_then(|id| shared.remove_replica(id))
-        {
-            Some(r) => json_response(StatusCode::OK, replica_json(&r).to_string()),
-            None => error_response(StatusCode::NOT_FOUND, &format!("no replica {id}"), None),
-        },
-        (&Method::POST, [id, action @ ("drain" | "undrain")]) => {
-            match id
-                .parse::<ReplicaId>()
-                .ok()
-                .and_then(|id| shared.replica(id))
-            {
-                Some(r) => {
-                    r.draining.store(*action == "drain", Ordering::Relaxed);
-                    json_response(StatusCode::OK, replica_json(&r).to_string())
-                }
-                None => error_response(StatusCode::NOT_FOUND, &format!("no replica {id}"), None),
-            }
-        }
-        (_, [] | [_] | [_, "drain" | "undrain"]) => error_response(
-            StatusCode::METHOD_NOT_ALLOWED,
-            &format!("method {method} not allowed on {path}"),
-            None,
-        ),
-        _ => error_response(StatusCode::NOT_FOUND, &format!("no route for {path}"), None),
     }
 }

@@ -40,8 +40,22 @@ pub struct Replica {
     pub kv_replay: Option<String>,
     /// Requests dispatched and not yet finished.
     pub outstanding: AtomicU32,
-    /// Last health verdict (connection refusals also clear it).
+    /// In rotation as far as health goes: cleared after `health_fails_to_down` consecutive
+    /// failures (probes and requests alike), set again after `health_oks_to_up` consecutive
+    /// passing probes ([`Replica::record_failure`], [`Replica::record_probe`]).
     pub healthy: AtomicBool,
+    /// Consecutive failures since the last success (probe or request).
+    pub fail_streak: AtomicU32,
+    /// Consecutive passing probes while down.
+    pub ok_streak: AtomicU32,
+    /// Times health marked the replica down.
+    pub marked_down: AtomicU64,
+    /// Times health marked the replica up again.
+    pub marked_up: AtomicU64,
+    /// Health probes that passed.
+    pub probes_ok: AtomicU64,
+    /// Health probes that failed (error status, refused, or past the probe timeout).
+    pub probes_failed: AtomicU64,
     /// Draining: no new requests.
     pub draining: AtomicBool,
     /// Set once removed from the table (in-flight requests may still hold it).
@@ -74,6 +88,12 @@ impl Replica {
             kv_replay: spec.kv_replay.clone(),
             outstanding: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
+            fail_streak: AtomicU32::new(0),
+            ok_streak: AtomicU32::new(0),
+            marked_down: AtomicU64::new(0),
+            marked_up: AtomicU64::new(0),
+            probes_ok: AtomicU64::new(0),
+            probes_failed: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             removed: AtomicBool::new(false),
             upstream_errors: AtomicU64::new(0),
@@ -98,6 +118,56 @@ impl Replica {
             NO_KV_USAGE => None,
             bits => Some(f32::from_bits(bits)),
         }
+    }
+
+    /// Counts one failure (a failed probe, or a request the replica failed: refused connection,
+    /// no response head in time, a reset, a stream cut or stalled). The `fails_to_down`-th in a
+    /// row marks a healthy replica down; true when this call did.
+    pub fn record_failure(&self, fails_to_down: u32) -> bool {
+        self.ok_streak.store(0, Ordering::Relaxed);
+        let streak = self
+            .fail_streak
+            .fetch_add(1, Ordering::AcqRel)
+            .saturating_add(1);
+        if streak >= fails_to_down.max(1) && self.healthy.swap(false, Ordering::AcqRel) {
+            self.marked_down.fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+
+    /// A request the replica answered (its response head arrived): ends a failure streak. It
+    /// does not bring a down replica back (only probes do); a down replica gets no new
+    /// requests anyway. One relaxed load on the request path when there is no streak.
+    pub fn record_request_ok(&self) {
+        if self.fail_streak.load(Ordering::Relaxed) != 0 {
+            self.fail_streak.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts one health probe: a failure goes through [`Replica::record_failure`]; a pass ends
+    /// the failure streak and, on a down replica, the `oks_to_up`-th pass in a row marks it up.
+    /// Returns the health after the probe.
+    pub fn record_probe(&self, ok: bool, fails_to_down: u32, oks_to_up: u32) -> bool {
+        if !ok {
+            self.probes_failed.fetch_add(1, Ordering::Relaxed);
+            self.record_failure(fails_to_down);
+            return self.healthy.load(Ordering::Acquire);
+        }
+        self.probes_ok.fetch_add(1, Ordering::Relaxed);
+        self.fail_streak.store(0, Ordering::Relaxed);
+        if self.healthy.load(Ordering::Acquire) {
+            return true;
+        }
+        let streak = self
+            .ok_streak
+            .fetch_add(1, Ordering::AcqRel)
+            .saturating_add(1);
+        if streak >= oks_to_up.max(1) && !self.healthy.swap(true, Ordering::AcqRel) {
+            self.ok_streak.store(0, Ordering::Relaxed);
+            self.marked_up.fetch_add(1, Ordering::Relaxed);
+        }
+        self.healthy.load(Ordering::Acquire)
     }
 
     pub(crate) fn stop_tasks(&self) {
@@ -131,6 +201,15 @@ struct Core {
     policy: Box<dyn Policy>,
     replicas: Vec<Arc<Replica>>,
     views: Vec<ReplicaView>,
+}
+
+/// Why no replica could take a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoRoute {
+    /// The policy found no eligible replica (none healthy, all draining or already tried).
+    Policy(RouteError),
+    /// Eligible replicas exist, but every one is at the per-replica in-flight ceiling.
+    AtCeiling(u32),
 }
 
 /// A routing decision with its load already taken.
@@ -186,6 +265,18 @@ pub struct Settings {
     pub max_body_bytes: usize,
     /// Scrape each replica's KV-cache usage with the health checks (the residency branch).
     pub scrape_kv_usage: bool,
+    /// Client body deadline, from the moment the head is in.
+    pub body_read_timeout: Duration,
+    /// Upstream response-head deadline, from dispatch.
+    pub upstream_head_timeout: Duration,
+    /// Longest silence between two upstream body frames.
+    pub upstream_idle_timeout: Duration,
+    /// Consecutive failures that mark a replica down.
+    pub health_fails_to_down: u32,
+    /// Consecutive passing probes that mark it up.
+    pub health_oks_to_up: u32,
+    /// Per-replica in-flight ceiling (`u32::MAX` = none).
+    pub max_in_flight_per_replica: u32,
 }
 
 impl Shared {
@@ -245,17 +336,19 @@ impl Shared {
     }
 
     /// Decides and takes load, atomically with respect to other decisions.
-    pub fn route(&self, req: &RouteRequest<'_>) -> Result<Routed, RouteError> {
+    pub fn route(&self, req: &RouteRequest<'_>) -> Result<Routed, NoRoute> {
         self.route_excluding(req, &[])
     }
 
     /// Like [`Shared::route`], but the `excluded` replicas (already tried for this request) are
-    /// shown to the policy as unhealthy.
+    /// shown to the policy as unhealthy, and so are replicas at the in-flight ceiling.
     pub fn route_excluding(
         &self,
         req: &RouteRequest<'_>,
         excluded: &[ReplicaId],
-    ) -> Result<Routed, RouteError> {
+    ) -> Result<Routed, NoRoute> {
+        let ceiling = self.settings.max_in_flight_per_replica;
+        let mut at_ceiling = 0u32;
         let mut core = self.core.lock();
         let Core {
             policy,
@@ -263,18 +356,33 @@ impl Shared {
             views,
         } = &mut *core;
         views.clear();
-        views.extend(replicas.iter().map(|r| ReplicaView {
-            id: r.id,
-            outstanding: r.outstanding.load(Ordering::Acquire),
-            healthy: r.healthy.load(Ordering::Relaxed) && !excluded.contains(&r.id),
-            draining: r.draining.load(Ordering::Relaxed),
-            kv_usage: r.kv_usage(),
+        views.extend(replicas.iter().map(|r| {
+            let outstanding = r.outstanding.load(Ordering::Acquire);
+            let mut healthy = r.healthy.load(Ordering::Relaxed) && !excluded.contains(&r.id);
+            let draining = r.draining.load(Ordering::Relaxed);
+            if healthy && !draining && outstanding >= ceiling {
+                // Full: not eligible for this request, like a replica already tried.
+                at_ceiling += 1;
+                healthy = false;
+            }
+            ReplicaView {
+                id: r.id,
+                outstanding,
+                healthy,
+                draining,
+                kv_usage: r.kv_usage(),
+            }
         }));
         let t0 = std::time::Instant::now();
-        let decision = policy.decide(req, views)?;
+        let decided = policy.decide(req, views);
         let decide_ns = t0.elapsed().as_nanos() as u64;
+        let decision = match decided {
+            Ok(d) => d,
+            Err(_) if at_ceiling > 0 => return Err(NoRoute::AtCeiling(ceiling)),
+            Err(e) => return Err(NoRoute::Policy(e)),
+        };
         let Some(replica) = replicas.iter().find(|r| r.id == decision.replica) else {
-            return Err(RouteError::NoEligibleReplica);
+            return Err(NoRoute::Policy(RouteError::NoEligibleReplica));
         };
         replica.outstanding.fetch_add(1, Ordering::AcqRel);
         let guard = LoadGuard {
@@ -407,4 +515,56 @@ fn splitmix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replica() -> Replica {
+        Replica::new(0, &ReplicaSpec::new("http://127.0.0.1:1")).unwrap()
+    }
+
+    #[test]
+    fn health_needs_n_failures_down_and_m_probes_up() {
+        let r = replica();
+        // Two failures, then a request answered: the streak starts over.
+        assert!(!r.record_failure(3));
+        assert!(!r.record_failure(3));
+        r.record_request_ok();
+        assert!(!r.record_failure(3));
+        assert!(!r.record_failure(3));
+        assert!(r.healthy.load(Ordering::Relaxed));
+        // A passing probe ends a streak too; then three failures in a row (probe, requests).
+        assert!(r.record_probe(true, 3, 2));
+        assert!(r.record_probe(false, 3, 2));
+        assert!(!r.record_failure(3));
+        assert!(
+            r.record_failure(3),
+            "the third failure in a row marks it down"
+        );
+        assert!(!r.healthy.load(Ordering::Relaxed));
+        assert!(!r.record_failure(3), "already down: no second transition");
+        // Up again only after two passing probes in a row; a failed one restarts the count.
+        assert!(!r.record_probe(true, 3, 2));
+        assert!(!r.record_probe(false, 3, 2));
+        assert!(!r.record_probe(true, 3, 2));
+        r.record_request_ok();
+        assert!(
+            !r.healthy.load(Ordering::Relaxed),
+            "requests do not bring it back"
+        );
+        assert!(r.record_probe(true, 3, 2));
+        assert_eq!(r.marked_down.load(Ordering::Relaxed), 1);
+        assert_eq!(r.marked_up.load(Ordering::Relaxed), 1);
+        assert_eq!(r.probes_failed.load(Ordering::Relaxed), 2);
+        assert_eq!(r.probes_ok.load(Ordering::Relaxed), 4);
+    }
+
+    #[test]
+    fn thresholds_of_one_act_at_once() {
+        let r = replica();
+        assert!(r.record_failure(1));
+        assert!(r.record_probe(true, 1, 1));
+    }
 }

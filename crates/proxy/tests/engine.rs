@@ -78,7 +78,7 @@ async fn exact_residency_follows_engine_events_and_rows_join() {
     cfg.model = Some(DEFAULT_MODEL.into());
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
-    let metrics_url = format!("{url}/metrics");
+    let metrics_url = format!("http://{}/metrics", router.admin_addr());
 
     // Two conversations, three turns each, one turn at a time (as the driver sends them).
     let mut homes = Vec::new();

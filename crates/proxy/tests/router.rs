@@ -13,11 +13,11 @@ fn chosen_replicas(results: &[StreamResult]) -> Vec<u32> {
 
 /// Waits until the router counts no request in flight (a client can read `[DONE]` just before
 /// the router sees the upstream's end of body and releases the load).
-async fn wait_idle(url: &str) {
+async fn wait_idle(admin_url: &str) {
     eventually(|| {
-        let url = url.to_string();
+        let admin_url = admin_url.to_string();
         async move {
-            let (_, text) = send("GET", &format!("{url}/admin/replicas"), "").await;
+            let (_, text) = send("GET", &format!("{admin_url}/admin/replicas"), "").await;
             let list: serde_json::Value = serde_json::from_str(&text).unwrap();
             list.as_array()
                 .unwrap()
@@ -67,6 +67,7 @@ async fn least_outstanding_avoids_the_busy_replica() {
     let b = MockReplica::start(held).await;
     let router = start_router(router_config(&[&a, &b], "least-outstanding")).await;
     let url = format!("http://{}", router.local_addr());
+    let admin_url = format!("http://{}", router.admin_addr());
     // Two held streams: one on each replica, whichever order.
     let s1 = post(&url, "/v1/completions", completion("x"), &[]).await;
     let s2 = post(&url, "/v1/completions", completion("y"), &[]).await;
@@ -90,8 +91,8 @@ async fn least_outstanding_avoids_the_busy_replica() {
     let done = s_on_a.finish().await;
     assert!(done.done);
     eventually(|| {
-        let url = url.clone();
-        async move { admin(&url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
+        let admin_url = admin_url.clone();
+        async move { admin(&admin_url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
     })
     .await;
     let s3 = post(&url, "/v1/completions", completion("z"), &[]).await;
@@ -228,6 +229,7 @@ async fn prefix_affinity_follows_belief_and_spills_under_load() {
     cfg.model = Some("mock-model".into());
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
+    let admin_url = format!("http://{}", router.admin_addr());
     let system = "You are a careful assistant. Answer briefly and cite your sources. ".repeat(3);
     // Turn 1: a miss lands somewhere; turns 2..4 extend the conversation and must follow it.
     let mut convo = vec![("system", system.as_str()), ("user", "first question")];
@@ -249,7 +251,7 @@ async fn prefix_affinity_follows_belief_and_spills_under_load() {
     // Spill: hold 5 streams of the same conversation on its home replica; the next turn's
     // match is declined for the idle replica (5 − 0 > spill_abs 4, and 5 > 1.5 × 0).
     let home_state = if home == 0 { &a.state } else { &b.state };
-    wait_idle(&url).await;
+    wait_idle(&admin_url).await;
     home_state.script.lock().hold = true;
     let mut held = Vec::new();
     for _ in 0..5 {
@@ -317,7 +319,8 @@ async fn exact_residency_follows_kv_events_and_distrusts_gaps() {
     cfg.policy.salt = "mock-model".into();
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
-    let metrics_url = format!("{url}/metrics");
+    let admin_url = format!("http://{}", router.admin_addr());
+    let metrics_url = format!("{admin_url}/metrics");
 
     // Probe until replica 1's subscription is live (PUB drops messages sent before it is).
     let mut seq_b = 0;
@@ -440,6 +443,7 @@ async fn drain_loses_nothing() {
     cfg.rows = Some(dir.join("router.csv"));
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
+    let admin_url = format!("http://{}", router.admin_addr());
     let mut streams = Vec::new();
     for i in 0..4 {
         streams.push(
@@ -453,7 +457,7 @@ async fn drain_loses_nothing() {
         );
     }
     assert_eq!(a.state.count(), 2);
-    let (status, r0) = admin(&url, "POST", "/admin/replicas/0/drain", "").await;
+    let (status, r0) = admin(&admin_url, "POST", "/admin/replicas/0/drain", "").await;
     assert_eq!(status, 200);
     assert_eq!(r0["draining"], true);
     assert_eq!(r0["outstanding"], 2);
@@ -482,15 +486,15 @@ async fn drain_loses_nothing() {
         assert_eq!(r.events.len(), 5);
     }
     eventually(|| {
-        let url = url.clone();
-        async move { admin(&url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
+        let admin_url = admin_url.clone();
+        async move { admin(&admin_url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
     })
     .await;
-    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
+    let (_, list) = admin(&admin_url, "GET", "/admin/replicas", "").await;
     assert_eq!(list[0]["draining"], true);
-    let (status, _) = admin(&url, "POST", "/admin/replicas/0/undrain", "").await;
+    let (status, _) = admin(&admin_url, "POST", "/admin/replicas/0/undrain", "").await;
     assert_eq!(status, 200);
-    let (status, _) = admin(&url, "POST", "/admin/replicas/9/drain", "").await;
+    let (status, _) = admin(&admin_url, "POST", "/admin/replicas/9/drain", "").await;
     assert_eq!(status, 404);
     router.shutdown(Duration::from_secs(5)).await;
     let rows = read_rows(&dir.join("router.csv"));
@@ -595,6 +599,7 @@ async fn bad_inputs_get_status_and_body() {
     cfg.max_body_bytes = 1024;
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
+    let admin_url = format!("http://{}", router.admin_addr());
 
     let cases: Vec<(&str, bytes::Bytes, u16, Option<&str>, &str)> = vec![
         (
@@ -677,12 +682,18 @@ async fn bad_inputs_get_status_and_body() {
     );
     let (status, _) = get(&format!("{url}/v1/completions")).await;
     assert_eq!(status, 405);
-    let (status, _) = send("PUT", &format!("{url}/admin/replicas"), "").await;
+    let (status, _) = send("PUT", &format!("{admin_url}/admin/replicas"), "").await;
     assert_eq!(status, 405);
-    let (status, _) = admin(&url, "POST", "/admin/replicas", "{\"url\":\"not a url\"}").await;
+    let (status, _) = admin(
+        &admin_url,
+        "POST",
+        "/admin/replicas",
+        "{\"url\":\"not a url\"}",
+    )
+    .await;
     assert_eq!(status, 400);
     // No eligible replica: 503.
-    admin(&url, "POST", "/admin/replicas/0/drain", "").await;
+    admin(&admin_url, "POST", "/admin/replicas/0/drain", "").await;
     let (status, v) = read_json(post(&url, "/v1/completions", completion("x"), &[]).await).await;
     assert_eq!(status, 503);
     assert_eq!(v["error"]["code"], 503);
@@ -931,8 +942,9 @@ async fn admin_add_remove_models_health_metrics() {
     let b = MockReplica::start(Script::default()).await;
     let router = start_router(router_config(&[&a], "round-robin")).await;
     let url = format!("http://{}", router.local_addr());
+    let admin_url = format!("http://{}", router.admin_addr());
     let (status, added) = admin(
-        &url,
+        &admin_url,
         "POST",
         "/admin/replicas",
         &format!("{{\"url\":\"{}\"}}", b.url),
@@ -948,9 +960,9 @@ async fn admin_add_remove_models_health_metrics() {
         v
     };
     assert_eq!(reps.iter().filter(|&&r| r == 1).count(), 2);
-    let (status, _) = admin(&url, "DELETE", "/admin/replicas/0", "").await;
+    let (status, _) = admin(&admin_url, "DELETE", "/admin/replicas/0", "").await;
     assert_eq!(status, 200);
-    let (status, _) = admin(&url, "DELETE", "/admin/replicas/0", "").await;
+    let (status, _) = admin(&admin_url, "DELETE", "/admin/replicas/0", "").await;
     assert_eq!(status, 404);
     for i in 0..3 {
         assert_eq!(
@@ -960,13 +972,13 @@ async fn admin_add_remove_models_health_metrics() {
             1
         );
     }
-    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
+    let (_, list) = admin(&admin_url, "GET", "/admin/replicas", "").await;
     assert_eq!(list.as_array().unwrap().len(), 1);
     assert_eq!(list[0]["id"], 1);
     assert_eq!(list[0]["url"], b.url.as_str());
     // Ids are never reused.
     let (_, again) = admin(
-        &url,
+        &admin_url,
         "POST",
         "/admin/replicas",
         &format!("{{\"url\":\"{}\"}}", a.url),
@@ -1000,7 +1012,7 @@ async fn admin_add_remove_models_health_metrics() {
     // Rows and the overhead histogram are recorded when the router sees each body end, which
     // can trail the client's [DONE] slightly.
     eventually(|| {
-        let u = url.clone();
+        let u = admin_url.clone();
         async move {
             metric(
                 &get(&format!("{u}/metrics")).await.1,
@@ -1009,7 +1021,7 @@ async fn admin_add_remove_models_health_metrics() {
         }
     })
     .await;
-    let (status, m) = get(&format!("{url}/metrics")).await;
+    let (status, m) = get(&format!("{admin_url}/metrics")).await;
     assert_eq!(status, 200);
     assert_eq!(metric(&m, "kvroute_router_requests_total"), Some(8.0));
     assert_eq!(
@@ -1056,7 +1068,8 @@ async fn sequence_gaps_are_repaired_by_replay() {
     cfg.replicas[1].kv_replay = pub_b.replay.clone();
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
-    let metrics_url = format!("{url}/metrics");
+    let admin_url = format!("http://{}", router.admin_addr());
+    let metrics_url = format!("{admin_url}/metrics");
     let mut seq = wait_subscribed(&mut pub_b, &metrics_url, 1).await;
     let m = get(&metrics_url).await.1;
     let gaps0 = metric(&m, "kvroute_router_kv_event_gaps_total{replica=\"1\"}").unwrap();
@@ -1195,6 +1208,7 @@ async fn decisions_and_load_are_atomic_under_concurrency() {
     ))
     .await;
     let url = format!("http://{}", router.local_addr());
+    let admin_url = format!("http://{}", router.admin_addr());
     let mut tasks = Vec::new();
     for i in 0..40 {
         let url = url.clone();
@@ -1208,7 +1222,7 @@ async fn decisions_and_load_are_atomic_under_concurrency() {
     for r in &reps {
         r.state.wait_requests(10).await;
     }
-    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
+    let (_, list) = admin(&admin_url, "GET", "/admin/replicas", "").await;
     for r in list.as_array().unwrap() {
         assert_eq!(r["outstanding"], 10, "{list}");
     }
@@ -1221,9 +1235,9 @@ async fn decisions_and_load_are_atomic_under_concurrency() {
     }
     // The client may read [DONE] just before the router sees the upstream's end of body.
     eventually(|| {
-        let url = url.clone();
+        let admin_url = admin_url.clone();
         async move {
-            let list = admin(&url, "GET", "/admin/replicas", "").await.1;
+            let list = admin(&admin_url, "GET", "/admin/replicas", "").await.1;
             list.as_array()
                 .unwrap()
                 .iter()
@@ -1246,6 +1260,7 @@ async fn a_client_hanging_up_releases_its_load() {
     cfg.rows = Some(dir.join("router.csv"));
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
+    let admin_url = format!("http://{}", router.admin_addr());
     let mut s = post(
         &url,
         "/v1/completions",
@@ -1254,13 +1269,13 @@ async fn a_client_hanging_up_releases_its_load() {
     )
     .await;
     assert!(s.next_event().await.is_some());
-    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
+    let (_, list) = admin(&admin_url, "GET", "/admin/replicas", "").await;
     assert_eq!(list[0]["outstanding"], 1);
     drop(s);
     // The router notices the closed client connection and drops the response body.
     eventually(|| {
-        let url = url.clone();
-        async move { admin(&url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
+        let admin_url = admin_url.clone();
+        async move { admin(&admin_url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
     })
     .await;
     a.state.release(10);
@@ -1541,11 +1556,12 @@ async fn a_replica_added_at_run_time_gets_its_events() {
     cfg.policy.salt = "mock-model".into();
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
+    let admin_url = format!("http://{}", router.admin_addr());
     let body = serde_json::json!({"url": b.url, "kv_events": pub_b.endpoint});
-    let (status, added) = admin(&url, "POST", "/admin/replicas", &body.to_string()).await;
+    let (status, added) = admin(&admin_url, "POST", "/admin/replicas", &body.to_string()).await;
     assert_eq!(status, 201);
     assert_eq!(added["kv_events"], pub_b.endpoint.as_str());
-    let metrics_url = format!("{url}/metrics");
+    let metrics_url = format!("{admin_url}/metrics");
     let seq = wait_subscribed(&mut pub_b, &metrics_url, 1).await;
     let prompt =
         "Events from a replica that joined later still steer requests towards its warm cache.";
@@ -1592,6 +1608,7 @@ async fn a_refused_connection_is_retried_on_the_next_choice() {
     cfg.health_interval_ms = 600_000;
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
+    let admin_url = format!("http://{}", router.admin_addr());
     // Let the health loop's first round finish; the next one is ten minutes away.
     let st = a.state.clone();
     eventually(|| {
@@ -1600,14 +1617,16 @@ async fn a_refused_connection_is_retried_on_the_next_choice() {
     })
     .await;
     let (status, _) = admin(
-        &url,
+        &admin_url,
         "POST",
         "/admin/replicas",
         &format!("{{\"url\":\"{dead}\"}}"),
     )
     .await;
     assert_eq!(status, 201);
-    for i in 0..4 {
+    // Passive health: each refused connection counts one failure; the third in a row takes the
+    // replica out (hysteresis), and every request is still answered by the live replica.
+    for i in 0..12 {
         let r = run(
             &url,
             completion(&format!("r{i}")),
@@ -1618,18 +1637,19 @@ async fn a_refused_connection_is_retried_on_the_next_choice() {
         assert!(r.done && r.errors().is_empty());
         assert_eq!(r.replica(), 0);
     }
-    let (_, list) = admin(&url, "GET", "/admin/replicas", "").await;
+    let (_, list) = admin(&admin_url, "GET", "/admin/replicas", "").await;
     assert_eq!(
         list[1]["healthy"], false,
-        "a refused connection takes the replica out"
+        "three refused connections take the replica out"
     );
-    assert_eq!(list[1]["upstream_errors"], 1);
+    assert_eq!(list[1]["upstream_errors"], 3);
+    assert_eq!(list[1]["marked_down"], 1);
     router.shutdown(Duration::from_secs(5)).await;
     let rows = read_rows(&dir.join("router.csv"));
-    assert_eq!(rows.len(), 4);
+    assert_eq!(rows.len(), 12);
     assert_eq!(
         rows.iter().filter(|r| r["attempts"] == "2").count(),
-        1,
+        3,
         "{rows:?}"
     );
     assert!(

@@ -56,7 +56,7 @@ impl IngressProcess {
     ) -> Result<(IngressProcess, String)> {
         Ok(match ingress {
             Ingress::Router => {
-                let (guard, url) = start_router(
+                let (guard, url, _admin) = start_router(
                     router_bin,
                     fleet,
                     router,

@@ -82,7 +82,9 @@ pub fn router_command(
 }
 
 /// Starts the router in front of `fleet`, rows into `rows`, log into `log`, and waits (30 s at
-/// most, polling `should_stop`) for its readiness line. Returns it and its URL.
+/// most, polling `should_stop`) for its readiness line. Returns it, its serving URL (what the
+/// driver sends to) and its admin URL (`/admin/*`, `/metrics`: on its own loopback listener,
+/// never on the serving port).
 pub fn start_router(
     router_bin: &Path,
     fleet: &Fleet,
@@ -90,11 +92,17 @@ pub fn start_router(
     rows: &Path,
     log: &Path,
     should_stop: &dyn Fn() -> bool,
-) -> Result<(ChildGuard, String)> {
+) -> Result<(ChildGuard, String, String)> {
     let cmd = router_command(router_bin, &fleet.replicas(), settings, rows)?;
     let mut guard = ChildGuard::spawn("router", cmd, log)?;
     let ready = guard.wait_ready(Duration::from_secs(30), should_stop)?;
-    Ok((guard, ready.url()))
+    let admin = ready.admin_url().ok_or_else(|| {
+        anyhow!(
+            "the router's readiness line names no admin listener (an older router binary?); see its log {}",
+            log.display()
+        )
+    })?;
+    Ok((guard, ready.url(), admin))
 }
 
 #[cfg(test)]

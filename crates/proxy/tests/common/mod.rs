@@ -43,6 +43,8 @@ pub struct Script {
     pub pad_bytes: usize,
     /// Answer LLM requests with this error status instead (vLLM-style error body).
     pub fail_status: Option<u16>,
+    /// Extra headers on every LLM response.
+    pub response_headers: Vec<(String, String)>,
 }
 
 impl Default for Script {
@@ -55,6 +57,7 @@ impl Default for Script {
             hold_head: false,
             pad_bytes: 0,
             fail_status: None,
+            response_headers: Vec::new(),
         }
     }
 }
@@ -84,6 +87,10 @@ pub struct MockState {
     pub tokenize_calls: AtomicU64,
     /// Health checks answered.
     pub health_calls: AtomicU64,
+    /// The next this many health checks get 503.
+    pub fail_health_next: AtomicU64,
+    /// The next this many health checks are never answered (the router's probe times out).
+    pub stall_health_next: AtomicU64,
     gate: Semaphore,
     head_gate: Semaphore,
     arrived: Notify,
@@ -101,6 +108,8 @@ impl MockState {
             unhealthy: AtomicBool::new(false),
             tokenize_calls: AtomicU64::new(0),
             health_calls: AtomicU64::new(0),
+            fail_health_next: AtomicU64::new(0),
+            stall_health_next: AtomicU64::new(0),
             gate: Semaphore::new(0),
             head_gate: Semaphore::new(0),
             arrived: Notify::new(),
@@ -257,8 +266,16 @@ async fn handle(
     let plain = |r: Response<proxy::body::RouterBody>| Ok(r.map(http_body_util::Either::Right));
     match path.as_str() {
         "/health" => {
+            let take = |n: &AtomicU64| {
+                n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_sub(1))
+                    .is_ok()
+            };
+            if take(&st.stall_health_next) {
+                // Never answered: the router's probe times out and drops the connection.
+                std::future::pending::<()>().await;
+            }
             st.health_calls.fetch_add(1, Ordering::SeqCst);
-            let code = if st.unhealthy.load(Ordering::SeqCst) {
+            let code = if st.unhealthy.load(Ordering::SeqCst) || take(&st.fail_health_next) {
                 StatusCode::SERVICE_UNAVAILABLE
             } else {
                 StatusCode::OK
@@ -385,6 +402,12 @@ async fn handle(
                 http::header::CONTENT_TYPE,
                 "text/event-stream".parse().unwrap(),
             );
+            for (k, v) in &script.response_headers {
+                r.headers_mut().append(
+                    http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                    v.parse().unwrap(),
+                );
+            }
             Ok(r)
         }
         _ => plain(json(
@@ -694,15 +717,43 @@ pub async fn get(url: &str) -> (u16, String) {
 
 /// Sends a request with an arbitrary method and body; (status, body text).
 pub async fn send(method: &str, url: &str, body: &str) -> (u16, String) {
-    let req = Request::builder()
-        .method(method)
-        .uri(url)
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
+    let (status, _, text) = send_with(method, url, body, &[]).await;
+    (status, text)
+}
+
+/// Like [`send`], with extra request headers; (status, response headers, body text).
+pub async fn send_with(
+    method: &str,
+    url: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> (u16, HeaderMap, String) {
+    let mut b = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let req = b.body(Full::new(Bytes::from(body.to_string()))).unwrap();
     let resp = client().request(req).await.unwrap();
     let status = resp.status().as_u16();
-    let b = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, String::from_utf8_lossy(&b).to_string())
+    let (parts, body) = resp.into_parts();
+    let b = body.collect().await.unwrap().to_bytes();
+    (
+        status,
+        parts.headers,
+        String::from_utf8_lossy(&b).to_string(),
+    )
+}
+
+/// Reads from `conn` until the peer closes it (bounded by [`WAIT`]: reaching it fails the
+/// test); what was read.
+pub async fn read_to_eof(conn: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, conn.read_to_end(&mut out))
+        .await
+        .expect("the router did not close the connection")
+        .ok();
+    String::from_utf8_lossy(&out).to_string()
 }
 
 /// A streamed completions body.
