@@ -1,7 +1,7 @@
 //! `cargo xtask fault kill|drain` (DESIGN.md §3.12): flags → `experiment::fault::FaultSettings`,
 //! then the loop over repetitions × policies (finished ones skipped, progress with an ETA), each
-//! run by `experiment::fault::FaultRun::run_rep`; then the summary, failing when a loss bound
-//! broke. The procedure is `experiment::fault`; what the rows show is `analysis::fault`.
+//! run by `experiment::fault::FaultRun::run_rep` through the sweep's evidence and drift gates;
+//! then the summary, failing when a loss bound broke. The procedure is `experiment::fault`; what the rows show is `analysis::fault`.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -104,6 +104,13 @@ pub struct FaultArgs {
     /// Seconds between evidence samples.
     #[arg(long, default_value_t = 1.0)]
     pub evidence_interval_s: f64,
+    /// Largest engine lateness p99 (wall ms) a repetition may show before it is discarded and
+    /// re-run (the sweep's bound).
+    #[arg(long, default_value_t = 5.0)]
+    pub max_lateness_p99_ms: f64,
+    /// Re-runs of a repetition whose evidence fails before it is set aside.
+    #[arg(long, default_value_t = 2)]
+    pub evidence_retries: u32,
     /// Workload seed.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
@@ -139,6 +146,8 @@ impl FaultArgs {
             },
             request_timeout_s: self.request_timeout_s,
             evidence_interval_s: self.evidence_interval_s,
+            max_lateness_p99_ms: self.max_lateness_p99_ms,
+            evidence_retries: self.evidence_retries,
             seed: self.seed,
             fleet: self.fleet.spec(self.quick),
             git_rev: env::git_rev(),
