@@ -1,7 +1,7 @@
 //! `cargo xtask fault kill|drain` (DESIGN.md §3.12): flags → `experiment::fault::FaultSettings`,
 //! then the loop over repetitions × policies (finished ones skipped, progress with an ETA), each
-//! run by `experiment::fault::FaultRun::run_rep`; then the summary, failing when a loss bound
-//! broke. The procedure is `experiment::fault`; what the rows show is `analysis::fault`.
+//! run by `experiment::fault::FaultRun::run_rep` through the sweep's evidence and drift gates;
+//! then the summary, failing when a loss bound broke. The procedure is `experiment::fault`; what the rows show is `analysis::fault`.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -104,6 +104,13 @@ pub struct FaultArgs {
     /// Seconds between evidence samples.
     #[arg(long, default_value_t = 1.0)]
     pub evidence_interval_s: f64,
+    /// Engine-lateness bound as a share of the ITL floor in model time (the sweep's bound;
+    /// the wall bound is that ÷ speed).
+    #[arg(long, default_value_t = experiment::calibration::LATENESS_SHARE_OF_ITL_FLOOR)]
+    pub lateness_share_of_itl_floor: f64,
+    /// Re-runs of a repetition whose evidence fails before it is set aside.
+    #[arg(long, default_value_t = 2)]
+    pub evidence_retries: u32,
     /// Workload seed.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
@@ -139,6 +146,8 @@ impl FaultArgs {
             },
             request_timeout_s: self.request_timeout_s,
             evidence_interval_s: self.evidence_interval_s,
+            lateness_share_of_itl_floor: self.lateness_share_of_itl_floor,
+            evidence_retries: self.evidence_retries,
             seed: self.seed,
             fleet: self.fleet.spec(self.quick),
             git_rev: env::git_rev(),

@@ -1,7 +1,9 @@
 //! End to end: `cargo xtask fault kill` and `fault drain` on 3 emulated replicas at high speed
 //! (a 2-s outage, a few seconds of load around it), asserting the loss bounds of DESIGN.md §3.12
 //! from what the run wrote: only requests in flight on the killed replica lost, none not yet
-//! dispatched, none at all under drain; and the timeline of figure 6.
+//! dispatched, none at all under drain; the sweep's evidence and drift gates applied to every
+//! repetition and recorded (drift on the pre-fault window); and the timeline of figure 6 over the
+//! accepted repetitions.
 //!
 //! It builds the release binaries first (a no-op when fresh), then runs the xtask binary as a
 //! user would. The xtask child is stopped on any failure (Ctrl-C twice: the second interrupt
@@ -117,7 +119,59 @@ fn args<'a>(kind: &'a str, out: &'a str, policies: &'a str, calibration: &'a str
     args
 }
 
-/// Checks the files and bounds of one finished fault directory; returns its summary.
+/// The gates one repetition's run recorded; returns whether it was accepted.
+fn check_gates(dir: &Path, point: &str, policy: &str, meta: &serde_json::Value) -> bool {
+    let gates = &meta["run"]["gates"];
+    let status = |g: &serde_json::Value| g["status"].as_str().unwrap_or("").to_string();
+    assert!(
+        ["passed", "failed"].contains(&status(&gates["evidence"]).as_str()),
+        "{policy}: the evidence gate ran: {gates}"
+    );
+    assert!(
+        ["passed", "failed", "not-run"].contains(&status(&gates["drift"]).as_str()),
+        "{policy}: the drift gate ran: {gates}"
+    );
+    assert!(
+        gates["drift_rule"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("pre-fault")),
+        "{gates}"
+    );
+    // Drift on the steady load before the fault: it ends where the fault is, before the run does.
+    let end = gates["drift_window"]["measured_end_s"].as_f64().unwrap();
+    assert!(
+        end < meta["window"]["measured_end_s"].as_f64().unwrap(),
+        "{gates}"
+    );
+    assert!(
+        meta["drift"]["warming"].is_boolean(),
+        "the drift verdict is recorded: {meta}"
+    );
+    assert!(meta["evidence"]["lateness"].is_array());
+    let accepted = meta["accepted"].as_bool().expect("accepted is recorded");
+    let attempts = meta["attempts"].as_u64().unwrap();
+    // Every attempt re-run is under _discarded/ with its reason.
+    let discarded = dir.join("_discarded").join(point).join(policy);
+    let reruns = std::fs::read_dir(&discarded)
+        .map(|d| d.filter_map(|e| e.ok()).count())
+        .unwrap_or(0);
+    assert_eq!(attempts, 1 + reruns as u64, "{policy}: {meta}");
+    if accepted {
+        assert!(meta["set_aside_reason"].is_null());
+        assert_eq!(status(&gates["evidence"]), "passed", "{gates}");
+        assert_ne!(status(&gates["drift"]), "failed", "{gates}");
+    } else {
+        let why = meta["set_aside_reason"].as_str().unwrap();
+        assert!(
+            why.starts_with("evidence failed on") || why.starts_with("drifted twice"),
+            "{why}"
+        );
+        eprintln!("{policy} rep-1 set aside: {why}");
+    }
+    accepted
+}
+
+/// Checks the files, bounds and gates of one finished fault directory; returns its summary.
 fn check_dir(dir: &Path, policies: &[&str]) -> serde_json::Value {
     let summary = json(&dir.join("summary.json"));
     assert_eq!(
@@ -126,6 +180,7 @@ fn check_dir(dir: &Path, policies: &[&str]) -> serde_json::Value {
         "{summary:#}"
     );
     let point = summary["point"].as_str().unwrap().to_string();
+    let mut accepted = Vec::new();
     for policy in policies {
         let rep = dir.join(&point).join(policy).join("rep-1");
         for file in ["client.csv", "router.csv", "evidence.jsonl", "fault.json"] {
@@ -135,6 +190,31 @@ fn check_dir(dir: &Path, policies: &[&str]) -> serde_json::Value {
         assert_eq!(meta["complete"], true);
         assert_eq!(meta["policy"], *policy);
         assert_eq!(meta["fleet"]["replicas"], 3);
+        if check_gates(dir, &point, policy, &meta) {
+            accepted.push(*policy);
+        }
+    }
+    // The summary reads the gates back and compares the accepted repetitions only.
+    let gates = summary["gates"].as_array().unwrap();
+    assert_eq!(gates.len(), policies.len());
+    for g in gates {
+        assert_ne!(g["evidence"]["status"], "not-recorded", "{g}");
+        assert_eq!(
+            g["accepted"].as_bool().unwrap(),
+            accepted.contains(&g["policy"].as_str().unwrap())
+        );
+    }
+    for c in summary["comparisons"].as_array().unwrap() {
+        let compared: Vec<&str> = c["policies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["policy"].as_str().unwrap())
+            .collect();
+        assert_eq!(compared, accepted, "{c}");
+        for d in c["differences"].as_array().unwrap() {
+            assert_eq!(d["verdict"], "too few reps", "one repetition a side: {d}");
+        }
     }
     let timeline = std::fs::read_to_string(dir.join("timeline.csv")).unwrap();
     let mut lines = timeline.lines();
@@ -142,6 +222,13 @@ fn check_dir(dir: &Path, policies: &[&str]) -> serde_json::Value {
     let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
     for policy in policies {
         let mine: Vec<&Vec<&str>> = rows.iter().filter(|r| r[0] == *policy).collect();
+        if !accepted.contains(policy) {
+            assert!(
+                mine.is_empty(),
+                "a set-aside repetition stays out of the timeline"
+            );
+            continue;
+        }
         assert!(mine.len() >= 6, "{policy} has a series: {timeline}");
         assert_eq!(mine[0][3], "1", "the replica is up when the load starts");
         assert!(
@@ -180,7 +267,8 @@ fn kill_and_drain_keep_the_loss_bounds() {
     let scratch = Scratch::new("fault");
     let root = scratch.0.clone();
     let out = scratch.0.to_string_lossy().into_owned();
-    let limit = Duration::from_secs(90);
+    // A repetition the gates re-run (drift once, evidence up to twice) takes another ~10 s.
+    let limit = Duration::from_secs(180);
     let calibration = root.join("calibration.json").to_string_lossy().into_owned();
     let mut calibrate = vec!["calibrate", "--quick", "--no-build", "--out", &calibration];
     calibrate.extend(FLEET);

@@ -79,6 +79,29 @@ pub fn check_comparable(point: &str, reps: &[&RepData]) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// What the repetitions' min–max ranges are: measured noise, or seed variation of a
+/// deterministic model. Only a measured spread can say whether a difference is real.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Basis {
+    /// Live repetitions: the range is what the same cell measured on separate runs.
+    Measured,
+    /// Virtual repetitions: the simulator is deterministic given its seeds, so the range is the
+    /// spread of seeds, not of measurement, and no verdict is drawn from it.
+    Deterministic,
+}
+
+impl Basis {
+    /// [`Basis::Deterministic`] when any of the repetitions behind a comparison ran in virtual
+    /// time (`meta.json` `"virtual": true`), else [`Basis::Measured`].
+    pub fn of(virtual_time: impl IntoIterator<Item = bool>) -> Basis {
+        if virtual_time.into_iter().any(|v| v) {
+            Basis::Deterministic
+        } else {
+            Basis::Measured
+        }
+    }
+}
+
 /// Whether a difference between two policies is larger than their repetitions' spread.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Verdict {
@@ -91,6 +114,10 @@ pub enum Verdict {
     /// One side rests on fewer than two repetitions, so it has no spread to compare.
     #[serde(rename = "too few reps")]
     TooFewReps,
+    /// Virtual repetitions: the difference is deterministic, and there is no measured spread to
+    /// judge it against (DESIGN.md §3.10 needs one).
+    #[serde(rename = "deterministic (virtual)")]
+    Deterministic,
 }
 
 impl Verdict {
@@ -100,10 +127,11 @@ impl Verdict {
             Verdict::Separates => "separates",
             Verdict::WithinSpread => "within spread",
             Verdict::TooFewReps => "too few reps",
+            Verdict::Deterministic => "deterministic (virtual)",
         }
     }
 
-    /// The verdict between two spreads.
+    /// The verdict between two measured spreads (DESIGN.md §3.10).
     pub fn between(a: &Spread, b: &Spread) -> Verdict {
         if a.n < 2 || b.n < 2 {
             Verdict::TooFewReps
@@ -111,6 +139,16 @@ impl Verdict {
             Verdict::WithinSpread
         } else {
             Verdict::Separates
+        }
+    }
+
+    /// The verdict between two spreads on `basis`: [`Verdict::between`] for measured ones,
+    /// [`Verdict::Deterministic`] for virtual ones. The one verdict function of the sweep report
+    /// and the fault summary.
+    pub fn judge(a: &Spread, b: &Spread, basis: Basis) -> Verdict {
+        match basis {
+            Basis::Measured => Verdict::between(a, b),
+            Basis::Deterministic => Verdict::Deterministic,
         }
     }
 }
@@ -126,18 +164,49 @@ pub struct Margin {
     pub margin_rps: f64,
     /// margin ÷ median(baseline); `None` when the baseline's median is zero.
     pub relative: Option<f64>,
-    /// Separates or within spread.
+    /// Separates, within spread, too few reps, or deterministic (virtual).
     pub verdict: Verdict,
 }
 
-/// The margin of `a` over `b`.
-pub fn margin(policy: &str, a: &Spread, baseline: &str, b: &Spread) -> Margin {
+/// The margin of `a` over `b`, judged on `basis` ([`Verdict::judge`]).
+pub fn margin(policy: &str, a: &Spread, baseline: &str, b: &Spread, basis: Basis) -> Margin {
     let margin_rps = a.median - b.median;
     Margin {
         policy: policy.to_string(),
         baseline: baseline.to_string(),
         margin_rps,
         relative: (b.median != 0.0).then(|| margin_rps / b.median),
-        verdict: Verdict::between(a, b),
+        verdict: Verdict::judge(a, b, basis),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spread(values: &[f64]) -> Spread {
+        Spread::of(values).unwrap()
+    }
+
+    #[test]
+    fn virtual_repetitions_get_no_spread_verdict() {
+        // Ranges that do not overlap: measured, they separate; virtual, the same numbers are a
+        // deterministic difference, whatever their seeds spread them by.
+        let a = spread(&[10.0, 10.1, 10.2]);
+        let b = spread(&[11.0, 11.1, 11.2]);
+        assert_eq!(Verdict::judge(&a, &b, Basis::Measured), Verdict::Separates);
+        assert_eq!(
+            Verdict::judge(&a, &b, Basis::Deterministic),
+            Verdict::Deterministic
+        );
+        let m = margin("x", &b, "y", &a, Basis::of([false, true]));
+        assert_eq!(m.verdict, Verdict::Deterministic);
+        assert!((m.margin_rps - 1.0).abs() < 1e-12);
+        assert_eq!(Basis::of([false, false]), Basis::Measured);
+        assert_eq!(
+            serde_json::to_value(Verdict::Deterministic).unwrap(),
+            "deterministic (virtual)"
+        );
+        assert_eq!(Verdict::Deterministic.as_str(), "deterministic (virtual)");
     }
 }

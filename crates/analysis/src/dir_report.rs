@@ -55,7 +55,9 @@ impl DirReport {
 /// report under `cfg`. Writes nothing.
 pub fn report_dir(dir: &Path, cfg: &ReportConfig) -> Result<DirReport> {
     match fault::fault_point(dir) {
-        Some(point) => Ok(DirReport::Fault(Box::new(fault::summarize(dir, &point)?))),
+        Some(point) => Ok(DirReport::Fault(Box::new(fault::summarize(
+            dir, &point, &cfg.drift,
+        )?))),
         None => Ok(DirReport::Sweep(Box::new(analyze_dir(dir, cfg)?))),
     }
 }

@@ -111,6 +111,8 @@ fn point_table(out: &mut String, p: &Point) {
                     crate::compare::Verdict::Separates => "separates",
                     crate::compare::Verdict::WithinSpread => "is within spread",
                     crate::compare::Verdict::TooFewReps => "rests on too few reps to judge",
+                    crate::compare::Verdict::Deterministic =>
+                        "is deterministic (virtual: no measured spread to judge it against)",
                 }
             );
         }
@@ -352,6 +354,9 @@ pub fn render(report: &Report) -> String {
         out,
         "Goodput = requests meeting the SLO (TTFT and per-request ITL p50 below their bounds, no error) sent in the measured window ÷ window length. Each figure is the median of repetitions with [min–max]; two policies *separate* when their ranges do not overlap, otherwise the difference is *within spread* (*too few reps* when either side rests on fewer than two repetitions).\n"
     );
+    if report.points.iter().any(|p| p.virtual_time) {
+        out.push_str("**Virtual time.** The simulator is deterministic given its seeds: a virtual repetition's [min–max] is the spread of its seeds, not measured noise, so a virtual difference is reported as *deterministic (virtual)*, never as separating or within spread.\n\n");
+    }
     summary(&mut out, report);
     for p in &report.points {
         point_table(&mut out, p);

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::compare::{Margin, Refusal, Verdict, check_comparable, margin};
+use crate::compare::{Basis, Margin, Refusal, Verdict, check_comparable, margin};
 use crate::drift::{DriftConfig, DriftVerdict, check_rows};
 use crate::error::Result;
 use crate::load::{IncompleteRep, RepData, SweepData, discover, load_point};
@@ -221,6 +221,10 @@ pub struct Point {
     /// Every policy met its SLO here ([`below_pressure`]): the point compares latencies, not
     /// what a policy buys under pressure.
     pub below_pressure: bool,
+    /// Whether the repetitions ran in virtual time: their differences are deterministic and
+    /// carry no spread verdict ([`Verdict::Deterministic`]). Absent (false) for live points.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub virtual_time: bool,
 }
 
 impl Point {
@@ -407,11 +411,12 @@ fn build_point(
         .iter()
         .filter_map(|c| c.goodput_rps.map(|g| (c.policy.as_str(), g)))
         .collect();
+    let basis = Basis::of(reps.iter().map(|r| r.meta.virtual_time));
     let mut margins = Vec::new();
     for (a, ga) in &with_goodput {
         for (b, gb) in &with_goodput {
             if a != b {
-                margins.push(margin(a, ga, b, gb));
+                margins.push(margin(a, ga, b, gb, basis));
             }
         }
     }
@@ -425,7 +430,7 @@ fn build_point(
         })
     };
     let winner_verdict = match (ranked.first(), ranked.get(1)) {
-        (Some(a), Some(b)) => Some(Verdict::between(&a.1, &b.1)),
+        (Some(a), Some(b)) => Some(Verdict::judge(&a.1, &b.1, basis)),
         _ => None,
     };
     let point = Point {
@@ -440,6 +445,7 @@ fn build_point(
         below_pressure: below_pressure(&cells),
         cells,
         margins,
+        virtual_time: basis == Basis::Deterministic,
     };
     (point, samples)
 }
@@ -447,12 +453,18 @@ fn build_point(
 fn adaptive_test(points: &[Point]) -> AdaptiveTest {
     let mut tested = Vec::new();
     let mut beats = Vec::new();
+    let mut deterministic = 0usize;
     for p in points {
         if !p
             .cells
             .iter()
             .any(|c| c.policy == PREFIX_AFFINITY && c.goodput_rps.is_some())
         {
+            continue;
+        }
+        // A virtual point's differences have no measured spread to beat.
+        if p.virtual_time {
+            deterministic += 1;
             continue;
         }
         tested.push(p.point.clone());
@@ -465,7 +477,11 @@ fn adaptive_test(points: &[Point]) -> AdaptiveTest {
             }
         }
     }
-    let statement = if tested.is_empty() {
+    let statement = if tested.is_empty() && deterministic > 0 {
+        format!(
+            "Not tested: every point with prefix-affinity ({deterministic}) ran in virtual time, whose repetitions are deterministic, so no margin can be judged against a measured spread."
+        )
+    } else if tested.is_empty() {
         "Not tested: no point has prefix-affinity measured.".to_string()
     } else if beats.is_empty() {
         format!(
@@ -625,6 +641,55 @@ mod tests {
         assert_eq!((b.working_set_ratio, b.zipf_s), (Some(1.0), Some(0.0)));
         let c = point_axes("frozen");
         assert_eq!((c.working_set_ratio, c.zipf_s), (None, None));
+    }
+
+    #[test]
+    fn virtual_repetitions_get_deterministic_differences_not_verdicts() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/analysis/sweep-basic");
+        let cfg = ReportConfig::default();
+        let live = analyze(&crate::load::load_sweep(&dir).unwrap(), &cfg);
+        let mut data = crate::load::load_sweep(&dir).unwrap();
+        for r in &mut data.reps {
+            r.meta.virtual_time = true;
+        }
+        let virt = analyze(&data, &cfg);
+        for (l, v) in live.points.iter().zip(&virt.points) {
+            assert!(!l.virtual_time && v.virtual_time);
+            // The same numbers: only the verdict changes.
+            assert_eq!(l.margins.len(), v.margins.len());
+            for (lm, vm) in l.margins.iter().zip(&v.margins) {
+                assert_eq!(lm.margin_rps, vm.margin_rps);
+                assert_eq!(vm.verdict, Verdict::Deterministic);
+            }
+            assert_eq!(
+                v.winner_verdict.is_some(),
+                l.winner_verdict.is_some(),
+                "{}",
+                v.point
+            );
+            assert!(
+                v.winner_verdict
+                    .is_none_or(|verdict| verdict == Verdict::Deterministic)
+            );
+        }
+        // Live, the fixture's round-robin beats prefix-affinity beyond the spread at ws3-s1;
+        // virtual, nothing is judged.
+        assert!(!live.adaptive_router_test.beats.is_empty());
+        assert!(virt.adaptive_router_test.beats.is_empty());
+        assert!(virt.adaptive_router_test.points_tested.is_empty());
+        assert!(
+            virt.adaptive_router_test.statement.starts_with(
+                "Not tested: every point with prefix-affinity (2) ran in virtual time"
+            )
+        );
+        let md = crate::markdown::render(&virt);
+        assert!(md.contains("**Virtual time.**"));
+        assert!(md.contains("deterministic (virtual)"));
+        assert!(!crate::markdown::render(&live).contains("deterministic (virtual)"));
+        // A live report's JSON carries no `virtual_time` (published reports stay as they are).
+        let json = serde_json::to_value(&live).unwrap();
+        assert!(json["points"][0].get("virtual_time").is_none());
     }
 
     #[test]

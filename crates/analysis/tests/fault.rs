@@ -1,13 +1,13 @@
 //! The fault summary on `fixtures/analysis/fault-kill` (a small kill run, see the fixtures
-//! README): the files match the goldens the pre-move xtask code wrote, and `report_dir` tells a
-//! fault run from a sweep.
+//! README): the files match the goldens, the gates each repetition's run recorded (or did not)
+//! decide what is compared, and `report_dir` tells a fault run from a sweep.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 
-use analysis::fault::{self, FaultKind};
-use analysis::{AnalysisError, DirReport, ReportConfig, report_dir, write_report_dir};
+use analysis::fault::{self, FaultKind, GateStatus};
+use analysis::{AnalysisError, DirReport, DriftConfig, ReportConfig, report_dir, write_report_dir};
 
 fn fixture() -> PathBuf {
     common::fixtures().join("fault-kill")
@@ -73,7 +73,7 @@ fn fault_point_comes_from_sweep_json() {
 
 #[test]
 fn summary_matches_the_goldens() {
-    let s = fault::summarize(&fixture(), "ws1-s0-rate4").unwrap();
+    let s = fault::summarize(&fixture(), "ws1-s0-rate4", &DriftConfig::default()).unwrap();
     assert_eq!(s.kind, FaultKind::Kill);
     // Run order from sweep.json, then rep; prefix-affinity rep-2 is unfinished and left out.
     let reps: Vec<(&str, u32)> = s.reps.iter().map(|r| (r.policy.as_str(), r.rep)).collect();
@@ -157,13 +157,115 @@ fn a_rep_without_router_rows_or_a_missing_point_is_an_error() {
     let tmp = Scratch::copy_of(&fixture(), "norouter");
     let rep = tmp.0.join("ws1-s0-rate4/session-affinity/rep-2");
     std::fs::remove_file(rep.join("router.csv")).unwrap();
-    match fault::summarize(&tmp.0, "ws1-s0-rate4").unwrap_err() {
+    match fault::summarize(&tmp.0, "ws1-s0-rate4", &DriftConfig::default()).unwrap_err() {
         AnalysisError::Fault { path, message } => {
             assert_eq!(path, rep);
             assert_eq!(message, "has no router.csv");
         }
         other => panic!("expected a fault error, got {other}"),
     }
-    let err = fault::summarize(&tmp.0, "ws9-s0").unwrap_err().to_string();
+    let err = fault::summarize(&tmp.0, "ws9-s0", &DriftConfig::default())
+        .unwrap_err()
+        .to_string();
     assert!(err.ends_with("holds no point `ws9-s0`"), "{err}");
+}
+
+/// Rewrites `meta.json` of `rep` (under the fixture copy) through `edit`.
+fn edit_meta(dir: &Path, rep: &str, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("ws1-s0-rate4").join(rep).join("meta.json");
+    let mut meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut meta);
+    std::fs::write(&path, serde_json::to_string_pretty(&meta).unwrap()).unwrap();
+}
+
+#[test]
+fn gates_decide_what_is_compared_and_unrecorded_ones_never_read_as_passed() {
+    let tmp = Scratch::copy_of(&fixture(), "gates");
+    let gates = |evidence: serde_json::Value| {
+        serde_json::json!({
+            "evidence": evidence,
+            "drift": {"status": "passed"},
+            "drift_window": {"warmup_s": 1.0, "measured_start_s": 1.0, "measured_end_s": 10.0},
+            "drift_rule": fault::DRIFT_WINDOW_RULE,
+        })
+    };
+    edit_meta(&tmp.0, "session-affinity/rep-1", |m| {
+        m["run"] = serde_json::json!({"gates": gates(serde_json::json!({"status": "passed"}))});
+        m["attempts"] = 1.into();
+    });
+    edit_meta(&tmp.0, "session-affinity/rep-2", |m| {
+        let failed = serde_json::json!({"status": "failed", "reason": "replica 0 lateness p99 9 ms exceeds the bound 5 ms"});
+        m["run"] = serde_json::json!({"gates": gates(failed)});
+        m["accepted"] = false.into();
+        m["set_aside_reason"] =
+            "evidence failed on 3 attempts: replica 0 lateness p99 9 ms exceeds the bound 5 ms"
+                .into();
+        m["attempts"] = 3.into();
+    });
+    let s = fault::summarize(&tmp.0, "ws1-s0-rate4", &DriftConfig::default()).unwrap();
+    // Every complete repetition keeps its loss-bound check, set aside or not.
+    assert_eq!(s.reps.len(), 3);
+    assert_eq!(s.gates.len(), 3);
+    let by = |policy: &str, rep: u32| {
+        s.gates
+            .iter()
+            .find(|g| g.policy == policy && g.rep == rep)
+            .unwrap()
+    };
+    assert_eq!(by("session-affinity", 1).evidence, GateStatus::Passed);
+    assert!(by("session-affinity", 1).accepted);
+    let set_aside = by("session-affinity", 2);
+    assert!(!set_aside.accepted);
+    assert!(matches!(&set_aside.evidence, GateStatus::Failed(why) if why.contains("lateness")));
+    // A repetition whose run recorded no gates: not recorded, never passed.
+    let old = by("prefix-affinity", 1);
+    assert_eq!(
+        (&old.evidence, &old.drift),
+        (&GateStatus::NotRecorded, &GateStatus::NotRecorded)
+    );
+    assert!(old.accepted && !old.recorded());
+    // The summary's own drift test ran on the pre-fault window, 1–10 s.
+    assert_eq!(old.drift_window.measured_end_s, 10.0);
+    assert!(old.drift_check.skipped.is_none() && !old.drift_check.warming);
+    // The set-aside repetition is in neither the comparisons nor the timeline.
+    for c in &s.comparisons {
+        let sa = c
+            .policies
+            .iter()
+            .find(|p| p.policy == "session-affinity")
+            .unwrap();
+        assert_eq!(sa.reps, [1], "{}", c.figure);
+        for d in &c.differences {
+            assert_eq!(d.verdict, analysis::Verdict::TooFewReps, "{d:?}");
+        }
+    }
+    let accepted: Vec<(&str, u32)> = s.accepted().map(|r| (r.policy.as_str(), r.rep)).collect();
+    assert_eq!(accepted, [("session-affinity", 1), ("prefix-affinity", 1)]);
+    let timeline = fault::timeline(s.accepted());
+    let sa_rep1 = &s.reps[0];
+    for row in timeline.iter().filter(|r| r.policy == "session-affinity") {
+        let bucket = sa_rep1
+            .goodput
+            .iter()
+            .find(|b| b.start_s == row.t_s)
+            .unwrap();
+        assert_eq!(row.goodput_rps, bucket.goodput_rps, "rep-2 left out");
+    }
+    let md = fault::markdown(&s);
+    assert!(
+        md.contains("**Gates not recorded for 1 of 3 repetitions**"),
+        "{md}"
+    );
+    assert!(md.contains("flags 0 of them as still trending"), "{md}");
+    assert!(
+        md.contains("- session-affinity rep-2: evidence failed on 3 attempts"),
+        "{md}"
+    );
+    assert!(
+        md.contains(
+            "| prefix-affinity | 1 | yes | – | not recorded | not recorded | settled (1.0–10.0 s) |"
+        ),
+        "{md}"
+    );
 }

@@ -1310,6 +1310,8 @@ mod tests {
             slo: None,
             request_timeout_s: 60.0,
             evidence_interval_s: 1.0,
+            lateness_share_of_itl_floor: LATENESS_SHARE_OF_ITL_FLOOR,
+            evidence_retries: 2,
             seed: 7,
             fleet,
             git_rev: None,

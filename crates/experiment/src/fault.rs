@@ -10,6 +10,13 @@
 //! - `drain`: `POST /admin/replicas/{id}/drain`, wait for its outstanding count to reach 0, stop
 //!   it, restart it after the same outage, `…/undrain`. Nothing may be lost.
 //!
+//! Gates: every repetition passes a sweep cell's gates ([`Gates`]): the evidence check with the
+//! sweep's bounds, then the drift test on the steady load before the fault
+//! (`analysis::fault::drift_window`: the outage and the recovery are the fault's effect, not
+//! warming). Failed evidence is re-run up to `evidence_retries` times, drift once (the attempt
+//! moved to `_discarded/` with its reason); then the repetition is recorded accepted or set
+//! aside, and `meta.json` records what each gate said (`run.gates`).
+//!
 //! Layout: `measurements/fault-<kind>[-quick]/<point>/<policy>/rep-<k>/` holds the rows of every
 //! sweep (`client.csv`, `router.csv`, `evidence.jsonl`, `meta.json`) plus `fault.json` (the
 //! fault's instants on every clock); beside them `timeline.csv` (docs/CONTRACTS.md, "Fault
@@ -28,10 +35,11 @@ use anyhow::{Context, Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
 use analysis::fault::{
-    ClockProbe, FaultEvents, FaultKind, Instants, PROBE_PREFIX, Summary, analyse_rep, probe_offset,
-    router_minus_driver,
+    ClockProbe, FaultEvents, FaultKind, GateStatus, Instants, PROBE_PREFIX, RecordedGates, Summary,
+    analyse_rep, drift_window, probe_offset, router_minus_driver,
 };
-use fleet::evidence::{EvidenceConfig, EvidenceSampler};
+use analysis::{ClientRow, DriftConfig};
+use fleet::evidence::{EvidenceConfig, EvidenceSampler, EvidenceSummary};
 use fleet::{DriverSettings, Fleet, RouterSettings, http};
 use schema::{Meta, Slo, Window};
 use workload::{ArrivalSpec, Sizing, WorkloadSpec};
@@ -41,6 +49,7 @@ use crate::calibrate::{CalibrateSettings, calibrate};
 use crate::calibration::{Calibration, Routing};
 use crate::cell;
 use crate::fleet_spec::{FleetKind, FleetSpec};
+use crate::gate::{GateDecision, Gates};
 use crate::grid;
 use crate::plan_file::{PlanFile, ensure_plan};
 
@@ -97,6 +106,11 @@ pub struct FaultSettings {
     pub request_timeout_s: f64,
     /// Seconds between evidence samples.
     pub evidence_interval_s: f64,
+    /// The engine-lateness bound as a share of the ITL floor in model time (the sweep's evidence
+    /// bound, `calibration::lateness_bound`).
+    pub lateness_share_of_itl_floor: f64,
+    /// Re-runs of a repetition whose evidence fails before it is set aside.
+    pub evidence_retries: u32,
     /// Workload seed.
     pub seed: u64,
     /// The fleet.
@@ -130,6 +144,10 @@ impl FaultSettings {
             ("--outage-model-s", self.outage_model_s),
             ("--inflight-wait-s", self.inflight_wait_s),
             ("--request-timeout-s", self.request_timeout_s),
+            (
+                "--lateness-share-of-itl-floor",
+                self.lateness_share_of_itl_floor,
+            ),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 bail!("{name} must be a non-negative number of seconds, got {v}");
@@ -195,6 +213,27 @@ pub struct Setup {
     pub used_replicas: Vec<usize>,
     /// Whether a calibration gave these (not the SLO flags).
     pub calibrated: bool,
+    /// The floors the lateness bound is a share of: the calibration's, or with the SLO given
+    /// outright the SLO ÷ `SLO_FACTOR` (the floors that SLO stands for under the SLO rule).
+    pub floors: Slo,
+    /// The calibration's throttle bound (command fleets whose cards NVML read).
+    pub throttle: Option<crate::calibration::ThrottleBound>,
+}
+
+/// The evidence bounds of a repetition: the sweep cells' rule (`attempt::bounds`) on the
+/// setup's floors.
+fn self_bounds(s: &FaultSettings, setup: &Setup) -> crate::attempt::CellBounds {
+    crate::attempt::CellBounds {
+        lateness: crate::calibration::lateness_bound(
+            &setup.floors,
+            s.fleet.effective_speed(),
+            s.lateness_share_of_itl_floor,
+        ),
+        throttle: match s.fleet.kind {
+            crate::fleet_spec::FleetKind::Command => setup.throttle.clone(),
+            _ => None,
+        },
+    }
 }
 
 /// The SLO, capacity and index settings: from the SLO given (capacity read from the replicas,
@@ -238,6 +277,11 @@ fn setup(
             routing,
             used_replicas: (0..n).collect(),
             calibrated: false,
+            floors: Slo {
+                ttft_ms: slo.ttft_ms / crate::calibration::SLO_FACTOR,
+                itl_ms: slo.itl_ms / crate::calibration::SLO_FACTOR,
+            },
+            throttle: None,
         });
     }
     let key = s.fleet.key();
@@ -286,6 +330,8 @@ impl Setup {
             routing: Some(cal.routing()?),
             used_replicas: cal.used_replicas.clone(),
             calibrated: true,
+            floors: cal.floors,
+            throttle: cal.gpu_throttle_bound.clone(),
         })
     }
 }
@@ -328,8 +374,20 @@ pub struct FaultRun<'a> {
     pub rate_model_rps: f64,
     /// The point directory's name.
     pub point: String,
+    dir: PathBuf,
     plan: PlanFile,
     fleet: Fleet,
+}
+
+/// One attempt at a fault repetition, before its gates: what `meta.json` records.
+struct FaultAttempt {
+    events: FaultEvents,
+    evidence: EvidenceSummary,
+    client: Vec<ClientRow>,
+    router_rows: Vec<analysis::RouterRow>,
+    router_settings: RouterSettings,
+    driver_settings: DriverSettings,
+    replicas: Vec<fleet::ReplicaInfo>,
 }
 
 impl<'a> FaultRun<'a> {
@@ -400,6 +458,9 @@ impl<'a> FaultRun<'a> {
                 "outage_model_s": s.outage_model_s,
                 "outage_wall_s": s.outage_wall_s(),
                 "after_s": s.after_s,
+                "evidence_bounds": self_bounds(s, &setup),
+                "evidence_retries": s.evidence_retries,
+                "drift_window": analysis::fault::DRIFT_WINDOW_RULE,
                 "setup": setup,
             }))?
             .as_bytes(),
@@ -411,6 +472,7 @@ impl<'a> FaultRun<'a> {
             setup,
             rate_model_rps: rate,
             point,
+            dir: dir.to_path_buf(),
             plan,
             fleet,
         })
@@ -424,12 +486,19 @@ impl<'a> FaultRun<'a> {
     /// Stops the fleet and writes the run's summary, timeline and `summary.md` from the rows.
     pub fn finish(mut self, dir: &Path) -> Result<Summary> {
         self.fleet.stop();
-        Ok(analysis::fault::write_summary(dir, &self.point)?)
+        Ok(analysis::fault::write_summary(
+            dir,
+            &self.point,
+            &DriftConfig::default(),
+        )?)
     }
 
-    /// One repetition of `policy` into `rep_dir` (empty, created): cycle the fleet, start the
-    /// router, probe its clock, run the load, fault the victim mid-request, restart it, let the
-    /// load finish, then write `fault.json` and `meta.json` (last). Returns the outcome's line.
+    /// One repetition of `policy` into `rep_dir` (`<dir>/<point>/<policy>/rep-<rep>`) until it
+    /// is recorded: each attempt cycles the fleet, starts the router, probes its clock, runs the
+    /// load, faults the victim mid-request, restarts it and lets the load finish; then the gates
+    /// ([`Gates`]: evidence, then drift on the pre-fault window) re-run it (the attempt moved to
+    /// `_discarded/`) or record it, accepted or set aside, with `fault.json` and `meta.json`
+    /// (last). Returns the outcome's line.
     pub fn run_rep(
         &mut self,
         policy: &str,
@@ -437,6 +506,104 @@ impl<'a> FaultRun<'a> {
         rep_dir: &Path,
         should_stop: &dyn Fn() -> bool,
     ) -> Result<String> {
+        let s = self.settings;
+        let mut gates = Gates::new(s.evidence_retries);
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            cell::clear(rep_dir)?;
+            let a = self.attempt(policy, rep, rep_dir, should_stop)?;
+            let window = drift_window(&a.events);
+            let drift =
+                analysis::check_rows(&a.client, &self.setup.slo, &window, &DriftConfig::default());
+            let evidence = a.evidence.check(&self_bounds(s, &self.setup).evidence());
+            let recorded = RecordedGates::new(
+                match &evidence {
+                    Ok(()) => GateStatus::Passed,
+                    Err(why) => GateStatus::Failed(why.clone()),
+                },
+                &drift,
+                window,
+            );
+            let set_aside = match gates.judge(evidence, &drift) {
+                GateDecision::Rerun { reason, note } => {
+                    eprintln!("xtask fault: {policy} rep-{rep}: {note}");
+                    cell::discard(&self.dir, &self.point, policy, rep, attempt, &reason)?;
+                    continue;
+                }
+                GateDecision::Record { set_aside } => set_aside,
+            };
+            let outcome = analyse_rep(
+                policy,
+                rep,
+                &a.events,
+                &a.client,
+                &a.router_rows,
+                &self.setup.slo,
+            );
+            let meta = Meta {
+                sweep: format!("fault-{}", s.kind.as_str()),
+                point: self.point.clone(),
+                policy: policy.to_string(),
+                rep,
+                workload_name: self.plan.workload_name.clone(),
+                workload_fingerprint: self.plan.workload_fingerprint.clone(),
+                plan_fingerprint: self.plan.plan_fingerprint.clone(),
+                fleet: serde_json::json!({
+                    "source": s.fleet.key().source,
+                    "replicas": a.replicas.len(),
+                    "speed": s.fleet.effective_speed(),
+                    "slowdowns": a.replicas.iter().map(|r| r.slowdown).collect::<Vec<_>>(),
+                    "capacity_tokens": self.setup.capacity_tokens,
+                    "model": s.fleet.model,
+                    "used_replicas": self.setup.used_replicas,
+                }),
+                slo: self.setup.slo,
+                window: Window {
+                    warmup_s: s.warmup_s,
+                    measured_start_s: s.warmup_s,
+                    measured_end_s: s.run_s(),
+                },
+                git_rev: s.git_rev.clone(),
+                versions: s.versions.clone(),
+                virtual_time: false,
+                complete: true,
+                accepted: set_aside.is_none(),
+                set_aside_reason: set_aside.clone(),
+                attempts: attempt,
+                evidence: serde_json::to_value(&a.evidence)?,
+                drift: serde_json::to_value(&drift)?,
+                run: serde_json::json!({
+                    "plan": self.plan.name,
+                    "router": a.router_settings,
+                    "driver": a.driver_settings,
+                    "fault": a.events,
+                    "calibrated": self.setup.calibrated,
+                    "requests": a.client.len(),
+                    "gates": recorded,
+                }),
+            };
+            if should_stop() {
+                bail!("interrupted before the repetition was recorded");
+            }
+            cell::write_meta(rep_dir, &meta)?;
+            let line = outcome.one_line();
+            return Ok(match set_aside {
+                None if attempt > 1 => format!("{line} (attempt {attempt})"),
+                None => line,
+                Some(why) => format!("set aside: {why}; {line}"),
+            });
+        }
+    }
+
+    /// One attempt at a repetition into `rep_dir` (empty, created), through `fault.json`.
+    fn attempt(
+        &mut self,
+        policy: &str,
+        rep: u32,
+        rep_dir: &Path,
+        should_stop: &dyn Fn() -> bool,
+    ) -> Result<FaultAttempt> {
         let s = self.settings;
         let fleet = &mut self.fleet;
         let victim = s.victim;
@@ -652,53 +819,15 @@ impl<'a> FaultRun<'a> {
             &rep_dir.join("fault.json"),
             serde_json::to_string_pretty(&events)?.as_bytes(),
         )?;
-        let outcome = analyse_rep(policy, rep, &events, &client, &router_rows, &self.setup.slo);
-        let meta = Meta {
-            sweep: format!("fault-{}", s.kind.as_str()),
-            point: self.point.clone(),
-            policy: policy.to_string(),
-            rep,
-            workload_name: self.plan.workload_name.clone(),
-            workload_fingerprint: self.plan.workload_fingerprint.clone(),
-            plan_fingerprint: self.plan.plan_fingerprint.clone(),
-            fleet: serde_json::json!({
-                "source": s.fleet.key().source,
-                "replicas": replicas.len(),
-                "speed": s.fleet.effective_speed(),
-                "slowdowns": replicas.iter().map(|r| r.slowdown).collect::<Vec<_>>(),
-                "capacity_tokens": self.setup.capacity_tokens,
-                "model": s.fleet.model,
-                "used_replicas": self.setup.used_replicas,
-            }),
-            slo: self.setup.slo,
-            window: Window {
-                warmup_s: s.warmup_s,
-                measured_start_s: s.warmup_s,
-                measured_end_s: s.run_s(),
-            },
-            git_rev: s.git_rev.clone(),
-            versions: s.versions.clone(),
-            virtual_time: false,
-            complete: true,
-            accepted: true,
-            set_aside_reason: None,
-            attempts: 1,
-            evidence: serde_json::to_value(&evidence)?,
-            drift: serde_json::Value::Null,
-            run: serde_json::json!({
-                "plan": self.plan.name,
-                "router": router_settings,
-                "driver": driver_settings,
-                "fault": events,
-                "calibrated": self.setup.calibrated,
-                "requests": client.len(),
-            }),
-        };
-        if should_stop() {
-            bail!("interrupted before the repetition was recorded");
-        }
-        cell::write_meta(rep_dir, &meta)?;
-        Ok(outcome.one_line())
+        Ok(FaultAttempt {
+            events,
+            evidence,
+            client,
+            router_rows,
+            router_settings,
+            driver_settings,
+            replicas,
+        })
     }
 }
 
@@ -835,6 +964,8 @@ mod tests {
             slo: None,
             request_timeout_s: 60.0,
             evidence_interval_s: 1.0,
+            lateness_share_of_itl_floor: crate::calibration::LATENESS_SHARE_OF_ITL_FLOOR,
+            evidence_retries: 2,
             seed: 7,
             fleet: FleetSpec::test_emulated(),
             git_rev: None,

@@ -17,6 +17,8 @@
 //! - [`fleet_spec`]: [`FleetSpec`], the fleet as settings → `fleet::Source`, the fleet key.
 //! - [`bins`]: [`Bins`], the release binaries the procedures run.
 //! - [`attempt`]: one measured attempt (fleet cycled, ingress, driver, evidence, window).
+//! - [`gate`]: the evidence and drift gates every sweep cell and fault repetition passes
+//!   ([`gate::Gates`]: re-run, or record accepted or set aside).
 //! - [`sweep`]: [`sweep::SweepSettings`] and the live sweep ([`sweep::LiveSweep`]).
 //! - [`calibration`]: `calibration.json` ([`calibration::Calibration`]) and its derivation rules.
 //! - [`calibrate`]: the calibration procedure, its phases printed with an ETA.
@@ -32,6 +34,7 @@ pub mod calibration;
 pub mod cell;
 pub mod fault;
 pub mod fleet_spec;
+pub mod gate;
 pub mod grid;
 pub mod plan_file;
 pub mod progress;

@@ -19,6 +19,7 @@ use crate::calibrate::{CalibrateSettings, calibrate};
 use crate::calibration::{Calibration, Routing, requests_per_user};
 use crate::cell;
 use crate::fleet_spec::{FleetKind, FleetSpec};
+use crate::gate::{GateDecision, Gates};
 use crate::grid::{self, Arrival, GridParams, Point, SweepName, WorkloadShape};
 use crate::plan_file::{PlanFile, ensure_plan};
 
@@ -374,8 +375,9 @@ impl<'a> LiveSweep<'a> {
     }
 
     /// Runs one repetition of `policy` at `point` into its directory until it is recorded:
-    /// a failed attempt is discarded and re-run once, failed evidence up to `evidence_retries`
-    /// times, a drifting one once; then it is accepted or set aside with its reason, and
+    /// a failed attempt is discarded and re-run once; the gates ([`Gates`]) re-run failed
+    /// evidence up to `evidence_retries` times, a drifting one once; then it is accepted or set
+    /// aside with its reason, and
     /// `meta.json` is written last. Returns the outcome for the progress line. On an interrupt
     /// the half cell is removed and nothing is recorded.
     pub fn run_cell(
@@ -409,11 +411,9 @@ impl<'a> LiveSweep<'a> {
             timeout_s: s.request_timeout_s,
             model: s.fleet.model.clone(),
         };
-        let mut drift_reruns = 0u32;
-        let mut evidence_reruns = 0u32;
+        let mut gates = Gates::new(s.evidence_retries);
         let mut failures = 0u32;
         let mut attempt = 0u32;
-        let mut set_aside: Option<String> = None;
         loop {
             attempt += 1;
             cell::clear(&dir)?;
@@ -470,29 +470,6 @@ impl<'a> LiveSweep<'a> {
                     continue;
                 }
             };
-            // Evidence first: a dirty window says nothing about warming.
-            if let Err(why) = result.evidence.check(&cell_bounds.evidence()) {
-                if evidence_reruns < s.evidence_retries {
-                    evidence_reruns += 1;
-                    eprintln!(
-                        "xtask: {} {policy} rep-{rep}: evidence failed ({why}); discarded, re-running",
-                        point.name
-                    );
-                    cell::discard(
-                        sweep_dir,
-                        &point.name,
-                        policy,
-                        rep,
-                        attempt,
-                        &format!("evidence: {why}"),
-                    )?;
-                    continue;
-                }
-                set_aside = Some(format!(
-                    "evidence failed on {} attempts: {why}",
-                    evidence_reruns + 1
-                ));
-            }
             let drift = analysis::check_rep_dir(
                 &dir,
                 &cal.slo,
@@ -500,26 +477,15 @@ impl<'a> LiveSweep<'a> {
                 &analysis::DriftConfig::default(),
             )
             .map_err(|e| anyhow!("drift check of {}: {e}", dir.display()))?;
-            if set_aside.is_none() && drift.warming {
-                let why = drift.reason.clone().unwrap_or_else(|| "warming".into());
-                if drift_reruns == 0 {
-                    drift_reruns += 1;
-                    eprintln!(
-                        "xtask: {} {policy} rep-{rep}: drift ({why}); re-running once",
-                        point.name
-                    );
-                    cell::discard(
-                        sweep_dir,
-                        &point.name,
-                        policy,
-                        rep,
-                        attempt,
-                        &format!("drift: {why}"),
-                    )?;
+            let evidence = result.evidence.check(&cell_bounds.evidence());
+            let set_aside = match gates.judge(evidence, &drift) {
+                GateDecision::Rerun { reason, note } => {
+                    eprintln!("xtask: {} {policy} rep-{rep}: {note}", point.name);
+                    cell::discard(sweep_dir, &point.name, policy, rep, attempt, &reason)?;
                     continue;
                 }
-                set_aside = Some(format!("drifted twice: {why}"));
-            }
+                GateDecision::Record { set_aside } => set_aside,
+            };
             let replicas = self.fleet.replicas();
             let meta = Meta {
                 sweep: s.name.as_str().to_string(),

@@ -13,10 +13,13 @@
 //! per token on the reference plan, and a simulated reference run whose belief decay (else the
 //! LRU-cycle model) sets the index TTL; every cell takes TTL, node cap and bytes per token from
 //! [`Calibration::routing`], as live cells do. Every repetition gets its own policy and engine
-//! seed and a small step-time jitter, so repetitions differ the way live ones do, while the same
-//! seed still gives byte-identical rows. Each repetition's rows pass the live drift check before
-//! its `meta.json` (`"virtual": true`) is written; a drifting repetition is set aside at once,
-//! since re-running a deterministic cell would only repeat it.
+//! seed and nothing else: the simulated engines run without step-time jitter, since no measured
+//! noise model stands behind one, so the same seed gives byte-identical rows and repetitions
+//! differ only where a seed decides (a policy's tie-breaks). The report calls their differences
+//! *deterministic (virtual)* and draws no spread verdict from them (`analysis::compare::Basis`).
+//! Each repetition's rows pass the live drift check before its `meta.json` (`"virtual": true`) is
+//! written; a drifting repetition is set aside at once, since re-running a deterministic cell
+//! would only repeat it.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -35,8 +38,8 @@ use crate::fleet_spec::{FleetKind, FleetSpec};
 use crate::grid::{self, Point};
 use crate::sweep::SweepSettings;
 
-/// Step-time jitter of every virtual engine: enough that repetitions differ.
-pub const JITTER: f64 = 0.02;
+/// What a virtual sweep's repetitions are, as `sweep.json` records it.
+pub const REPETITIONS: &str = "deterministic: no step-time jitter; repetitions differ only by their policy and engine seeds, so the report draws no spread verdict (deterministic (virtual))";
 
 /// Unseen single-turn prompts the virtual calibration measures.
 const CALIBRATION_REQUESTS: u32 = 64;
@@ -97,7 +100,9 @@ impl EmulatedFleet {
         let mut cfg = sim::SimConfig::new(used.len() as u32, "round-robin");
         cfg.engine.num_gpu_blocks = self.num_gpu_blocks;
         cfg.engine.model.speed = self.speed;
-        cfg.engine.model.jitter = JITTER;
+        // No step-time jitter: an invented noise level would only make deterministic
+        // repetitions look like measured ones.
+        cfg.engine.model.jitter = 0.0;
         cfg.slowdowns = used.iter().map(|&i| self.slowdown(i)).collect();
         cfg.model = self.model.clone();
         cfg.validate().map_err(|e| anyhow!("{e}"))?;
@@ -415,7 +420,7 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
             "measure_s": s.measure_s,
             "think_model_s": s.think_model_s,
             "speed": s.fleet.speed,
-            "jitter": JITTER,
+            "repetitions": REPETITIONS,
             "calibration": cal,
         }))?
         .as_bytes(),
@@ -505,7 +510,7 @@ mod tests {
             .unwrap();
         assert_eq!(base.slowdowns, [1.0, 1.2, 1.0]);
         assert_eq!(base.engine.num_gpu_blocks, 1024);
-        assert_eq!(base.engine.model.jitter, JITTER);
+        assert_eq!(base.engine.model.jitter, 0.0, "no invented step-time noise");
     }
 
     /// A tiny cell, run twice with one seed and once with the next repetition's: the same bytes,

@@ -269,7 +269,8 @@ fn heatmap<DB: DrawingBackend>(
             match c.verdict {
                 Verdict::Separates => {}
                 Verdict::WithinSpread => hatch(area, a, b)?,
-                Verdict::TooFewReps => dotted_outline(area, a, b)?,
+                // Neither has a spread to judge by; the cell's verdict line says which.
+                Verdict::TooFewReps | Verdict::Deterministic => dotted_outline(area, a, b)?,
             }
             let n = c.lines.len() as i32;
             let line_h = 25;
@@ -348,6 +349,7 @@ fn verdict_line(v: Verdict) -> String {
         Verdict::Separates => "separates".into(),
         Verdict::WithinSpread => "within spread".into(),
         Verdict::TooFewReps => "too few reps".into(),
+        Verdict::Deterministic => "deterministic (virtual)".into(),
     }
 }
 

@@ -19,14 +19,23 @@
 //! | this one | the fault's record (`FaultEvents`, `Instants`, `FaultKind`), `fault_point` |
 //! | `clock` | `ClockProbe`, `probe_offset`, `router_minus_driver` |
 //! | `rep` | `analyse_rep`: loss-bound classification, share, TTFT and goodput windows, recovery |
+//! | `gates` | the drift window (pre-fault), the gates a run records (`RecordedGates`), `rep_gates` |
+//! | `comparison` | policies compared over the accepted repetitions with `compare::Verdict::judge` |
 //! | `summary` | `summarize` a directory, `write_summary`, the timeline of figure 6 |
 //! | `markdown` | `summary.md` |
+//!
+//! Gates: every fault repetition passes the sweep cell's two gates, the evidence check and the
+//! drift test, the latter on the steady load before the fault (`gates::drift_window`); a
+//! repetition the run set aside keeps its loss-bound check but leaves the comparisons and the
+//! timeline.
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 mod clock;
+mod comparison;
+mod gates;
 mod markdown;
 mod rep;
 mod summary;
@@ -34,6 +43,8 @@ mod summary;
 mod tests;
 
 pub use clock::{ClockProbe, probe_offset, router_minus_driver};
+pub use comparison::{Comparison, Difference, PolicyFigure, compare};
+pub use gates::{DRIFT_WINDOW_RULE, GateStatus, RecordedGates, RepGates, drift_window, rep_gates};
 pub use markdown::markdown;
 pub use rep::{LostRequest, RepOutcome, ShareWindow, TtftWindow, analyse_rep};
 pub use summary::{Summary, TimelineRow, summarize, timeline, timeline_csv, write_summary};

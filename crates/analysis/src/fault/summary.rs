@@ -1,13 +1,18 @@
 //! A fault run's directory: every complete repetition analysed, the loss bounds checked over all
-//! of them, the timeline of figure 6, and the files `summary.md`, `summary.json`, `timeline.csv`.
+//! of them, each repetition's gates, the comparisons and the timeline of figure 6 over the
+//! accepted ones, and the files `summary.md`, `summary.json`, `timeline.csv`.
 
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use super::comparison::{Comparison, compare};
+use super::gates::{DRIFT_WINDOW_RULE, RepGates, rep_gates};
 use super::{FaultEvents, FaultKind, RepOutcome, analyse_rep, markdown};
+use crate::compare::{Basis, Refusal, check_comparable};
+use crate::drift::DriftConfig;
 use crate::error::{AnalysisError, Result};
-use crate::load::{RepLoad, load_rep, rep_number};
+use crate::load::{RepData, RepLoad, load_rep, rep_number};
 use crate::output::{OutputFile, write_files};
 use crate::stats::median;
 
@@ -18,20 +23,38 @@ pub struct Summary {
     pub kind: FaultKind,
     /// Point directory the reps live in.
     pub point: String,
-    /// Per repetition, in policy order.
+    /// Per complete repetition, accepted or set aside, in policy order.
     pub reps: Vec<RepOutcome>,
-    /// All broken bounds, prefixed with policy and rep.
+    /// All broken bounds, prefixed with policy and rep (over every complete repetition: a loss
+    /// is a loss whether or not the repetition's measurements count).
     pub violations: Vec<String>,
+    /// Each repetition's gates, in the order of `reps`.
+    pub gates: Vec<RepGates>,
+    /// Where a fault repetition's drift test runs ([`DRIFT_WINDOW_RULE`]).
+    pub drift_rule: String,
+    /// The policies compared over the accepted repetitions (empty when `refused`).
+    pub comparisons: Vec<Comparison>,
+    /// Why the repetitions were not compared: they sent different workloads or plans.
+    pub refused: Option<Refusal>,
 }
 
 impl Summary {
+    /// The repetitions the run accepted: the ones the comparisons and the timeline rest on.
+    pub fn accepted(&self) -> impl Iterator<Item = &RepOutcome> {
+        self.reps
+            .iter()
+            .zip(&self.gates)
+            .filter(|(_, g)| g.accepted)
+            .map(|(r, _)| r)
+    }
+
     /// The files of a fault run's directory, in the order they are written: `timeline.csv`,
     /// `summary.json`, `summary.md`.
     pub fn files(&self) -> Vec<OutputFile> {
         vec![
             OutputFile {
                 name: "timeline.csv",
-                bytes: timeline_csv(&timeline(&self.reps)).into_bytes(),
+                bytes: timeline_csv(&timeline(self.accepted())).into_bytes(),
             },
             OutputFile {
                 name: "summary.json",
@@ -63,16 +86,21 @@ pub struct TimelineRow {
 
 /// The timeline of figure 6 from the outcomes, in the order given (policies keep their first
 /// appearance's order).
-pub fn timeline(reps: &[RepOutcome]) -> Vec<TimelineRow> {
+pub fn timeline<'a>(reps: impl IntoIterator<Item = &'a RepOutcome>) -> Vec<TimelineRow> {
+    let reps: Vec<&RepOutcome> = reps.into_iter().collect();
     let mut order: Vec<&str> = Vec::new();
-    for r in reps {
+    for r in &reps {
         if !order.contains(&r.policy.as_str()) {
             order.push(&r.policy);
         }
     }
     let mut out = Vec::new();
     for policy in order {
-        let mine: Vec<&RepOutcome> = reps.iter().filter(|r| r.policy == policy).collect();
+        let mine: Vec<&RepOutcome> = reps
+            .iter()
+            .copied()
+            .filter(|r| r.policy == policy)
+            .collect();
         let buckets = mine.iter().map(|r| r.goodput.len()).min().unwrap_or(0);
         for b in 0..buckets {
             let t_s = mine[0].goodput[b].start_s;
@@ -107,14 +135,16 @@ pub fn timeline_csv(rows: &[TimelineRow]) -> String {
 }
 
 /// Reads every complete repetition of `point` in a fault run's directory (rows through
-/// [`load_rep`], so plain as the run wrote them or `.csv.gz` as `xtask publish` copied them) and
-/// checks the loss bounds. Writes nothing; [`write_summary`] does.
-pub fn summarize(dir: &Path, point: &str) -> Result<Summary> {
+/// [`load_rep`], so plain as the run wrote them or `.csv.gz` as `xtask publish` copied them),
+/// checks the loss bounds, reads each repetition's gates and runs the drift test (`drift`) on
+/// its pre-fault window, and compares the policies over the accepted repetitions. Writes
+/// nothing; [`write_summary`] does.
+pub fn summarize(dir: &Path, point: &str, drift: &DriftConfig) -> Result<Summary> {
     let point_dir = dir.join(point);
     if !point_dir.is_dir() {
         return Err(fault_error(dir, format!("holds no point `{point}`")));
     }
-    let mut reps = Vec::new();
+    let mut found: Vec<(RepOutcome, RepGates, RepData)> = Vec::new();
     let mut kind = None;
     for policy_dir in sorted_dirs(&point_dir)? {
         for rep_dir in sorted_dirs(&policy_dir)? {
@@ -138,15 +168,10 @@ pub fn summarize(dir: &Path, point: &str) -> Result<Summary> {
                 .router
                 .as_deref()
                 .ok_or_else(|| fault_error(&rep_dir, "has no router.csv"))?;
-            reps.push(analyse_rep(
-                &policy,
-                rep,
-                &events,
-                &data.client,
-                router,
-                &data.meta.slo,
-            ));
+            let outcome = analyse_rep(&policy, rep, &events, &data.client, router, &data.meta.slo);
+            let gates = rep_gates(&data, &events, drift);
             kind = Some(events.kind);
+            found.push((outcome, gates, *data));
         }
     }
     let Some(kind) = kind else {
@@ -161,7 +186,7 @@ pub fn summarize(dir: &Path, point: &str) -> Result<Summary> {
         && let Some(list) = v["policies"].as_array()
     {
         let order: Vec<&str> = list.iter().filter_map(|p| p.as_str()).collect();
-        reps.sort_by_key(|r| {
+        found.sort_by_key(|(r, _, _)| {
             (
                 order
                     .iter()
@@ -171,26 +196,41 @@ pub fn summarize(dir: &Path, point: &str) -> Result<Summary> {
             )
         });
     }
-    let violations = reps
+    let violations = found
         .iter()
-        .flat_map(|r| {
+        .flat_map(|(r, _, _)| {
             r.violations
                 .iter()
                 .map(move |v| format!("{} rep-{}: {v}", r.policy, r.rep))
         })
         .collect();
-    let summary = Summary {
+    let accepted: Vec<&(RepOutcome, RepGates, RepData)> =
+        found.iter().filter(|(_, g, _)| g.accepted).collect();
+    let data: Vec<&RepData> = accepted.iter().map(|(_, _, d)| d).collect();
+    let (comparisons, refused) = match check_comparable(point, &data) {
+        Ok(()) => {
+            let outcomes: Vec<&RepOutcome> = accepted.iter().map(|(r, _, _)| r).collect();
+            let basis = Basis::of(data.iter().map(|d| d.meta.virtual_time));
+            (compare(&outcomes, basis), None)
+        }
+        Err(refusal) => (Vec::new(), Some(refusal)),
+    };
+    let (reps, gates) = found.into_iter().map(|(r, g, _)| (r, g)).unzip();
+    Ok(Summary {
         kind,
         point: point.to_string(),
         reps,
         violations,
-    };
-    Ok(summary)
+        gates,
+        drift_rule: DRIFT_WINDOW_RULE.to_string(),
+        comparisons,
+        refused,
+    })
 }
 
 /// [`summarize`], then writes `timeline.csv`, `summary.json` and `summary.md` into `dir`.
-pub fn write_summary(dir: &Path, point: &str) -> Result<Summary> {
-    let summary = summarize(dir, point)?;
+pub fn write_summary(dir: &Path, point: &str, drift: &DriftConfig) -> Result<Summary> {
+    let summary = summarize(dir, point, drift)?;
     write_files(dir, &summary.files())?;
     Ok(summary)
 }

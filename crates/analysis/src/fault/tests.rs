@@ -344,6 +344,10 @@ fn summary_markdown_names_the_verdict() {
         point: "ws1-s0-rate2.4".into(),
         reps: vec![out],
         violations: vec![],
+        gates: vec![],
+        drift_rule: DRIFT_WINDOW_RULE.into(),
+        comparisons: vec![],
+        refused: None,
     };
     let md = markdown(&s);
     assert!(md.contains("Loss bounds hold"));
@@ -363,4 +367,154 @@ fn one_line_says_what_the_rep_showed() {
         out.one_line(),
         "2 sent, 1 lost (1 in flight on the victim, outstanding 2 at the fault), 0 violations; goodput 0.1 before, 0.0 during, 0.0 after; recovered not within the run"
     );
+}
+
+#[test]
+fn drift_is_tested_before_the_fault_and_not_across_it() {
+    use crate::drift::{DriftConfig, check_rows};
+    let e = events(FaultKind::Kill);
+    let w = drift_window(&e);
+    // Warm-up 1 s on the driver's clock, the kill at driver 10 s.
+    assert_eq!((w.measured_start_s, w.measured_end_s), (1.0, 10.0));
+    // Steady before the fault, then the fault's own trend: TTFT high in the outage and falling
+    // back over the recovery.
+    let mut rows: Vec<ClientRow> = (0..80)
+        .map(|i| {
+            let t = f64::from(i) * 0.25;
+            let ttft = if t < 10.0 {
+                20.0 + f64::from(i % 3)
+            } else {
+                90.0 - 3.0 * (t - 10.0)
+            };
+            client(&format!("q{i}"), t, Some(ttft), None)
+        })
+        .collect();
+    let cfg = DriftConfig::default();
+    let whole = schema::Window {
+        warmup_s: 1.0,
+        measured_start_s: 1.0,
+        measured_end_s: 20.0,
+    };
+    assert!(
+        check_rows(&rows, &slo(), &whole, &cfg).warming,
+        "across the fault the test sees the fault's own trend"
+    );
+    let pre = check_rows(&rows, &slo(), &w, &cfg);
+    assert!(!pre.warming && pre.skipped.is_none(), "{pre:?}");
+    assert_eq!(GateStatus::of_drift(&pre), GateStatus::Passed);
+    // Still warming before the fault: TTFT falling over the steady load is flagged.
+    for (i, r) in rows.iter_mut().enumerate().take(40) {
+        r.ttft_ms = Some(90.0 - 1.5 * i as f64);
+    }
+    let warming = check_rows(&rows, &slo(), &w, &cfg);
+    assert!(warming.warming);
+    assert!(
+        matches!(GateStatus::of_drift(&warming), GateStatus::Failed(why) if why.contains("TTFT"))
+    );
+    // A fault before the warm-up ended leaves nothing to test, and says so.
+    let mut early = events(FaultKind::Kill);
+    early.warmup_s = 12.0;
+    let w = drift_window(&early);
+    assert_eq!(w.measured_end_s, w.measured_start_s);
+    let v = check_rows(&rows, &slo(), &w, &cfg);
+    assert!(matches!(GateStatus::of_drift(&v), GateStatus::NotRun(_)));
+}
+
+#[test]
+fn the_run_records_its_gates_and_a_run_before_gating_reads_as_not_recorded() {
+    let e = events(FaultKind::Kill);
+    let c: Vec<ClientRow> = (0..40)
+        .map(|i| client(&format!("q{i}"), f64::from(i) * 0.25, Some(20.0), None))
+        .collect();
+    let w = drift_window(&e);
+    let v = crate::drift::check_rows(&c, &slo(), &w, &crate::drift::DriftConfig::default());
+    let rec = RecordedGates::new(GateStatus::Failed("lateness".into()), &v, w);
+    let run = serde_json::json!({"plan": "p", "gates": rec});
+    assert_eq!(
+        run["gates"]["evidence"],
+        serde_json::json!({"status": "failed", "reason": "lateness"})
+    );
+    assert_eq!(
+        run["gates"]["drift"],
+        serde_json::json!({"status": "passed"})
+    );
+    assert_eq!(RecordedGates::from_run(&run), Some(rec));
+    assert_eq!(
+        RecordedGates::from_run(&serde_json::json!({"plan": "p"})),
+        None
+    );
+    assert_eq!(GateStatus::NotRecorded.text(), "not recorded");
+}
+
+#[test]
+fn policies_are_compared_by_the_sweep_reports_verdict() {
+    use crate::compare::{Basis, Verdict};
+    let e = events(FaultKind::Kill);
+    let base = analyse_rep("p", 1, &e, &[], &[], &slo());
+    let rep = |policy: &str, rep: u32, outage: f64, recovery: Option<f64>| RepOutcome {
+        policy: policy.into(),
+        rep,
+        goodput_before_rps: Some(24.0),
+        goodput_outage_rps: Some(outage),
+        goodput_after_rps: Some(23.0 + f64::from(rep) / 10.0),
+        recovery_s: recovery,
+        ..base.clone()
+    };
+    let reps = [
+        rep("session-affinity", 1, 52.0, Some(2.0)),
+        rep("session-affinity", 2, 51.9, Some(2.0)),
+        rep("prefix-affinity", 1, 40.0, Some(4.0)),
+        rep("prefix-affinity", 2, 45.2, None),
+        rep("spill-off", 1, 55.2, Some(0.0)),
+        rep("spill-off", 2, 55.9, Some(0.0)),
+    ];
+    let refs: Vec<&RepOutcome> = reps.iter().collect();
+    let cmp = compare(&refs, Basis::Measured);
+    let outage = cmp
+        .iter()
+        .find(|c| c.figure == "goodput_outage_rps")
+        .unwrap();
+    let order: Vec<&str> = outage.policies.iter().map(|p| p.policy.as_str()).collect();
+    assert_eq!(order, ["session-affinity", "prefix-affinity", "spill-off"]);
+    let diff = |c: &Comparison, a: &str, b: &str| {
+        c.differences
+            .iter()
+            .find(|d| d.policy == a && d.baseline == b)
+            .cloned()
+    };
+    let pa_sa = diff(outage, "prefix-affinity", "session-affinity").unwrap();
+    assert_eq!(pa_sa.verdict, Verdict::Separates);
+    assert!((pa_sa.difference - (42.6 - 51.95)).abs() < 1e-9);
+    assert_eq!(
+        diff(outage, "spill-off", "prefix-affinity")
+            .unwrap()
+            .verdict,
+        Verdict::Separates
+    );
+    // Overlapping ranges: within spread.
+    let after = cmp
+        .iter()
+        .find(|c| c.figure == "goodput_after_rps")
+        .unwrap();
+    assert_eq!(
+        diff(after, "spill-off", "session-affinity")
+            .unwrap()
+            .verdict,
+        Verdict::WithinSpread
+    );
+    // A recovery not within the run has no value, and no bound stands in: no spread, no verdict.
+    let recovery = cmp.iter().find(|c| c.figure == "recovery_s").unwrap();
+    let pa = &recovery.policies[1];
+    assert_eq!((pa.spread, pa.missing.as_slice()), (None, &[2][..]));
+    assert!(diff(recovery, "prefix-affinity", "session-affinity").is_none());
+    assert_eq!(
+        diff(recovery, "spill-off", "session-affinity")
+            .unwrap()
+            .verdict,
+        Verdict::Separates
+    );
+    // One repetition a side: too few reps, never a verdict by eye.
+    let one: Vec<&RepOutcome> = vec![&reps[0], &reps[2]];
+    let cmp = compare(&one, Basis::Measured);
+    assert_eq!(cmp[1].differences[0].verdict, Verdict::TooFewReps);
 }
