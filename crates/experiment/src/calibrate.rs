@@ -16,6 +16,7 @@ use workload::{ArrivalSpec, Sizing, WorkloadSpec};
 use crate::attempt::{Attempt, run_attempt};
 use crate::bins::Bins;
 use crate::calibration::{self, Calibration, IndexCalibration, ReplicaCalibration, SLO_FACTOR};
+use crate::capacity::{self, CapacitySettings};
 use crate::cell;
 use crate::fleet_spec::{FleetKind, FleetSpec};
 use crate::grid;
@@ -64,6 +65,10 @@ pub struct CalibrateSettings {
     pub git_rev: Option<String>,
     /// Tool versions recorded beside it.
     pub versions: serde_json::Value,
+    /// The capacity search after the reference run ([`crate::capacity`]); `None` skips it
+    /// (`calibrate --no-capacity`, and the calibration a closed-loop sweep or a fault run makes
+    /// for itself).
+    pub capacity: Option<CapacitySettings>,
 }
 
 impl CalibrateSettings {
@@ -90,6 +95,7 @@ impl CalibrateSettings {
             seed,
             git_rev,
             versions,
+            capacity: None,
         }
     }
 
@@ -336,7 +342,7 @@ pub fn calibrate(
         speed,
     };
     let (index, reference_run) = reference_run(s, bins, &reference, should_stop)?;
-    let calibration = Calibration {
+    let mut calibration = Calibration {
         fleet: s.fleet.key(),
         replicas,
         used_replicas: used,
@@ -353,7 +359,18 @@ pub fn calibrate(
         reference_run: Some(reference_run),
         git_rev: s.git_rev.clone(),
         versions: s.versions.clone(),
+        capacity: None,
     };
+    if let Some(c) = &s.capacity {
+        calibration.capacity = Some(capacity::find_live(
+            s,
+            c,
+            bins,
+            &calibration,
+            &work,
+            should_stop,
+        )?);
+    }
     calibration.write(&s.out)?;
     eprintln!("xtask calibrate: wrote {}", s.out.display());
     Ok(calibration)

@@ -113,6 +113,10 @@ pub struct Calibration {
     pub git_rev: Option<String>,
     /// Versions.
     pub versions: serde_json::Value,
+    /// The fleet's capacity and the curve it was found on ([`crate::capacity`]); `None` when the
+    /// calibration ran without the capacity search (and in files written before it existed).
+    #[serde(default)]
+    pub capacity: Option<crate::capacity::Capacity>,
 }
 
 impl Calibration {
