@@ -1,6 +1,7 @@
 //! `cargo xtask calibrate`: flags → `experiment::calibrate::CalibrateSettings`; the procedure
-//! (floors, KV capacity, outliers, the reference load, phases with an ETA) is
-//! `experiment::calibrate`, the record and its rules `experiment::calibration`.
+//! (floors, KV capacity, outliers, the reference load, phases with an ETA, then the fleet's
+//! capacity) is `experiment::calibrate` and `experiment::capacity`, the record and its rules
+//! `experiment::calibration`.
 
 use std::path::PathBuf;
 
@@ -10,6 +11,7 @@ use clap::Args;
 use experiment::Bins;
 use experiment::calibrate::{self, CalibrateSettings};
 use experiment::calibration::Calibration;
+use experiment::capacity::CapacitySettings;
 
 use crate::fleetargs::FleetArgs;
 use crate::{env, interrupt};
@@ -54,6 +56,25 @@ pub struct CalibrateArgs {
     /// Workload seed.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
+    /// Skip the capacity search (sweeps with `--load` then refuse this calibration).
+    #[arg(long)]
+    pub no_capacity: bool,
+    /// Policies whose best decides the capacity, comma-separated (default:
+    /// session-affinity,prefix-affinity).
+    #[arg(long, value_delimiter = ',')]
+    pub capacity_policies: Vec<String>,
+    /// First rate of the capacity search, req/s of model time (default: the reference run's
+    /// throughput).
+    #[arg(long)]
+    pub capacity_start_rps: Option<f64>,
+    /// Relative resolution of the capacity search's bisection (default 0.05, or 0.15 with
+    /// --quick).
+    #[arg(long)]
+    pub capacity_resolution: Option<f64>,
+    /// Engine-lateness bound of a capacity step, as a share of the ITL floor in model time
+    /// (the cells' rule; the wall bound is that ÷ speed).
+    #[arg(long, default_value_t = experiment::calibration::LATENESS_SHARE_OF_ITL_FLOOR)]
+    pub lateness_share_of_itl_floor: f64,
 }
 
 impl CalibrateArgs {
@@ -75,6 +96,20 @@ impl CalibrateArgs {
             think_model_s: self.think_s,
             warmup_s: self.warmup_s.unwrap_or(defaults.warmup_s),
             measure_s: self.measure_s.unwrap_or(defaults.measure_s),
+            capacity: (!self.no_capacity).then(|| {
+                let d = CapacitySettings::defaults(self.quick);
+                CapacitySettings {
+                    policies: if self.capacity_policies.is_empty() {
+                        d.policies.clone()
+                    } else {
+                        self.capacity_policies.clone()
+                    },
+                    start_rps: self.capacity_start_rps,
+                    resolution: self.capacity_resolution.unwrap_or(d.resolution),
+                    lateness_share_of_itl_floor: self.lateness_share_of_itl_floor,
+                    ..d
+                }
+            }),
             ..defaults
         }
     }

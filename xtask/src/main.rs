@@ -32,7 +32,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Measure floors (→ SLO), KV capacity, index TTL and node cap; exclude a throttling outlier.
+    /// Measure floors (→ SLO), KV capacity, index TTL and node cap, and the fleet's capacity (the
+    /// highest open-loop rate the best policy serves within the SLO); exclude a throttling outlier.
     Calibrate(Box<calibration::CalibrateArgs>),
     /// Run a sweep (pressure-grid, load, turns, prompt-length), resumably, then report.
     Sweep(Box<sweep::SweepArgs>),
@@ -46,7 +47,7 @@ enum Cmd {
     },
     /// Copy a sweep's summaries, meta and gzip-compressed rows into docs/measurements/.
     Publish(publish::PublishArgs),
-    /// Render the six figures from published measurements (`figures::render_all`).
+    /// Render the figures from published measurements (`figures::render_all`).
     Figures(figures_cmd::FiguresArgs),
     /// The router's own cost next to HAProxy and nginx, on in-process SSE upstreams.
     ProxyBench {
@@ -176,6 +177,46 @@ mod tests {
             (Some(2.0), 20.0, 5)
         );
         assert_eq!(s.ingress, fleet::Ingress::Router);
+        // The arrival: `--load` fractions of the capacity by default; the closed loop and
+        // absolute rates only when asked for.
+        let sweep = |args: &[&str]| match parse(args) {
+            Cmd::Sweep(s) => s.settings(),
+            _ => panic!("not a sweep"),
+        };
+        let s = sweep(&["xtask", "sweep", "pressure-grid", "--quick"]);
+        assert_eq!(s.load_fractions, Some(vec![]));
+        assert!(s.needs_capacity() && !s.warmup_given);
+        let s = sweep(&["xtask", "sweep", "turns", "--load", "0.7,1.0,1.3"]);
+        assert_eq!(s.load_fractions, Some(vec![0.7, 1.0, 1.3]));
+        let s = sweep(&[
+            "xtask",
+            "sweep",
+            "pressure-grid",
+            "--users",
+            "8",
+            "--warmup-s",
+            "2",
+        ]);
+        assert_eq!((s.load_fractions, s.users, s.warmup_given), (None, 8, true));
+        assert_eq!(
+            sweep(&["xtask", "sweep", "load", "--rates", "2,4"]).load_fractions,
+            None
+        );
+        assert!(
+            Cli::try_parse_from(["xtask", "sweep", "load", "--load", "1", "--users", "8"]).is_err()
+        );
+        let Cmd::Calibrate(c) = parse(&["xtask", "calibrate", "--quick"]) else {
+            panic!("not calibrate")
+        };
+        let cap = c
+            .settings()
+            .capacity
+            .expect("calibrate searches the capacity");
+        assert_eq!(cap, experiment::capacity::CapacitySettings::defaults(true));
+        let Cmd::Calibrate(c) = parse(&["xtask", "calibrate", "--no-capacity"]) else {
+            panic!("not calibrate")
+        };
+        assert!(c.settings().capacity.is_none());
         let Cmd::Fault(f) = parse(&[
             "xtask",
             "fault",

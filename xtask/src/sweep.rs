@@ -61,10 +61,17 @@ pub struct SweepArgs {
     /// (alias `--load-factor`, the router's name for session-bounded's bound).
     #[arg(long, visible_alias = "load-factor", default_value_t = 1.25)]
     pub balance_factor: f64,
-    /// Closed-loop users (the reference load).
-    #[arg(long, default_value_t = 32)]
-    pub users: u32,
-    /// Open loop instead of closed loop (pressure-grid, turns, prompt-length).
+    /// Open-loop load as fractions of the calibrated capacity, comma-separated (default 1.0;
+    /// the `load` sweep: 0.5,0.7,0.9,1.1,1.3,1.5, or 0.5,1.0,1.5 with --quick). Poisson
+    /// arrivals at fraction × capacity: open loop because a closed loop's offered load depends
+    /// on the latency it measures. Needs a calibration with a capacity (`cargo xtask calibrate`).
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["users", "open_loop", "rates"])]
+    pub load: Vec<f64>,
+    /// Closed loop with this many users instead of `--load` (the earlier sweeps: 32).
+    #[arg(long)]
+    pub users: Option<u32>,
+    /// Open loop at an absolute `--rate` instead of `--load` (pressure-grid, turns,
+    /// prompt-length).
     #[arg(long, requires = "rate")]
     pub open_loop: bool,
     /// Open-loop rate, requests per second of model time (wall rate = rate × speed).
@@ -73,7 +80,7 @@ pub struct SweepArgs {
     /// Only these points (names as in the sweep directory, e.g. `ws1-s0`), comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub points: Vec<String>,
-    /// Model-time rates of the `load` sweep, comma-separated.
+    /// Absolute model-time rates of the `load` sweep, comma-separated, instead of `--load`.
     #[arg(long, value_delimiter = ',')]
     pub rates: Vec<f64>,
     /// Mean think time of closed-loop users, s of model time (wall = think ÷ speed).
@@ -94,7 +101,8 @@ pub struct SweepArgs {
     /// may send turns of one conversation at once).
     #[arg(long, default_value = "exclusive")]
     pub conversation_sharing: Sharing,
-    /// Warm-up per cell, wall s (discarded; default 20, or 5 with --quick).
+    /// Warm-up per cell, wall s (discarded). Default: a `--load` cell's from the settling time
+    /// the capacity search measured at the nearest rate × 1.5; otherwise 20, or 5 with --quick.
     #[arg(long)]
     pub warmup_s: Option<f64>,
     /// Measured window per cell, wall s (default 40, or 8 with --quick).
@@ -149,6 +157,11 @@ pub struct SweepArgs {
 impl SweepArgs {
     /// The settings these flags ask for (the live and the virtual sweep share them).
     pub fn settings(&self) -> SweepSettings {
+        // The closed loop or an absolute rate, asked for explicitly, keep the earlier sweeps'
+        // arrivals; otherwise the sweep runs at `--load` fractions of the capacity.
+        let explicit_arrival = self.users.is_some()
+            || self.open_loop
+            || (self.name == SweepName::Load && !self.rates.is_empty());
         SweepSettings {
             name: self.name,
             quick: self.quick,
@@ -156,8 +169,9 @@ impl SweepArgs {
             policies: self.policies.clone(),
             ingress: self.ingress.into(),
             balance_factor: self.balance_factor,
-            users: self.users,
+            users: self.users.unwrap_or(experiment::calibrate::DEFAULT_USERS),
             open_rate_rps: if self.open_loop { self.rate } else { None },
+            load_fractions: (!explicit_arrival).then(|| self.load.clone()),
             rates_rps: self.rates.clone(),
             workload: WorkloadShape {
                 prefix_groups: PrefixGroups::from_count(
@@ -172,6 +186,7 @@ impl SweepArgs {
             warmup_s: self
                 .warmup_s
                 .unwrap_or_else(|| grid::default_warmup_s(self.quick)),
+            warmup_given: self.warmup_s.is_some(),
             measure_s: self
                 .measure_s
                 .unwrap_or_else(|| grid::default_measure_s(self.quick)),
@@ -218,7 +233,7 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
     let mut progress = Progress::new(total, Duration::from_secs_f64(settings.run_s() + 4.0));
     let cal = &live.calibration;
     eprintln!(
-        "xtask sweep {}: {} points × {} policies × {} reps = {total} cells into {} (SLO TTFT < {:.1} ms, ITL p50 < {:.2} ms; capacity {} tokens)",
+        "xtask sweep {}: {} points × {} policies × {} reps = {total} cells into {} (SLO TTFT < {:.1} ms, ITL p50 < {:.2} ms; KV capacity {} tokens{})",
         args.name.as_str(),
         points.len(),
         policies.len(),
@@ -226,7 +241,11 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
         sweep_dir.display(),
         cal.slo.ttft_ms,
         cal.slo.itl_ms,
-        cal.capacity_tokens
+        cal.capacity_tokens,
+        cal.capacity.as_ref().map_or_else(String::new, |c| format!(
+            "; fleet capacity {} req/s",
+            c.rate_rps
+        ))
     );
     for point in &points {
         let plan = live.plan_for(point)?;

@@ -196,3 +196,67 @@ fn virtual_refuses_what_it_cannot_simulate() {
     assert!(!ok);
     assert!(stderr.contains("no-such-policy"), "{stderr}");
 }
+
+/// The `load` sweep by default: the simulated fleet's capacity found first (in
+/// `calibration.json`), then one point per fraction of it, each named and recorded with its
+/// fraction, its absolute rate and the warm-up derived from the search.
+#[test]
+fn the_load_sweep_runs_at_fractions_of_the_capacity() {
+    let s = scratch("load");
+    let out = s.0.to_string_lossy().into_owned();
+    let (ok, stderr) = xtask(&[
+        "sweep",
+        "load",
+        "--quick",
+        "--virtual",
+        "--out",
+        &out,
+        "--sweep-dir-name",
+        "load",
+        "--policies",
+        "prefix-affinity",
+        "--reps",
+        "1",
+        "--replicas",
+        "2",
+        "--num-gpu-blocks",
+        "1024",
+        "--measure-s",
+        "6",
+        "--no-report",
+    ]);
+    assert!(ok, "virtual load sweep failed:\n{stderr}");
+    let dir = s.0.join("load");
+    let cap = &json(&dir.join("calibration.json"))["capacity"];
+    let capacity = cap["rate_rps"].as_f64().expect("a capacity");
+    assert!(capacity > 0.0 && cap["failing_rps"].as_f64().unwrap() > capacity);
+    assert!(cap["rule"].as_str().unwrap().contains("90%"));
+    let curve = cap["curve"].as_array().unwrap();
+    assert!(
+        curve
+            .iter()
+            .any(|p| p["rate_rps"] == capacity && p["meets_target"] == true)
+    );
+    assert_eq!(json(&dir.join("sweep.json"))["capacity_rps"], capacity);
+    for f in [0.5, 1.0, 1.5] {
+        let point = format!("ws1-s0-load{f:.1}");
+        let meta = json(&dir.join(&point).join("prefix-affinity/rep-1/meta.json"));
+        let run = &meta["run"];
+        let rate = (f * capacity * 1000.0).round() / 1000.0;
+        assert_eq!(run["load_fraction"], f, "{point}");
+        assert_eq!(run["offered_rps"], rate, "{point}");
+        assert_eq!(run["capacity_rps"], capacity, "{point}");
+        let wall = run["offered_wall_rps"].as_f64().unwrap();
+        assert!((wall - rate * 6.0).abs() < 1e-6, "{point}: {wall}");
+        assert!(
+            meta["workload_name"]
+                .as_str()
+                .unwrap()
+                .ends_with(&format!("-load{f:.1}")),
+            "{point}"
+        );
+        let rule = run["window"]["rule"].as_str().unwrap();
+        assert!(rule.contains("settled with at"), "{point}: {rule}");
+        assert_eq!(meta["window"]["warmup_s"], run["window"]["warmup_s"]);
+    }
+}

@@ -26,6 +26,7 @@ use crate::calibration::{
     self, BytesPerToken, Calibration, FloorPrompts, IndexCalibration, REFERENCE_PROMPT_TOKENS,
     ReplicaCalibration, SLO_FACTOR,
 };
+use crate::capacity::{self, CapacitySettings};
 use crate::cell;
 use crate::fleet_spec::{FleetKind, FleetSpec};
 use crate::grid;
@@ -74,6 +75,10 @@ pub struct CalibrateSettings {
     pub git_rev: Option<String>,
     /// Tool versions recorded beside it.
     pub versions: serde_json::Value,
+    /// The capacity search after the reference run ([`crate::capacity`]); `None` skips it
+    /// (`calibrate --no-capacity`, and the calibration a closed-loop sweep or a fault run makes
+    /// for itself).
+    pub capacity: Option<CapacitySettings>,
 }
 
 impl CalibrateSettings {
@@ -100,6 +105,7 @@ impl CalibrateSettings {
             seed,
             git_rev,
             versions,
+            capacity: None,
         }
     }
 
@@ -394,7 +400,7 @@ pub fn calibrate(
         bytes_per_token: &bytes_per_token,
     };
     let (index, reference_run) = reference_run(s, bins, &reference, should_stop)?;
-    let calibration = Calibration {
+    let mut calibration = Calibration {
         fleet: s.fleet.key(),
         replicas,
         used_replicas: used,
@@ -414,7 +420,18 @@ pub fn calibrate(
         reference_run: Some(reference_run),
         git_rev: s.git_rev.clone(),
         versions: s.versions.clone(),
+        capacity: None,
     };
+    if let Some(c) = &s.capacity {
+        calibration.capacity = Some(capacity::find_live(
+            s,
+            c,
+            bins,
+            &calibration,
+            &work,
+            should_stop,
+        )?);
+    }
     calibration.write(&s.out)?;
     eprintln!("xtask calibrate: wrote {}", s.out.display());
     Ok(calibration)

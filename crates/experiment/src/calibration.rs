@@ -324,6 +324,10 @@ pub struct Calibration {
     pub git_rev: Option<String>,
     /// Versions.
     pub versions: serde_json::Value,
+    /// The fleet's capacity and the curve it was found on ([`crate::capacity`]); `None` when the
+    /// calibration ran without the capacity search (and in files written before it existed).
+    #[serde(default)]
+    pub capacity: Option<crate::capacity::Capacity>,
 }
 
 impl Calibration {
@@ -1223,6 +1227,8 @@ mod tests {
             lateness_share_of_itl_floor: LATENESS_SHARE_OF_ITL_FLOOR,
             evidence_retries: 2,
             evidence_interval_s: 1.0,
+            load_fractions: None,
+            warmup_given: true,
             request_timeout_s: 60.0,
             seed: 7,
             fleet: fleet.clone(),
@@ -1269,15 +1275,13 @@ mod tests {
             sweep: "pressure-grid".into(),
             seed: 7,
             engine_seed: 1,
-            warmup_s: 5.0,
-            run_s: 13.0,
             timeout_s: 60.0,
             slo: cal.slo,
             routing: routing.clone(),
             git_rev: None,
             versions: serde_json::Value::Null,
         };
-        let sim_cfg = crate::virtual_sweep::cell_config(&cells, policy, 1);
+        let sim_cfg = crate::virtual_sweep::cell_config(&cells, policy, 1, 5.0, 13.0);
         assert_eq!(sim_cfg.policy.index_ttl_us, (ttl * 1e6) as u64);
         assert_ne!(
             sim_cfg.policy.index_ttl_us,

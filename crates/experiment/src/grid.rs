@@ -155,6 +155,10 @@ pub struct Point {
     pub sharing: Sharing,
     /// Arrival process.
     pub arrival: Arrival,
+    /// The fraction of the calibrated capacity the open-loop rate is (`--load`); `None` for a
+    /// closed loop or a rate given in req/s.
+    #[serde(default)]
+    pub load_fraction: Option<f64>,
 }
 
 /// What the grid is built from.
@@ -169,18 +173,128 @@ pub struct GridParams {
     pub open_rate_rps: Option<f64>,
     /// Model-time rates of the `load` sweep; empty: the defaults.
     pub rates_rps: Vec<f64>,
-    /// Replicas in use (scales the default `load` rates).
+    /// Replicas in use (scales the `load` sweep's absolute rates when no `--load` is asked for).
     pub replicas: usize,
+    /// Open loop at fractions of the calibrated capacity (`--load`); `None` for the explicit
+    /// closed loop (`--users`) or absolute rates (`--open-loop --rate`, `--rates`).
+    pub load: Option<LoadAxis>,
     /// Prefix groups and sharing of every point.
     pub workload: WorkloadShape,
+}
+
+/// The `--load` axis: open-loop rates at fractions of the fleet's capacity.
+///
+/// Open loop, not closed: a closed loop's offered load depends on the latency it measures (its
+/// users wait for each reply, so a slower policy is offered less work), while an open loop sends
+/// the plan's Poisson schedule whatever the fleet does — one rate is the same offered load for
+/// every policy, and a fraction above 1 really offers more than the fleet can serve.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadAxis {
+    /// Fractions of the capacity; empty: the sweep's default ([`default_load_fractions`]).
+    pub fractions: Vec<f64>,
+    /// The calibrated capacity, requests per second of model time; `None` when the calibration
+    /// has none (then the points cannot be built).
+    pub capacity_rps: Option<f64>,
+}
+
+/// `--load` for the pressure grid, turns and prompt-length sweeps: at the capacity.
+pub const DEFAULT_LOAD_FRACTIONS: &[f64] = &[1.0];
+
+/// The `load` sweep's fractions: six rates from half to one and a half times the capacity, two
+/// below it, the two either side of it, two well above.
+pub const LOAD_SWEEP_FRACTIONS: &[f64] = &[0.5, 0.7, 0.9, 1.1, 1.3, 1.5];
+
+/// The `load` sweep's fractions with `--quick`: below, at and above the capacity.
+pub const QUICK_LOAD_SWEEP_FRACTIONS: &[f64] = &[0.5, 1.0, 1.5];
+
+/// The fractions a sweep runs when `--load` is not given.
+pub fn default_load_fractions(name: SweepName, quick: bool) -> &'static [f64] {
+    match (name, quick) {
+        (SweepName::Load, false) => LOAD_SWEEP_FRACTIONS,
+        (SweepName::Load, true) => QUICK_LOAD_SWEEP_FRACTIONS,
+        _ => DEFAULT_LOAD_FRACTIONS,
+    }
+}
+
+/// A load fraction as point names write it: at least one decimal (`1.0`, `0.7`, `0.75`).
+pub fn fmt_fraction(x: f64) -> String {
+    let one = format!("{x:.1}");
+    if one.parse::<f64>() == Ok(x) {
+        one
+    } else {
+        format!("{x}")
+    }
 }
 
 fn fmt(x: f64) -> String {
     format!("{x}")
 }
 
-/// The points of sweep `name`. Every sweep runs `p.workload` (the point names do not say which:
-/// the workload name in each `meta.json` does).
+/// One arrival choice of a sweep: the process, the load fraction it stands for, and the suffix
+/// it adds to point names.
+struct Load {
+    arrival: Arrival,
+    fraction: Option<f64>,
+    suffix: String,
+}
+
+/// The arrivals `p` asks for: one per `--load` fraction, else the closed loop or the absolute
+/// open-loop rate.
+fn loads(name: SweepName, p: &GridParams) -> Result<Vec<Load>> {
+    let Some(axis) = &p.load else {
+        let arrival = match p.open_rate_rps {
+            Some(rate) if rate > 0.0 && rate.is_finite() => Arrival::Open { rate_rps: rate },
+            Some(rate) => {
+                bail!("--rate must be a positive number of requests per second, got {rate}")
+            }
+            None if p.users == 0 => bail!("--users must be at least 1"),
+            None => Arrival::Closed { users: p.users },
+        };
+        let suffix = match arrival {
+            Arrival::Open { rate_rps } => format!("-rate{}", fmt(rate_rps)),
+            Arrival::Closed { .. } => String::new(),
+        };
+        return Ok(vec![Load {
+            arrival,
+            fraction: None,
+            suffix,
+        }]);
+    };
+    let fractions: &[f64] = if axis.fractions.is_empty() {
+        default_load_fractions(name, p.quick)
+    } else {
+        &axis.fractions
+    };
+    if let Some(bad) = fractions.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+        bail!("--load takes positive fractions of the capacity, got {bad}");
+    }
+    let Some(capacity) = axis.capacity_rps else {
+        bail!(
+            "--load runs at fractions of the fleet's capacity, and the calibration has none; run `cargo xtask calibrate` (it finds the capacity) with this sweep's fleet flags, or run closed loop with --users N"
+        );
+    };
+    let mut out: Vec<Load> = Vec::new();
+    for &f in fractions {
+        if out.iter().any(|l| l.fraction == Some(f)) {
+            continue;
+        }
+        out.push(Load {
+            arrival: Arrival::Open {
+                rate_rps: crate::capacity::round_rate(f * capacity),
+            },
+            fraction: Some(f),
+            suffix: format!("-load{}", fmt_fraction(f)),
+        });
+    }
+    Ok(out)
+}
+
+/// The points of sweep `name`: its axis (working set × skew, turns, prompt length, or for `load`
+/// the load itself) × the arrivals asked for (`--load` fractions of the capacity, each a point
+/// named `-load<f>`; or the closed loop / an absolute rate, the earlier naming).
+///
+/// Every sweep runs `p.workload` (the point names do not say which: the workload name in each
+/// `meta.json` does).
 pub fn points(name: SweepName, p: &GridParams) -> Result<Vec<Point>> {
     let turns = workload::spec::DEFAULT_TURNS;
     let prefix = p.workload.context_tokens();
@@ -193,16 +307,11 @@ pub fn points(name: SweepName, p: &GridParams) -> Result<Vec<Point>> {
         prefix_groups: p.workload.prefix_groups,
         sharing: p.workload.sharing,
         arrival,
+        load_fraction: None,
     };
-    let arrival = match p.open_rate_rps {
-        Some(rate) if rate > 0.0 && rate.is_finite() => Arrival::Open { rate_rps: rate },
-        Some(rate) => bail!("--rate must be a positive number of requests per second, got {rate}"),
-        None if p.users == 0 => bail!("--users must be at least 1"),
-        None => Arrival::Closed { users: p.users },
-    };
-    let open_suffix = |a: Arrival| match a {
-        Arrival::Open { rate_rps } => format!("-rate{}", fmt(rate_rps)),
-        Arrival::Closed { .. } => String::new(),
+    let with_load = |mut pt: Point, load: &Load| {
+        pt.load_fraction = load.fraction;
+        pt
     };
     Ok(match name {
         SweepName::PressureGrid => {
@@ -211,14 +320,24 @@ pub fn points(name: SweepName, p: &GridParams) -> Result<Vec<Point>> {
             } else {
                 (&[0.25, 1.0, 3.0, 8.0], &[0.0, 1.0, 1.4])
             };
+            let loads = loads(name, p)?;
             let mut out = Vec::new();
             for &r in ratios {
                 for &s in skews {
-                    out.push(point(r, s, turns, prefix, arrival, &open_suffix(arrival)));
+                    for l in &loads {
+                        out.push(with_load(
+                            point(r, s, turns, prefix, l.arrival, &l.suffix),
+                            l,
+                        ));
+                    }
                 }
             }
             out
         }
+        SweepName::Load if p.load.is_some() => loads(name, p)?
+            .iter()
+            .map(|l| with_load(point(1.0, 0.0, turns, prefix, l.arrival, &l.suffix), l))
+            .collect(),
         SweepName::Load => {
             let scale = p.replicas as f64 / 5.0;
             let rates: Vec<f64> = if !p.rates_rps.is_empty() {
@@ -251,16 +370,22 @@ pub fn points(name: SweepName, p: &GridParams) -> Result<Vec<Point>> {
         }
         SweepName::Turns => {
             let all: &[u32] = if p.quick { &[2, 6] } else { &[2, 4, 6, 10] };
+            let loads = loads(name, p)?;
             all.iter()
-                .map(|&t| {
-                    point(
-                        1.0,
-                        0.0,
-                        t,
-                        prefix,
-                        arrival,
-                        &format!("-t{t}{}", open_suffix(arrival)),
-                    )
+                .flat_map(|&t| {
+                    loads.iter().map(move |l| {
+                        with_load(
+                            point(
+                                1.0,
+                                0.0,
+                                t,
+                                prefix,
+                                l.arrival,
+                                &format!("-t{t}{}", l.suffix),
+                            ),
+                            l,
+                        )
+                    })
                 })
                 .collect()
         }
@@ -270,16 +395,22 @@ pub fn points(name: SweepName, p: &GridParams) -> Result<Vec<Point>> {
             } else {
                 &[275, 550, 1100, 2200]
             };
+            let loads = loads(name, p)?;
             all.iter()
-                .map(|&len| {
-                    point(
-                        1.0,
-                        0.0,
-                        turns,
-                        len,
-                        arrival,
-                        &format!("-p{len}{}", open_suffix(arrival)),
-                    )
+                .flat_map(|&len| {
+                    loads.iter().map(move |l| {
+                        with_load(
+                            point(
+                                1.0,
+                                0.0,
+                                turns,
+                                len,
+                                l.arrival,
+                                &format!("-p{len}{}", l.suffix),
+                            ),
+                            l,
+                        )
+                    })
                 })
                 .collect()
         }
@@ -343,6 +474,7 @@ mod tests {
             open_rate_rps: None,
             rates_rps: vec![],
             replicas: 5,
+            load: None,
             workload: WorkloadShape::default(),
         }
     }
@@ -404,6 +536,77 @@ mod tests {
         assert_eq!(turns[1].name, "ws1-s0-t6");
         let prompts = points(SweepName::PromptLength, &params(false)).unwrap();
         assert_eq!(prompts[0].prefix_tokens, 275);
+    }
+
+    #[test]
+    fn the_load_axis_names_points_by_their_fraction_of_the_capacity() {
+        let axis = |fractions: &[f64], capacity: Option<f64>| {
+            let mut p = params(false);
+            p.load = Some(LoadAxis {
+                fractions: fractions.to_vec(),
+                capacity_rps: capacity,
+            });
+            p
+        };
+        // The default: every point at the capacity, open loop, named by the fraction.
+        let grid = points(SweepName::PressureGrid, &axis(&[], Some(6.4))).unwrap();
+        assert_eq!(grid.len(), 12);
+        assert_eq!(grid[0].name, "ws0.25-s0-load1.0");
+        assert!(
+            grid.iter()
+                .all(|p| p.arrival == Arrival::Open { rate_rps: 6.4 }
+                    && p.load_fraction == Some(1.0))
+        );
+        // Three fractions: three points per cell of the grid, rates rounded to 0.001 req/s.
+        let three = points(SweepName::PressureGrid, &axis(&[0.7, 1.0, 1.3], Some(6.4))).unwrap();
+        assert_eq!(three.len(), 36);
+        let names: Vec<&str> = three[..3].iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "ws0.25-s0-load0.7",
+                "ws0.25-s0-load1.0",
+                "ws0.25-s0-load1.3"
+            ]
+        );
+        assert_eq!(three[0].arrival, Arrival::Open { rate_rps: 4.48 });
+        assert_eq!(three[2].arrival, Arrival::Open { rate_rps: 8.32 });
+        let turns = points(SweepName::Turns, &axis(&[0.75], Some(4.0))).unwrap();
+        assert_eq!(turns[0].name, "ws1-s0-t2-load0.75");
+        assert_eq!(turns[0].arrival, Arrival::Open { rate_rps: 3.0 });
+        let prompts = points(SweepName::PromptLength, &axis(&[1.3], Some(4.0))).unwrap();
+        assert_eq!(prompts[3].name, "ws1-s0-p2200-load1.3");
+        // The load sweep: six rates from 0.5× to 1.5× by default, three with --quick.
+        let load = points(SweepName::Load, &axis(&[], Some(10.0))).unwrap();
+        let fractions: Vec<f64> = load.iter().filter_map(|p| p.load_fraction).collect();
+        assert_eq!(fractions, LOAD_SWEEP_FRACTIONS);
+        assert!(fractions.len() >= 6 && fractions[0] == 0.5 && fractions[5] == 1.5);
+        assert_eq!(load[0].name, "ws1-s0-load0.5");
+        assert_eq!(load[5].arrival, Arrival::Open { rate_rps: 15.0 });
+        let mut quick = axis(&[], Some(10.0));
+        quick.quick = true;
+        assert_eq!(points(SweepName::Load, &quick).unwrap().len(), 3);
+        // Without a capacity the points cannot be built, and the error names the command.
+        let err = points(SweepName::PressureGrid, &axis(&[], None))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("cargo xtask calibrate") && err.contains("--users"),
+            "{err}"
+        );
+        assert!(points(SweepName::Load, &axis(&[0.0], Some(4.0))).is_err());
+        // The earlier forms stay: closed loop (no `-load`), --rates for the load sweep.
+        let closed = points(SweepName::PressureGrid, &params(false)).unwrap();
+        assert!(closed.iter().all(|p| p.load_fraction.is_none()));
+        let mut rates = params(false);
+        rates.rates_rps = vec![2.0, 4.0];
+        assert_eq!(
+            points(SweepName::Load, &rates).unwrap()[1].name,
+            "ws1-s0-rate4"
+        );
+        assert_eq!(fmt_fraction(1.0), "1.0");
+        assert_eq!(fmt_fraction(0.75), "0.75");
+        assert_eq!(fmt_fraction(2.0), "2.0");
     }
 
     #[test]

@@ -22,6 +22,8 @@
 //! - [`sweep`]: [`sweep::SweepSettings`] and the live sweep ([`sweep::LiveSweep`]).
 //! - [`calibration`]: `calibration.json` ([`calibration::Calibration`]) and its derivation rules.
 //! - [`calibrate`]: the calibration procedure, its phases printed with an ETA.
+//! - [`capacity`]: the fleet's capacity — the rate search over a measuring callback, a sweep
+//!   cell's window from the settling times it measured, and the live search.
 //! - [`fault`]: the fault procedure ([`fault::FaultRun`]).
 //! - [`virtual_sweep`]: the virtual sweep's fleet, calibration, preparation and cell.
 //! - [`publish`]: a finished sweep or fault run → `docs/measurements/<name>/`.
@@ -31,6 +33,7 @@ pub mod attempt;
 pub mod bins;
 pub mod calibrate;
 pub mod calibration;
+pub mod capacity;
 pub mod cell;
 pub mod fault;
 pub mod fleet_spec;

@@ -33,6 +33,18 @@ pub struct PlanFile {
 /// A plan already on disk must be the same plan (same bytes); otherwise the sweep's parameters
 /// changed under a resumed sweep, which would mix workloads, and that is an error.
 pub fn ensure_plan(dir: &Path, spec: &WorkloadSpec, arrival: &ArrivalSpec) -> Result<PlanFile> {
+    ensure_labelled_plan(dir, spec, arrival, "")
+}
+
+/// [`ensure_plan`], with `label` appended to the workload name (and the plan name before its
+/// arrival part): what the sweep knows about a point that the plan's parameters do not say, such
+/// as the `-load<f>` fraction of the capacity its rate is.
+pub fn ensure_labelled_plan(
+    dir: &Path,
+    spec: &WorkloadSpec,
+    arrival: &ArrivalSpec,
+    label: &str,
+) -> Result<PlanFile> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = dir.join("plan.bin");
     let plan = Plan::build(spec, arrival).map_err(|e| anyhow!("building the plan: {e}"))?;
@@ -56,8 +68,8 @@ pub fn ensure_plan(dir: &Path, spec: &WorkloadSpec, arrival: &ArrivalSpec) -> Re
     }
     let file = PlanFile {
         path,
-        name: plan.name(),
-        workload_name: plan.spec.name(),
+        name: format!("{}{label}-{}", plan.spec.name(), plan.arrival.name()),
+        workload_name: format!("{}{label}", plan.spec.name()),
         workload_fingerprint: plan
             .workload_fingerprint_hex()
             .map_err(|e| anyhow!("{e}"))?,

@@ -17,11 +17,12 @@ use crate::attempt::{Attempt, bounds, run_attempt};
 use crate::bins::Bins;
 use crate::calibrate::{CalibrateSettings, calibrate};
 use crate::calibration::{Calibration, Routing, requests_per_user};
+use crate::capacity::{self, CapacitySettings, CellWindow};
 use crate::cell;
 use crate::fleet_spec::{FleetKind, FleetSpec};
 use crate::gate::{GateDecision, Gates};
-use crate::grid::{self, Arrival, GridParams, Point, SweepName, WorkloadShape};
-use crate::plan_file::{PlanFile, ensure_plan};
+use crate::grid::{self, Arrival, GridParams, LoadAxis, Point, SweepName, WorkloadShape};
+use crate::plan_file::{PlanFile, ensure_labelled_plan};
 
 /// What a sweep runs with (defaults already applied); the live and the virtual sweep share it.
 #[derive(Debug, Clone)]
@@ -42,6 +43,10 @@ pub struct SweepSettings {
     pub users: u32,
     /// Open loop at this model-time rate instead of closed loop.
     pub open_rate_rps: Option<f64>,
+    /// Open loop at these fractions of the calibrated capacity (`--load`; empty: the sweep's
+    /// default, [`grid::default_load_fractions`]); `None` for the explicit closed loop
+    /// (`--users`) or absolute rates (`--open-loop --rate`, `--rates`).
+    pub load_fractions: Option<Vec<f64>>,
     /// Model-time rates of the `load` sweep (empty: the defaults).
     pub rates_rps: Vec<f64>,
     /// Prefix groups and conversation sharing of every point.
@@ -50,8 +55,11 @@ pub struct SweepSettings {
     pub points: Vec<String>,
     /// Mean think time of closed-loop users, s of model time (wall = think ÷ speed).
     pub think_model_s: f64,
-    /// Warm-up per cell, wall s.
+    /// Warm-up per cell, wall s (a `--load` cell derives its own unless `warmup_given`).
     pub warmup_s: f64,
+    /// `warmup_s` was given (`--warmup-s`): every cell uses it, none derives its warm-up from
+    /// the capacity search's settling times.
+    pub warmup_given: bool,
     /// Measured window per cell, wall s.
     pub measure_s: f64,
     /// The calibration to reuse when it is for this fleet (or where a fresh one goes).
@@ -84,9 +92,9 @@ impl SweepSettings {
         self.warmup_s + self.measure_s
     }
 
-    /// The sweep's grid points for a fleet of `replicas`, narrowed to `points`; the live and the
-    /// virtual sweep share it so both run the same grid.
-    pub fn sweep_points(&self, replicas: usize) -> Result<Vec<Point>> {
+    /// The sweep's grid points under `cal` (its replicas in use, its capacity for `--load`),
+    /// narrowed to `points`; the live and the virtual sweep share it so both run the same grid.
+    pub fn sweep_points(&self, cal: &Calibration) -> Result<Vec<Point>> {
         let points = grid::points(
             self.name,
             &GridParams {
@@ -94,11 +102,85 @@ impl SweepSettings {
                 users: self.users,
                 open_rate_rps: self.open_rate_rps,
                 rates_rps: self.rates_rps.clone(),
-                replicas,
+                replicas: cal.used_replicas.len(),
+                load: self.load_fractions.as_ref().map(|f| LoadAxis {
+                    fractions: f.clone(),
+                    capacity_rps: cal.capacity.as_ref().map(|c| c.rate_rps),
+                }),
                 workload: self.workload,
             },
         )?;
         grid::select_points(points, &self.points)
+    }
+
+    /// Whether the sweep runs at fractions of the capacity (and so needs a calibration with one).
+    pub fn needs_capacity(&self) -> bool {
+        self.load_fractions.is_some()
+    }
+
+    /// Refuses a calibration without a capacity when the sweep needs one, naming the command that
+    /// fills it; `path` is where the calibration was read.
+    pub fn check_capacity(&self, cal: &Calibration, path: &Path) -> Result<()> {
+        if self.needs_capacity() && cal.capacity.is_none() {
+            bail!(
+                "{} has no capacity (it was calibrated without the capacity search), and --load runs at fractions of it; run `cargo xtask calibrate{} --out {}` with this sweep's fleet flags (or pass --recalibrate), or run closed loop with --users N",
+                path.display(),
+                if self.quick { " --quick" } else { "" },
+                path.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// The warm-up and measured window of `point`'s cells: for a `--load` point, derived from
+    /// the capacity search's settling times ([`capacity::cell_window`]); otherwise the sweep's
+    /// `--warmup-s` / `--measure-s`.
+    pub fn window_for(&self, point: &Point, cal: &Calibration) -> Result<CellWindow> {
+        match (point.arrival, point.load_fraction, &cal.capacity) {
+            (Arrival::Open { rate_rps }, Some(_), Some(cap)) => capacity::cell_window(
+                cap,
+                rate_rps,
+                self.fleet.effective_speed(),
+                self.warmup_given.then_some(self.warmup_s),
+                self.measure_s,
+                analysis::DriftConfig::default().min_requests,
+            ),
+            (_, Some(_), None) => bail!(
+                "point {} runs at a fraction of the capacity, and the calibration has none",
+                point.name
+            ),
+            _ => Ok(CellWindow::fixed(
+                self.warmup_s,
+                self.measure_s,
+                "the sweep's --warmup-s and --measure-s (or their defaults): a closed loop, or a rate given in req/s",
+            )),
+        }
+    }
+
+    /// What `meta.json`'s `run` records about a point's arrival and window, shared by the live
+    /// and the virtual cell: the arrival, the load fraction and the absolute offered rate (model
+    /// and wall req/s; `null` for a closed loop, whose offered load depends on the latency it
+    /// meets), the capacity it is a fraction of, and the window with its rule.
+    pub fn run_record(
+        &self,
+        point: &Point,
+        cal: &Calibration,
+        window: &CellWindow,
+    ) -> serde_json::Value {
+        let offered_rps = match point.arrival {
+            Arrival::Open { rate_rps } => Some(rate_rps),
+            Arrival::Closed { .. } => None,
+        };
+        serde_json::json!({
+            "arrival": point.arrival,
+            "load_fraction": point.load_fraction,
+            "offered_rps": offered_rps,
+            // to the µreq/s, without float noise (56.43, not 56.42999999999999)
+            "offered_wall_rps": offered_rps.map(|r| (r * self.fleet.effective_speed() * 1e6).round() / 1e6),
+            "capacity_rps": point.load_fraction.and(cal.capacity.as_ref().map(|c| c.rate_rps)),
+            "window": window,
+            "think_model_s": self.think_model_s,
+        })
     }
 
     /// The plan of one point (`<sweep>/<point>/plan.bin`), sized by the calibration's capacity and
@@ -118,7 +200,7 @@ impl SweepSettings {
             sharing: point.sharing,
             ..WorkloadSpec::default()
         };
-        let run_s = self.run_s();
+        let run_s = self.window_for(point, cal)?.run_s();
         let arrival = match point.arrival {
             Arrival::Closed { users } => {
                 let think_wall_s = self.think_model_s / speed;
@@ -138,7 +220,11 @@ impl SweepSettings {
                 duration_s: run_s,
             },
         };
-        ensure_plan(&sweep_dir.join(&point.name), &spec, &arrival)
+        // The load fraction is the sweep's, not the plan's: the name carries it beside the rate.
+        let label = point
+            .load_fraction
+            .map_or_else(String::new, |f| format!("-load{}", grid::fmt_fraction(f)));
+        ensure_labelled_plan(&sweep_dir.join(&point.name), &spec, &arrival, &label)
     }
 
     /// The router settings of `policy`'s repetition `rep` under `routing` (the calibration's):
@@ -166,12 +252,14 @@ impl SweepSettings {
                     c.fleet
                 );
             }
+            self.check_capacity(&c, &own)?;
             return Ok(c);
         }
         if !self.recalibrate && self.calibration.exists() {
             match Calibration::read(&self.calibration) {
                 Ok(c) if c.fleet == key && c.routing().is_ok() => {
                     eprintln!("xtask: using {}", self.calibration.display());
+                    self.check_capacity(&c, &self.calibration)?;
                     return Ok(c);
                 }
                 Ok(c) if c.fleet == key => eprintln!(
@@ -191,6 +279,14 @@ impl SweepSettings {
             think_model_s: self.think_model_s,
             warmup_s: self.warmup_s,
             measure_s: self.measure_s,
+            // The capacity search only when the sweep runs at fractions of it, on the sweep's
+            // own base windows.
+            capacity: self.needs_capacity().then(|| CapacitySettings {
+                warmup_s: self.warmup_s,
+                measure_s: self.measure_s,
+                lateness_share_of_itl_floor: self.lateness_share_of_itl_floor,
+                ..CapacitySettings::defaults(self.quick)
+            }),
             ..CalibrateSettings::defaults(
                 self.fleet.clone(),
                 self.calibration.clone(),
@@ -296,16 +392,7 @@ impl<'a> LiveSweep<'a> {
         should_stop: &dyn Fn() -> bool,
     ) -> Result<LiveSweep<'a>> {
         let s = settings;
-        let cal = s.calibration_for(bins, dir, should_stop)?;
-        let routing = cal
-            .routing()
-            .with_context(|| {
-                format!(
-                    "{}/calibration.json cannot set this sweep's routing; start the sweep afresh (--fresh) or in another directory",
-                    dir.display()
-                )
-            })?;
-        cal.write(&dir.join("calibration.json"))?;
+        // The policies first: a bad name is refused before the calibration runs.
         let policies = match s.ingress {
             Ingress::Router => grid::policies(&s.policies, s.quick)?,
             Ingress::Haproxy => {
@@ -318,7 +405,17 @@ impl<'a> LiveSweep<'a> {
                 vec![fleet::ingress::haproxy::POLICY.to_string()]
             }
         };
-        let points = s.sweep_points(cal.used_replicas.len())?;
+        let cal = s.calibration_for(bins, dir, should_stop)?;
+        let routing = cal
+            .routing()
+            .with_context(|| {
+                format!(
+                    "{}/calibration.json cannot set this sweep's routing; start the sweep afresh (--fresh) or in another directory",
+                    dir.display()
+                )
+            })?;
+        cal.write(&dir.join("calibration.json"))?;
+        let points = s.sweep_points(&cal)?;
         let kv_events = policies.iter().any(|p| grid::needs_kv_events(p));
         let source = s
             .fleet
@@ -333,6 +430,8 @@ impl<'a> LiveSweep<'a> {
             "warmup_s": s.warmup_s,
             "measure_s": s.measure_s,
             "think_model_s": s.think_model_s,
+            "load_fractions": s.load_fractions,
+            "capacity_rps": cal.capacity.as_ref().map(|c| c.rate_rps),
             "speed": s.fleet.effective_speed(),
             "lateness_share_of_itl_floor": s.lateness_share_of_itl_floor,
             "evidence_bounds": bounds(
@@ -392,7 +491,8 @@ impl<'a> LiveSweep<'a> {
         let cal = &self.calibration;
         let sweep_dir = self.dir.as_path();
         let dir = cell::rep_dir(sweep_dir, &point.name, policy, rep);
-        let run_s = s.run_s();
+        let window = s.window_for(point, cal)?;
+        let run_s = window.run_s();
         let (mode, closed_users) = match point.arrival {
             Arrival::Closed { users } => ("closed", Some(users as usize)),
             Arrival::Open { .. } => ("open", None),
@@ -406,7 +506,7 @@ impl<'a> LiveSweep<'a> {
         );
         let driver = DriverSettings {
             mode,
-            warmup_s: s.warmup_s,
+            warmup_s: window.warmup_s,
             duration_s: Some(run_s),
             timeout_s: s.request_timeout_s,
             model: s.fleet.model.clone(),
@@ -516,16 +616,16 @@ impl<'a> LiveSweep<'a> {
                 attempts: attempt,
                 evidence: serde_json::to_value(&result.evidence)?,
                 drift: serde_json::to_value(&drift)?,
-                run: serde_json::json!({
-                    "plan": plan.name,
-                    "router": router,
-                    "routing": self.routing,
-                    "evidence_bounds": cell_bounds,
-                    "driver": driver,
-                    "think_model_s": s.think_model_s,
-                    "arrival": point.arrival,
-                    "requests": result.requests,
-                }),
+                run: {
+                    let mut run = s.run_record(point, cal, &window);
+                    run["plan"] = serde_json::json!(plan.name);
+                    run["router"] = serde_json::to_value(&router)?;
+                    run["routing"] = serde_json::to_value(&self.routing)?;
+                    run["evidence_bounds"] = serde_json::to_value(&cell_bounds)?;
+                    run["driver"] = serde_json::to_value(&driver)?;
+                    run["requests"] = serde_json::json!(result.requests);
+                    run
+                },
             };
             if should_stop() {
                 let _ = std::fs::remove_dir_all(&dir);
@@ -552,6 +652,159 @@ impl<'a> LiveSweep<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::capacity::{StepMeasurement, StepRequest, search, step_warmup_s};
+    use crate::scratch::Scratch;
+
+    /// A calibration of the test fleet (through JSON, so that fields added with defaults keep
+    /// it valid), with a capacity found by the search on a fake fleet that meets the SLO up to
+    /// 4 req/s and settles with a 5 s warm-up everywhere.
+    fn calibration(with_capacity: bool) -> Calibration {
+        let mut cal: Calibration = serde_json::from_value(serde_json::json!({
+            "fleet": FleetSpec::test_emulated().key(),
+            "replicas": [], "used_replicas": [0, 1, 2],
+            "floors": {"ttft_ms": 50.0, "itl_ms": 1.5}, "slo_factor": 3.0,
+            "slo": {"ttft_ms": 150.0, "itl_ms": 4.5}, "capacity_tokens": 196608,
+            "index": {"ttl_s": null, "ttl_is_lower_bound": false, "node_cap": null,
+                      "honoured_share": null, "detail": null},
+            "gpus": [], "gpu_status": "no GPU", "reference_run": null,
+            "git_rev": null, "versions": null,
+        }))
+        .unwrap();
+        assert!(cal.capacity.is_none(), "absent in older files: None");
+        if with_capacity {
+            let cfg = crate::capacity::SearchConfig {
+                start_rps: 2.0,
+                start_rule: "test".into(),
+                step_factor: 2.0,
+                resolution: 0.15,
+                max_coarse_steps: 4,
+                max_lengthenings: 1,
+                policies: vec!["prefix-affinity".into()],
+            };
+            let cap = search(&cfg, &mut |step: &StepRequest| {
+                let a = if step.rate_rps <= 4.0 { 0.95 } else { 0.5 };
+                Ok(StepMeasurement {
+                    attainment: Some(a),
+                    delivered_share: Some(1.0),
+                    goodput_rps: a * step.rate_rps,
+                    measured_requests: 100,
+                    settled: true,
+                    unsettled_reason: None,
+                    warmup_s: step_warmup_s(5.0, step.lengthening),
+                    measure_s: 8.0,
+                    dir: None,
+                })
+            })
+            .unwrap();
+            assert_eq!(cap.rate_rps, 4.0);
+            cal.capacity = Some(cap);
+        }
+        cal
+    }
+
+    fn settings(load: Option<Vec<f64>>) -> SweepSettings {
+        SweepSettings {
+            name: SweepName::Load,
+            quick: true,
+            reps: 1,
+            policies: vec![],
+            ingress: Ingress::Router,
+            balance_factor: 1.25,
+            users: 8,
+            open_rate_rps: None,
+            load_fractions: load,
+            rates_rps: vec![],
+            points: vec![],
+            think_model_s: 1.0,
+            warmup_s: 5.0,
+            warmup_given: false,
+            measure_s: 8.0,
+            calibration: PathBuf::from("measurements/calibration.json"),
+            recalibrate: false,
+            lateness_share_of_itl_floor: crate::calibration::LATENESS_SHARE_OF_ITL_FLOOR,
+            evidence_retries: 0,
+            evidence_interval_s: 1.0,
+            request_timeout_s: 60.0,
+            seed: 7,
+            fleet: FleetSpec::test_emulated(),
+            workload: WorkloadShape::DEFAULT,
+            git_rev: None,
+            versions: serde_json::Value::Null,
+        }
+    }
+
+    #[test]
+    fn load_points_carry_their_fraction_and_rate_into_names_windows_and_meta() {
+        let cal = calibration(true);
+        let s = settings(Some(vec![0.5, 1.5]));
+        let points = s.sweep_points(&cal).unwrap();
+        let names: Vec<&str> = points.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["ws1-s0-load0.5", "ws1-s0-load1.5"]);
+        assert_eq!(points[1].arrival, Arrival::Open { rate_rps: 6.0 });
+        // The warm-up: 1.5 × the 5 s the search settled with at the nearest rate at or above.
+        let w = s.window_for(&points[0], &cal).unwrap();
+        assert_eq!((w.warmup_s, w.settled_at_rps), (7.5, Some(2.0)));
+        let w_high = s.window_for(&points[1], &cal).unwrap();
+        assert_eq!(
+            w_high.settled_at_rps,
+            Some(8.0),
+            "the failing step settled too"
+        );
+        // meta.json's run record: fraction, offered rate (model and wall), capacity, window.
+        let run = s.run_record(&points[1], &cal, &w_high);
+        assert_eq!(run["load_fraction"], 1.5);
+        assert_eq!(run["offered_rps"], 6.0);
+        assert_eq!(run["offered_wall_rps"], 36.0);
+        assert_eq!(run["capacity_rps"], 4.0);
+        assert_eq!(run["window"]["warmup_s"], 7.5);
+        assert!(run["window"]["rule"].as_str().unwrap().contains("settled"));
+        // The plan: the workload name carries the fraction; the schedule is the open-loop rate
+        // (wall = model × speed) over the derived window.
+        let scratch = Scratch::new("sweep-load-plan");
+        let plan = s.plan_for(&points[0], &cal, &scratch.0).unwrap();
+        assert!(
+            plan.workload_name.ends_with("-load0.5"),
+            "{}",
+            plan.workload_name
+        );
+        assert!(
+            plan.name.contains("-load0.5-open-l12-d15.5"),
+            "{}",
+            plan.name
+        );
+        // --warmup-s given: every cell uses it.
+        let mut given = settings(Some(vec![1.0]));
+        given.warmup_given = true;
+        let p = &given.sweep_points(&cal).unwrap()[0];
+        assert_eq!(given.window_for(p, &cal).unwrap().warmup_s, 5.0);
+        // A closed loop keeps the sweep's windows and records no offered rate.
+        let closed = settings(None);
+        let mut closed_grid = closed.clone();
+        closed_grid.name = SweepName::PressureGrid;
+        let p = &closed_grid.sweep_points(&cal).unwrap()[0];
+        assert_eq!(p.name, "ws1-s0");
+        let w = closed_grid.window_for(p, &cal).unwrap();
+        assert_eq!((w.warmup_s, w.measure_s), (5.0, 8.0));
+        let run = closed_grid.run_record(p, &cal, &w);
+        assert!(run["offered_rps"].is_null() && run["load_fraction"].is_null());
+    }
+
+    #[test]
+    fn a_calibration_without_capacity_is_refused_naming_the_command() {
+        let cal = calibration(false);
+        let s = settings(Some(vec![]));
+        let path = Path::new("measurements/calibration.json");
+        let err = s.check_capacity(&cal, path).unwrap_err().to_string();
+        assert!(
+            err.contains("cargo xtask calibrate --quick --out measurements/calibration.json"),
+            "{err}"
+        );
+        assert!(err.contains("--users"), "{err}");
+        assert!(s.sweep_points(&cal).is_err());
+        // Closed loop needs no capacity.
+        settings(None).check_capacity(&cal, path).unwrap();
+    }
 
     #[test]
     fn a_restricted_run_adds_to_the_sweep_record_instead_of_shrinking_it() {

@@ -4,7 +4,8 @@
 //! simulated through `sim`, drift-checked and recorded. The points, policies and plans are the
 //! live sweep's ([`SweepSettings::sweep_points`], [`grid::policies`],
 //! [`SweepSettings::plan_for`]), so each `plan.bin` is byte-identical to what a live sweep of the
-//! same settings writes.
+//! same settings writes — given the same calibration: a `--load` sweep's rates are fractions of
+//! the capacity, and the virtual sweep finds the simulated fleet's own ([`find_capacity`]).
 //!
 //! The simulated fleet is the emulated fleet the live flags describe (replicas, blocks, speed,
 //! slowdowns), so a plan's wall-scaled think times and rates mean the same thing. The virtual
@@ -28,10 +29,13 @@ use anyhow::{Context, Result, anyhow, bail};
 
 use fleet::Ingress;
 use schema::Slo;
-use workload::{Message, Plan};
+use workload::{ArrivalSpec, Message, Plan};
 
 use crate::calibration::{
     self, Calibration, FleetKey, REFERENCE_PROMPT_TOKENS, Routing, SLO_FACTOR,
+};
+use crate::capacity::{
+    self, Capacity, CapacitySettings, SearchConfig, StepMeasurement, StepRequest,
 };
 use crate::cell::{self, CellState};
 use crate::fleet_spec::{FleetKind, FleetSpec};
@@ -231,7 +235,89 @@ pub fn calibrate(
         reference_run: Some(dir),
         git_rev,
         versions,
+        capacity: None,
     })
+}
+
+/// The simulated fleet's capacity: [`capacity::search`] with the live search's defaults and the
+/// sweep's base windows, each step one simulated open-loop cell of the reference point's workload
+/// (`<work>/capacity/<step>/<policy>/rep-1/`, rows and `meta.json` as a live step writes them),
+/// judged by [`capacity::step_from_rep`] as live steps are. Starts from the floors' estimate
+/// (there is no virtual reference run). Deterministic: the same settings find the same capacity.
+pub fn find_capacity(
+    s: &SweepSettings,
+    base: &sim::SimConfig,
+    cal: &Calibration,
+    work: &Path,
+) -> Result<Capacity> {
+    let started = std::time::Instant::now();
+    let c = CapacitySettings {
+        warmup_s: s.warmup_s,
+        measure_s: s.measure_s,
+        ..CapacitySettings::defaults(s.quick)
+    };
+    let speed = base.engine.model.speed;
+    let spec = capacity::reference_spec(s.seed, cal.capacity_tokens);
+    let (start_rps, start_rule) = capacity::start_estimate(cal, speed, spec.output_tokens)?;
+    let cfg = SearchConfig {
+        start_rps,
+        start_rule,
+        step_factor: c.step_factor,
+        resolution: c.resolution,
+        max_coarse_steps: c.max_coarse_steps,
+        max_lengthenings: c.max_lengthenings,
+        policies: c.policies.clone(),
+    };
+    let sweep_dir = work.join("capacity");
+    cell::clear(&sweep_dir)?;
+    let min_requests = analysis::DriftConfig::default().min_requests;
+    let mut workload_name = String::new();
+    let mut measure = |step: &StepRequest| -> Result<StepMeasurement> {
+        let warmup_s = capacity::step_warmup_s(c.warmup_s, step.lengthening);
+        let wall_rate = step.rate_rps * speed;
+        let measure_s = c
+            .measure_s
+            .max(capacity::window_for_requests(wall_rate, min_requests));
+        let run_s = warmup_s + measure_s;
+        let point = capacity::step_point(step.rate_rps, step.lengthening);
+        let arrival = ArrivalSpec::Open {
+            rate_rps: wall_rate,
+            duration_s: run_s,
+        };
+        let plan = Plan::build(&spec, &arrival).map_err(|e| anyhow!("{e}"))?;
+        workload_name = plan.spec.name();
+        let book = sim::PromptBook::new(&plan, &base.model, base.router.block_bytes, true)
+            .map_err(|e| anyhow!("prompts of {point}: {e}"))?;
+        let mut cfg = base.clone();
+        cfg.policy = policies::PolicySpec::named(&step.policy);
+        cfg.policy.seed = s.seed;
+        cfg.engine.seed = s.fleet.engine_seed;
+        cfg.driver = sim::DriverModel {
+            warmup_s,
+            duration_s: Some(run_s),
+            timeout_s: s.request_timeout_s,
+        };
+        let dir = cell::rep_dir(&sweep_dir, &point, &step.policy, 1);
+        cell::clear(&dir)?;
+        let meta = sim::CellMeta {
+            sweep: "calibration-capacity".into(),
+            point,
+            rep: 1,
+            slo: cal.slo,
+            planned_end_s: Some(run_s),
+            git_rev: s.git_rev.clone(),
+            versions: s.versions.clone(),
+            run: serde_json::json!({"offered_rps": step.rate_rps, "offered_wall_rps": wall_rate, "lengthening": step.lengthening}),
+        };
+        let (_, meta_json) =
+            sim::write_cell_rows(&cfg, &plan, &book, &dir, &meta).map_err(|e| anyhow!("{e}"))?;
+        sim::write_meta(&dir, &meta_json).map_err(|e| anyhow!("{e}"))?;
+        capacity::step_from_rep(&dir, speed, warmup_s, measure_s, None)
+    };
+    let mut cap = capacity::search(&cfg, &mut measure)?;
+    cap.workload = workload_name;
+    cap.search_wall_s = started.elapsed().as_secs_f64();
+    Ok(cap)
 }
 
 /// What every repetition of a virtual sweep shares.
@@ -245,10 +331,6 @@ pub struct CellSettings {
     pub seed: u64,
     /// Base seed of the engines; repetition k gets its own from it.
     pub engine_seed: u64,
-    /// Discarded warm-up, s.
-    pub warmup_s: f64,
-    /// Warm-up + measured window, s (the driver's `--duration-s`).
-    pub run_s: f64,
     /// Per-request timeout, s.
     pub timeout_s: f64,
     /// The SLO of the drift check and of `meta.json`.
@@ -276,13 +358,25 @@ pub struct Job {
     pub book: Arc<sim::PromptBook>,
     /// The repetition directory (`<sweep>/<point>/<policy>/rep-<k>`).
     pub dir: PathBuf,
-    /// Run settings recorded under `meta.run`.
+    /// Discarded warm-up, s (the point's, [`SweepSettings::window_for`]).
+    pub warmup_s: f64,
+    /// Warm-up + measured window, s (the driver's `--duration-s`).
+    pub run_s: f64,
+    /// The point's workload name, as the live sweep records it (with its `-load<f>` label).
+    pub workload_name: String,
+    /// Run settings recorded under `meta.run` (the live cell's [`SweepSettings::run_record`]).
     pub run: serde_json::Value,
 }
 
 /// The simulated cell of `policy`'s repetition `rep`: the base fleet with the policy, its
 /// seeds, the calibrated routing settings and the driver's.
-pub fn cell_config(s: &CellSettings, policy: &str, rep: u32) -> sim::SimConfig {
+pub fn cell_config(
+    s: &CellSettings,
+    policy: &str,
+    rep: u32,
+    warmup_s: f64,
+    run_s: f64,
+) -> sim::SimConfig {
     let mut cfg = s.base.clone();
     cfg.policy = policies::PolicySpec::named(policy);
     cfg.policy.seed = s.seed.wrapping_add(u64::from(rep));
@@ -292,8 +386,8 @@ pub fn cell_config(s: &CellSettings, policy: &str, rep: u32) -> sim::SimConfig {
         .wrapping_mul(1_000_003)
         .wrapping_add(u64::from(rep));
     cfg.driver = sim::DriverModel {
-        warmup_s: s.warmup_s,
-        duration_s: Some(s.run_s),
+        warmup_s,
+        duration_s: Some(run_s),
         timeout_s: s.timeout_s,
     };
     cfg
@@ -302,14 +396,14 @@ pub fn cell_config(s: &CellSettings, policy: &str, rep: u32) -> sim::SimConfig {
 /// Simulates one repetition into `job.dir` (cleared first), checks drift on its rows, writes
 /// `meta.json` last. Returns whether the repetition was accepted.
 pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
-    let cfg = cell_config(s, &job.policy, job.rep);
+    let cfg = cell_config(s, &job.policy, job.rep, job.warmup_s, job.run_s);
     cell::clear(&job.dir)?;
     let meta = sim::CellMeta {
         sweep: s.sweep.clone(),
         point: job.point.clone(),
         rep: job.rep,
         slo: s.slo,
-        planned_end_s: Some(s.run_s),
+        planned_end_s: Some(job.run_s),
         git_rev: s.git_rev.clone(),
         versions: s.versions.clone(),
         run: job.run.clone(),
@@ -335,6 +429,14 @@ pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
         ))
     };
     meta_json["drift"] = serde_json::to_value(&drift)?;
+    // The live meta's workload name and run record (load fraction, offered rate, window): the
+    // simulator records its own run beside them.
+    meta_json["workload_name"] = serde_json::Value::String(job.workload_name.clone());
+    if let (Some(run), Some(ours)) = (meta_json["run"].as_object_mut(), job.run.as_object()) {
+        for (k, v) in ours {
+            run.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
     sim::write_meta(&job.dir, &meta_json).map_err(|e| anyhow!("{e}"))?;
     Ok(accepted)
 }
@@ -384,6 +486,8 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
             s.fleet.slowdowns.len()
         );
     }
+    // Checked before the calibration and its capacity search, which take a while.
+    let policies = grid::policies(&s.policies, s.quick)?;
     let fleet = EmulatedFleet::of(&s.fleet)?;
     let used = fleet.used_replicas();
     let base = fleet.base_config(&used)?;
@@ -395,7 +499,7 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
         measure_s: s.measure_s,
         work: dir.join("_calibration"),
     };
-    let cal = calibrate(
+    let mut cal = calibrate(
         &base,
         &reference,
         used,
@@ -403,10 +507,17 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
         s.git_rev.clone(),
         s.versions.clone(),
     )?;
+    if s.needs_capacity() {
+        cal.capacity = Some(find_capacity(
+            s,
+            &base,
+            &cal,
+            &dir.join("calibration-runs"),
+        )?);
+    }
     cal.write(&dir.join("calibration.json"))?;
     let routing = cal.routing()?;
-    let policies = grid::policies(&s.policies, s.quick)?;
-    let points = s.sweep_points(cal.used_replicas.len())?;
+    let points = s.sweep_points(&cal)?;
     cell::write_atomic(
         &dir.join("sweep.json"),
         serde_json::to_string_pretty(&serde_json::json!({
@@ -419,6 +530,8 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
             "warmup_s": s.warmup_s,
             "measure_s": s.measure_s,
             "think_model_s": s.think_model_s,
+            "load_fractions": s.load_fractions,
+            "capacity_rps": cal.capacity.as_ref().map(|c| c.rate_rps),
             "speed": s.fleet.speed,
             "repetitions": REPETITIONS,
             "calibration": cal,
@@ -428,6 +541,7 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
     let mut jobs = Vec::new();
     let mut skipped = 0usize;
     for point in &points {
+        let window = s.window_for(point, &cal)?;
         let plan_file = s.plan_for(point, &cal, dir)?;
         let bytes = std::fs::read(&plan_file.path)
             .with_context(|| format!("reading {}", plan_file.path.display()))?;
@@ -450,12 +564,15 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
                     plan: plan.clone(),
                     book: book.clone(),
                     dir: rep_dir,
-                    run: serde_json::json!({
-                        "plan": plan_file.name,
-                        "think_model_s": s.think_model_s,
-                        "arrival": point.arrival,
-                        "routing": routing,
-                    }),
+                    warmup_s: window.warmup_s,
+                    run_s: window.run_s(),
+                    workload_name: plan_file.workload_name.clone(),
+                    run: {
+                        let mut run = s.run_record(point, &cal, &window);
+                        run["plan"] = serde_json::Value::String(plan_file.name.clone());
+                        run["routing"] = serde_json::to_value(&routing)?;
+                        run
+                    },
                 });
             }
         }
@@ -465,8 +582,6 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
         sweep: s.name.as_str().to_string(),
         seed: s.seed,
         engine_seed: s.fleet.engine_seed,
-        warmup_s: s.warmup_s,
-        run_s: s.run_s(),
         timeout_s: s.request_timeout_s,
         slo: cal.slo,
         routing,
@@ -571,8 +686,6 @@ mod tests {
             sweep: "pressure-grid".into(),
             seed: 7,
             engine_seed: 1,
-            warmup_s,
-            run_s,
             timeout_s: 60.0,
             slo: cal.slo,
             routing,
@@ -586,6 +699,9 @@ mod tests {
             plan: plan.clone(),
             book: book.clone(),
             dir: s.0.join(dir),
+            warmup_s,
+            run_s,
+            workload_name: plan.spec.name(),
             run: serde_json::json!({"plan": plan.name()}),
         };
         let rows = |dir: &str| std::fs::read(s.0.join(dir).join("client.csv")).unwrap();

@@ -1,5 +1,5 @@
-//! The numbers each figure draws, picked out of the analysis report (figures 1–5) or the fault
-//! timeline (figure 6), and the CSV that publishes exactly those numbers.
+//! The numbers each figure draws, picked out of the analysis report (figures 1–5 and 7) or the
+//! fault timeline (figure 6), and the CSV that publishes exactly those numbers.
 //!
 //! Nothing here derives a metric: every value is a field of `analysis::Report` (or a row of
 //! `timeline.csv`). Where a figure needs something the input does not hold, the builder fails
@@ -10,7 +10,9 @@ use analysis::stats::Spread;
 use analysis::{Report, Verdict};
 use anyhow::{Context as _, Result, bail};
 
-use crate::input::{FaultInput, PolicyTimeline, num};
+use schema::ATTAINMENT_TARGET;
+
+use crate::input::{FaultInput, LoadInput, Offered, PolicyTimeline, num};
 
 /// The spill-off arm of prefix-affinity.
 pub const PREFIX_AFFINITY_SPILL_OFF: &str = "prefix-affinity-spill-off";
@@ -972,10 +974,207 @@ impl TimelineData {
     }
 }
 
+/// Name of figure 7 in messages.
+pub const FIG7: &str = "figure 7 (load curve)";
+
+/// The knee of one policy's attainment curve: walking the offered rates upwards, the last rate
+/// at which the median attainment is at or above [`ATTAINMENT_TARGET`] before the first rate at
+/// which it is not ("the highest rate where the policy still meets it"). `None` when the lowest
+/// rate already misses it. `points` are `(offered rate, median attainment)` in any order.
+pub fn knee(points: &[(f64, f64)]) -> Option<f64> {
+    let mut sorted = points.to_vec();
+    sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+    sorted
+        .iter()
+        .take_while(|(_, attainment)| *attainment >= ATTAINMENT_TARGET)
+        .last()
+        .map(|(rate, _)| *rate)
+}
+
+/// One point of a policy's load curve.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadPoint {
+    /// Point name.
+    pub point: String,
+    /// What it offered.
+    pub offered: Offered,
+    /// Goodput, wall req/s.
+    pub goodput: Spread,
+    /// SLO attainment (share of measured requests meeting the SLO).
+    pub attainment: Spread,
+}
+
+/// One policy's load curve.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadSeries {
+    /// Policy name.
+    pub policy: String,
+    /// Its points by offered rate, ascending.
+    pub points: Vec<LoadPoint>,
+    /// [`knee`] of its median attainments, wall req/s; `None` when it misses at every rate.
+    pub knee_wall_rps: Option<f64>,
+}
+
+/// Figure 7: goodput and SLO attainment against offered load, per policy, knees marked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadCurveData {
+    /// One per policy, in the report's policy order.
+    pub series: Vec<LoadSeries>,
+    /// The calibrated capacity the fractions are of, model req/s (when recorded).
+    pub capacity_rps: Option<f64>,
+    /// `point policy` of cells not drawn because every repetition was set aside.
+    pub not_drawn: Vec<String>,
+    /// Repetitions behind the medians.
+    pub reps: Reps,
+}
+
+/// Picks figure 7's numbers: for every policy, its goodput and attainment spreads at every point
+/// of the load sweep, by offered rate, and its knee. Needs at least two offered rates.
+pub fn load_curve(input: &LoadInput) -> Result<LoadCurveData> {
+    let report = &input.report;
+    if input.offered.len() < 2 {
+        bail!(
+            "{FIG7}: missing data: sweep `{}` has {} offered rate(s); a load curve needs at least two",
+            report.sweep,
+            input.offered.len()
+        );
+    }
+    let mut policies: Vec<&str> = Vec::new();
+    for p in &report.points {
+        for c in &p.cells {
+            if !policies.contains(&c.policy.as_str()) {
+                policies.push(&c.policy);
+            }
+        }
+    }
+    let mut series = Vec::new();
+    let mut not_drawn = Vec::new();
+    let mut lack = Vec::new();
+    for policy in policies {
+        let mut points = Vec::new();
+        for p in &report.points {
+            let Some(cell) = p.cells.iter().find(|c| c.policy == policy) else {
+                continue;
+            };
+            if all_set_aside(p, policy) {
+                not_drawn.push(format!("{} {policy}", p.point));
+                continue;
+            }
+            let Some(offered) = input.offered.get(&p.point) else {
+                lack.push(format!("point `{}` has no offered load", p.point));
+                continue;
+            };
+            match (cell.goodput_rps, cell.slo_attainment) {
+                (Some(goodput), Some(attainment)) => points.push(LoadPoint {
+                    point: p.point.clone(),
+                    offered: *offered,
+                    goodput,
+                    attainment,
+                }),
+                _ => lack.push(format!(
+                    "point `{}` has no {policy} goodput or attainment",
+                    p.point
+                )),
+            }
+        }
+        points.sort_by(|a, b| {
+            a.offered
+                .offered_wall_rps
+                .total_cmp(&b.offered.offered_wall_rps)
+        });
+        let knee_wall_rps = knee(
+            &points
+                .iter()
+                .map(|p| (p.offered.offered_wall_rps, p.attainment.median))
+                .collect::<Vec<_>>(),
+        );
+        if !points.is_empty() {
+            series.push(LoadSeries {
+                policy: policy.to_string(),
+                points,
+                knee_wall_rps,
+            });
+        }
+    }
+    missing(FIG7, lack)?;
+    let capacity_rps = input.offered.values().find_map(|o| o.capacity_rps);
+    Ok(LoadCurveData {
+        reps: Reps::of(
+            series
+                .iter()
+                .flat_map(|s| s.points.iter().map(|p| &p.goodput)),
+        )
+        .with_context(|| format!("{FIG7}: nothing to draw"))?,
+        series,
+        capacity_rps,
+        not_drawn,
+    })
+}
+
+impl LoadCurveData {
+    /// Exactly the numbers drawn; `knee` is 1 on the row of each policy's knee.
+    pub fn table(&self) -> Table {
+        Table {
+            header: vec![
+                "policy",
+                "point",
+                "load_fraction",
+                "offered_rps",
+                "offered_wall_rps",
+                "goodput_median_rps",
+                "goodput_min_rps",
+                "goodput_max_rps",
+                "attainment_median",
+                "attainment_min",
+                "attainment_max",
+                "reps",
+                "knee",
+            ],
+            rows: self
+                .series
+                .iter()
+                .flat_map(|s| {
+                    s.points.iter().map(move |p| {
+                        vec![
+                            s.policy.clone(),
+                            p.point.clone(),
+                            opt(p.offered.load_fraction),
+                            num(p.offered.offered_rps),
+                            num(p.offered.offered_wall_rps),
+                            num(p.goodput.median),
+                            num(p.goodput.min),
+                            num(p.goodput.max),
+                            num(p.attainment.median),
+                            num(p.attainment.min),
+                            num(p.attainment.max),
+                            p.goodput.n.to_string(),
+                            u8::from(s.knee_wall_rps == Some(p.offered.offered_wall_rps))
+                                .to_string(),
+                        ]
+                    })
+                })
+                .collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::input::TimelineRow;
+
+    #[test]
+    fn the_knee_is_the_last_meeting_rate_before_the_first_miss() {
+        assert_eq!(knee(&[(1.0, 0.99), (2.0, 0.95), (3.0, 0.7)]), Some(2.0));
+        // Unsorted input, and the target itself meets it.
+        assert_eq!(knee(&[(3.0, 0.7), (1.0, 0.99), (2.0, 0.9)]), Some(2.0));
+        // A rate above a miss that meets again does not move the knee: "still meets".
+        assert_eq!(knee(&[(1.0, 0.95), (2.0, 0.85), (3.0, 0.92)]), Some(1.0));
+        // Meets everywhere: the highest rate; misses at the lowest: no knee.
+        assert_eq!(knee(&[(1.0, 0.95), (2.0, 0.91)]), Some(2.0));
+        assert_eq!(knee(&[(1.0, 0.5), (2.0, 0.95)]), None);
+        assert_eq!(knee(&[]), None);
+    }
 
     #[test]
     fn reps_text_names_one_count_or_a_range() {

@@ -8,17 +8,19 @@ use std::path::Path;
 use anyhow::{Result, anyhow};
 use plotters::chart::MeshStyle;
 use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::data::{
-    BELIEF_POLICIES, BeliefData, LADDER, LadderData, MechRole, MechanismData, NoDataCell, Outage,
-    PressureData, TimelineData, WinnersData, band_label, set_aside_note,
+    BELIEF_POLICIES, BeliefData, LADDER, LadderData, LoadCurveData, MechRole, MechanismData,
+    NoDataCell, Outage, PressureData, TimelineData, WinnersData, band_label, set_aside_note,
 };
 use crate::font::{self, FAMILY};
 use crate::input::{Context, num};
 use analysis::Verdict;
+use schema::ATTAINMENT_TARGET;
 
 /// A figure that can draw itself on any plotters backend.
 pub trait Figure {
@@ -1319,6 +1321,214 @@ fn place_marks<DB: DrawingBackend>(
         marks[i].lane = lane;
     }
     Ok(lane_ends.len())
+}
+
+/// Figure 7 ready to draw.
+pub struct LoadCurveFigure<'a> {
+    /// Its numbers.
+    pub data: &'a LoadCurveData,
+    /// Title context.
+    pub ctx: &'a Context,
+}
+
+/// The knee rule as figure 7's caption states it.
+pub fn knee_caption() -> String {
+    format!(
+        "knee (ring, dashed line): the highest offered load up to which the policy's median SLO attainment stays ≥ {:.0}% — every lower rate meets it too",
+        ATTAINMENT_TARGET * 100.0
+    )
+}
+
+impl Figure for LoadCurveFigure<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1600, 900)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
+        let mut lines = context_lines(self.ctx, &d.reps.text());
+        lines.push(match d.capacity_rps {
+            Some(c) => format!(
+                "open-loop Poisson arrivals at fractions of the calibrated capacity, {} req/s of model time (= 1.0×); x: offered load in wall req/s, the unit of goodput",
+                num(c)
+            ),
+            None => "open-loop Poisson arrivals; x: offered load in wall req/s, the unit of goodput"
+                .into(),
+        });
+        lines.push(knee_caption());
+        lines.extend(set_aside_note(&d.not_drawn));
+        let body = header(
+            root,
+            "Load curve: goodput and SLO attainment against offered load",
+            &lines,
+        )?;
+        let (left, right) = body.split_horizontally(800);
+        let all = || d.series.iter().flat_map(|s| s.points.iter());
+        let xmax = all()
+            .map(|p| p.offered.offered_wall_rps)
+            .fold(0.0, f64::max)
+            * 1.08;
+        let gmax = all().map(|p| p.goodput.max).fold(xmax / 1.08, f64::max) * 1.1;
+        // Where the fraction labels go: each distinct offered rate once.
+        let mut fractions: Vec<(f64, f64)> = Vec::new();
+        for p in all() {
+            if let Some(f) = p.offered.load_fraction
+                && !fractions
+                    .iter()
+                    .any(|(x, _)| *x == p.offered.offered_wall_rps)
+            {
+                fractions.push((p.offered.offered_wall_rps, f));
+            }
+        }
+        let x_desc = "offered load, req/s (wall)";
+
+        // (a) goodput
+        let left = panel_title(&left, "(a) Goodput: requests meeting the SLO per second")?;
+        let mut chart = ChartBuilder::on(&left)
+            .margin(20)
+            .x_label_area_size(55)
+            .y_label_area_size(80)
+            .build_cartesian_2d(0.0..xmax, 0.0..gmax)
+            .map_err(de)?;
+        quiet_mesh(
+            chart
+                .configure_mesh()
+                .x_desc(x_desc)
+                .y_desc("goodput, req/s (median; bar: min–max over reps)"),
+            14,
+            16,
+        )
+        .draw()
+        .map_err(de)?;
+        chart
+            .draw_series([DashedPathElement::new(
+                vec![(0.0, 0.0), (xmax.min(gmax), xmax.min(gmax))],
+                6,
+                4,
+                MUTED.stroke_width(1),
+            )])
+            .map_err(de)?
+            .label("goodput = offered load")
+            .legend(|(x, y)| {
+                DashedPathElement::new(vec![(x - 10, y), (x + 10, y)], 4, 3, MUTED.stroke_width(1))
+            });
+        self.curves(&mut chart, |p| p.goodput)?;
+        legend(&mut chart, SeriesLabelPosition::UpperLeft, 14)?;
+
+        // (b) attainment
+        let right = panel_title(&right, "(b) SLO attainment: share of measured requests")?;
+        let mut chart = ChartBuilder::on(&right)
+            .margin(20)
+            .x_label_area_size(55)
+            .y_label_area_size(80)
+            .build_cartesian_2d(0.0..xmax, 0.0..1.05)
+            .map_err(de)?;
+        let pct = |v: &f64| format!("{:.0} %", v * 100.0);
+        quiet_mesh(
+            chart
+                .configure_mesh()
+                .y_label_formatter(&pct)
+                .x_desc(x_desc)
+                .y_desc("SLO attainment (median; bar: min–max over reps)"),
+            14,
+            16,
+        )
+        .draw()
+        .map_err(de)?;
+        chart
+            .draw_series([DashedPathElement::new(
+                vec![(0.0, ATTAINMENT_TARGET), (xmax, ATTAINMENT_TARGET)],
+                6,
+                4,
+                INK.stroke_width(1),
+            )])
+            .map_err(de)?
+            .label(format!("target {:.0} %", ATTAINMENT_TARGET * 100.0))
+            .legend(|(x, y)| {
+                DashedPathElement::new(vec![(x - 10, y), (x + 10, y)], 4, 3, INK.stroke_width(1))
+            });
+        for s in &d.series {
+            if let Some(k) = s.knee_wall_rps {
+                let color = policy_color(&s.policy);
+                chart
+                    .draw_series([DashedPathElement::new(
+                        vec![(k, 0.0), (k, 1.05)],
+                        5,
+                        4,
+                        color.stroke_width(2),
+                    )])
+                    .map_err(de)?;
+            }
+        }
+        self.curves(&mut chart, |p| p.attainment)?;
+        chart
+            .draw_series(fractions.iter().map(|(x, f)| {
+                // as point names write a fraction: at least one decimal
+                let f = if (f * 10.0).fract() == 0.0 {
+                    format!("{f:.1}")
+                } else {
+                    num(*f)
+                };
+                EmptyElement::at((*x, 0.0))
+                    + Text::new(
+                        format!("{f}× capacity"),
+                        (5, -6),
+                        style(13.0, &MUTED, HPos::Left, VPos::Bottom),
+                    )
+            }))
+            .map_err(de)?;
+        legend(&mut chart, SeriesLabelPosition::LowerLeft, 14)
+    }
+}
+
+impl LoadCurveFigure<'_> {
+    /// Each policy's medians as a line with markers and min–max bars, its knee ringed.
+    fn curves<'c, DB: DrawingBackend + 'c>(
+        &self,
+        chart: &mut ChartContext<'c, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+        value: impl Fn(&crate::data::LoadPoint) -> analysis::stats::Spread,
+    ) -> Result<()> {
+        for (i, s) in self.data.series.iter().enumerate() {
+            let color = policy_color(&s.policy);
+            let xy: Vec<(f64, f64)> = s
+                .points
+                .iter()
+                .map(|p| (p.offered.offered_wall_rps, value(p).median))
+                .collect();
+            chart
+                .draw_series(LineSeries::new(xy.clone(), color.stroke_width(2)))
+                .map_err(de)?
+                .label(s.policy.clone())
+                .legend(move |(x, y)| {
+                    EmptyElement::at((x, y))
+                        + PathElement::new(vec![(-10, 0), (10, 0)], color.stroke_width(2))
+                        + marker(i, color)
+                });
+            chart
+                .draw_series(xy.iter().map(|&c| EmptyElement::at(c) + marker(i, color)))
+                .map_err(de)?;
+            chart
+                .draw_series(s.points.iter().map(|p| {
+                    let (x, v) = (p.offered.offered_wall_rps, value(p));
+                    PathElement::new(vec![(x, v.min), (x, v.max)], color.stroke_width(2))
+                }))
+                .map_err(de)?;
+            if let Some(p) = s
+                .points
+                .iter()
+                .find(|p| Some(p.offered.offered_wall_rps) == s.knee_wall_rps)
+            {
+                chart
+                    .draw_series(std::iter::once(Circle::new(
+                        (p.offered.offered_wall_rps, value(p).median),
+                        11,
+                        color.stroke_width(2),
+                    )))
+                    .map_err(de)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -92,6 +92,16 @@ pub fn num(x: f64) -> String {
 /// comparability guard refused a point), points with different SLOs, or repetitions measured
 /// on different fleets.
 pub fn load_grid(dir: &Path) -> Result<GridInput> {
+    let (_, report, context) = analysed(dir)?;
+    Ok(GridInput {
+        dir: dir.to_path_buf(),
+        report,
+        context,
+    })
+}
+
+/// A sweep loaded, analysed and checked as [`load_grid`] does, with its repetitions.
+fn analysed(dir: &Path) -> Result<(SweepData, Report, Context)> {
     let sweep = analysis::load_sweep(dir)
         .with_context(|| format!("figures: cannot load the sweep at {}", dir.display()))?;
     let report = analysis::analyze(&sweep, &ReportConfig::default());
@@ -122,10 +132,78 @@ pub fn load_grid(dir: &Path) -> Result<GridInput> {
         fleet,
         slo,
     };
-    Ok(GridInput {
+    Ok((sweep, report, context))
+}
+
+/// The load a point of a `load` sweep offered, as its repetitions' `meta.json` records it under
+/// `run` (docs/CONTRACTS.md, "Measurements layout").
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Offered {
+    /// Open-loop rate, requests per second of model time.
+    pub offered_rps: f64,
+    /// The same rate in wall requests per second (the unit of the report's goodput).
+    pub offered_wall_rps: f64,
+    /// Its fraction of the calibrated capacity, when the sweep ran at one (`--load`).
+    pub load_fraction: Option<f64>,
+    /// The capacity that fraction is of, requests per second of model time.
+    pub capacity_rps: Option<f64>,
+}
+
+/// A `load` sweep loaded and analysed, with the load each point offered.
+#[derive(Debug, Clone)]
+pub struct LoadInput {
+    /// The sweep directory.
+    pub dir: PathBuf,
+    /// The analysis report over it.
+    pub report: Report,
+    /// Title context.
+    pub context: Context,
+    /// The offered load of every point, by point name.
+    pub offered: BTreeMap<String, Offered>,
+}
+
+/// Loads a `load` sweep as [`load_grid`] loads a grid, and reads each point's offered load from
+/// its repetitions' `meta.json` (`run.offered_rps`, `run.offered_wall_rps`, `run.load_fraction`,
+/// `run.capacity_rps`). A point whose repetitions record no offered rate (a closed loop) or
+/// disagree about it is refused, naming the point.
+pub fn load_load_sweep(dir: &Path) -> Result<LoadInput> {
+    let (sweep, report, context) = analysed(dir)?;
+    let mut offered: BTreeMap<String, (Offered, String)> = BTreeMap::new();
+    for r in &sweep.reps {
+        let run = &r.meta.run;
+        let field = |k: &str| run.get(k).and_then(|v| v.as_f64());
+        let cell = format!("{}/{}/rep-{}", r.point, r.policy, r.rep);
+        let (Some(offered_rps), Some(offered_wall_rps)) =
+            (field("offered_rps"), field("offered_wall_rps"))
+        else {
+            bail!(
+                "figures: {}: {cell}'s meta.json records no `run.offered_rps` and `run.offered_wall_rps`: not an open-loop point of a load sweep",
+                dir.display()
+            );
+        };
+        let o = Offered {
+            offered_rps,
+            offered_wall_rps,
+            load_fraction: field("load_fraction"),
+            capacity_rps: field("capacity_rps"),
+        };
+        match offered.get(&r.point) {
+            Some((first, first_cell)) if *first != o => bail!(
+                "figures: {}: mismatched offered load at point `{}`: {first_cell} recorded {first:?}, {cell} recorded {o:?}",
+                dir.display(),
+                r.point
+            ),
+            Some(_) => {}
+            None => {
+                offered.insert(r.point.clone(), (o, cell));
+            }
+        }
+    }
+    Ok(LoadInput {
         dir: dir.to_path_buf(),
         report,
         context,
+        offered: offered.into_iter().map(|(k, (o, _))| (k, o)).collect(),
     })
 }
 

@@ -1,8 +1,9 @@
-//! kvroute's six figures (DESIGN.md §3.11), each as PNG, SVG and a CSV of exactly the numbers
-//! drawn, from published measurements.
+//! kvroute's figures (DESIGN.md §3.11, and the load curve of the operating point), each as PNG,
+//! SVG and a CSV of exactly the numbers drawn, from published measurements.
 //!
 //! Figures 1–5 come from a grid sweep analysed by the `analysis` crate; figure 6 from a fault
-//! sweep's `timeline.csv` (docs/CONTRACTS.md). The figures never compute a metric themselves:
+//! sweep's `timeline.csv` (docs/CONTRACTS.md); figure 7 from a `load` sweep, analysed the same
+//! way, with each point's offered load from its `meta.json`. The figures never compute a metric themselves:
 //! they pick numbers out of `analysis::Report` and fail, naming what is missing, when a number
 //! they need is not there. Text is drawn with an embedded font (no fontconfig).
 //!
@@ -21,14 +22,18 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result, bail};
 
-pub use input::{Context, FaultInput, GridInput, load_fault, load_grid};
+pub use input::{
+    Context, FaultInput, GridInput, LoadInput, load_fault, load_grid, load_load_sweep,
+};
 
 /// Sweep directories looked for (in order) under the measurements directory for figures 1–5.
 pub const GRID_SWEEPS: [&str; 2] = ["pressure-grid", "pressure-grid-quick"];
 /// Sweep directories looked for (in order) for figure 6.
 pub const FAULT_SWEEPS: [&str; 2] = ["fault-kill", "fault-kill-quick"];
+/// Sweep directories looked for (in order) for figure 7.
+pub const LOAD_SWEEPS: [&str; 2] = ["load", "load-quick"];
 
-/// The six figures.
+/// The figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FigureId {
     /// 1: prefix-affinity's margin over session-affinity across working set × skew.
@@ -43,17 +48,20 @@ pub enum FigureId {
     Belief,
     /// 6: goodput per second through a replica kill and restart.
     FaultTimeline,
+    /// 7: goodput and SLO attainment against offered load, per policy, knees marked.
+    LoadCurve,
 }
 
 impl FigureId {
-    /// All six, in order.
-    pub const ALL: [FigureId; 6] = [
+    /// All of them, in order.
+    pub const ALL: [FigureId; 7] = [
         FigureId::PressureMap,
         FigureId::WinnersMap,
         FigureId::Mechanism,
         FigureId::KnowledgeLadder,
         FigureId::Belief,
         FigureId::FaultTimeline,
+        FigureId::LoadCurve,
     ];
 
     /// File stem of its outputs (`<stem>.png`, `.svg`, `.csv`).
@@ -65,10 +73,11 @@ impl FigureId {
             FigureId::KnowledgeLadder => "fig4-knowledge-ladder",
             FigureId::Belief => "fig5-belief",
             FigureId::FaultTimeline => "fig6-fault-timeline",
+            FigureId::LoadCurve => "fig7-load-curve",
         }
     }
 
-    /// Parses `1`…`6` or a stem (`fig3-mechanism`) or its tail (`mechanism`).
+    /// Parses `1`…`7` or a stem (`fig3-mechanism`) or its tail (`mechanism`).
     pub fn parse(s: &str) -> Option<FigureId> {
         FigureId::ALL.into_iter().enumerate().find_map(|(i, f)| {
             let stem = f.stem();
@@ -91,10 +100,12 @@ pub struct Sources {
     pub grid: PathBuf,
     /// The fault sweep directory holding `timeline.csv` (figure 6).
     pub fault: PathBuf,
+    /// The `load` sweep directory (figure 7).
+    pub load: PathBuf,
 }
 
 impl Sources {
-    /// The first of [`GRID_SWEEPS`] and of [`FAULT_SWEEPS`] that exists under
+    /// The first of [`GRID_SWEEPS`], of [`FAULT_SWEEPS`] and of [`LOAD_SWEEPS`] that exists under
     /// `measurements_dir` (the first name when none does, so that errors name it).
     pub fn discover(measurements_dir: &Path) -> Sources {
         let pick = |names: &[&str]| {
@@ -107,11 +118,12 @@ impl Sources {
         Sources {
             grid: pick(&GRID_SWEEPS),
             fault: pick(&FAULT_SWEEPS),
+            load: pick(&LOAD_SWEEPS),
         }
     }
 }
 
-/// Renders all six figures from `measurements_dir` (see [`Sources::discover`]) into `out_dir`.
+/// Renders every figure from `measurements_dir` (see [`Sources::discover`]) into `out_dir`.
 /// Every figure that can be drawn is written even when another fails; the error then lists
 /// each failure with what is missing. Returns the files written.
 pub fn render_all(measurements_dir: &Path, out_dir: &Path) -> Result<Vec<PathBuf>> {
@@ -127,7 +139,9 @@ pub fn render_all(measurements_dir: &Path, out_dir: &Path) -> Result<Vec<PathBuf
 pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(out_dir)
         .with_context(|| format!("figures: cannot create {}", out_dir.display()))?;
-    let needs_grid = which.iter().any(|f| *f != FigureId::FaultTimeline);
+    let needs_grid = which
+        .iter()
+        .any(|f| !matches!(f, FigureId::FaultTimeline | FigureId::LoadCurve));
     let grid = if needs_grid {
         Some(grid_input(&sources.grid))
     } else {
@@ -136,14 +150,16 @@ pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<V
     let mut files = Vec::new();
     let mut failures = Vec::new();
     for &fig in which {
-        let out = match (fig, &grid) {
-            (FigureId::FaultTimeline, _) => {
-                load_fault(&sources.fault).and_then(|f| render_one(fig, Input::Fault(&f), out_dir))
-            }
-            (_, Some(Ok(g))) => render_one(fig, Input::Grid(g), out_dir),
-            (_, Some(Err(e))) => Err(anyhow::anyhow!("{e:#}")),
-            (_, None) => unreachable!("the grid is loaded whenever a grid figure is asked for"),
-        };
+        let out =
+            match (fig, &grid) {
+                (FigureId::FaultTimeline, _) => load_fault(&sources.fault)
+                    .and_then(|f| render_one(fig, Input::Fault(&f), out_dir)),
+                (FigureId::LoadCurve, _) => load_input(&sources.load)
+                    .and_then(|l| render_one(fig, Input::Load(&l), out_dir)),
+                (_, Some(Ok(g))) => render_one(fig, Input::Grid(g), out_dir),
+                (_, Some(Err(e))) => Err(anyhow::anyhow!("{e:#}")),
+                (_, None) => unreachable!("the grid is loaded whenever a grid figure is asked for"),
+            };
         match out {
             Ok(mut written) => files.append(&mut written),
             Err(e) => failures.push(format!("{fig}: {e:#}")),
@@ -169,6 +185,17 @@ pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<V
     Ok(files)
 }
 
+fn load_input(dir: &Path) -> Result<LoadInput> {
+    if !dir.is_dir() {
+        bail!(
+            "figure 7 needs a load sweep: {} does not exist (looked for {} beside it; `cargo xtask sweep load` then `cargo xtask publish` make one)",
+            dir.display(),
+            LOAD_SWEEPS.join(", ")
+        );
+    }
+    load_load_sweep(dir)
+}
+
 fn grid_input(dir: &Path) -> Result<GridInput> {
     if !dir.is_dir() {
         bail!(
@@ -187,6 +214,8 @@ pub enum Input<'a> {
     Grid(&'a GridInput),
     /// A loaded fault sweep (figure 6).
     Fault(&'a FaultInput),
+    /// A loaded `load` sweep (figure 7).
+    Load(&'a LoadInput),
 }
 
 /// Draws one figure from an already loaded input and writes its three files into `out_dir`
@@ -209,10 +238,23 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
             )?;
             d.table()
         }
-        (FigureId::FaultTimeline, Input::Grid(_)) => {
-            bail!("{fig} is drawn from a fault sweep, not a grid sweep")
+        (FigureId::LoadCurve, Input::Load(l)) => {
+            let d = data::load_curve(l)?;
+            draw::render_files(
+                &draw::LoadCurveFigure {
+                    data: &d,
+                    ctx: &l.context,
+                },
+                &png,
+                &svg,
+            )?;
+            d.table()
         }
-        (_, Input::Fault(_)) => bail!("{fig} is drawn from a grid sweep, not a fault sweep"),
+        (FigureId::FaultTimeline, _) => bail!("{fig} is drawn from a fault sweep"),
+        (FigureId::LoadCurve, _) => bail!("{fig} is drawn from a load sweep"),
+        (_, Input::Fault(_) | Input::Load(_)) => {
+            bail!("{fig} is drawn from a grid sweep")
+        }
         (fig, Input::Grid(g)) => {
             let (r, ctx) = (&g.report, &g.context);
             match fig {
@@ -241,7 +283,7 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
                     draw::render_files(&draw::BeliefFigure { data: &d, ctx }, &png, &svg)?;
                     d.table()
                 }
-                FigureId::FaultTimeline => unreachable!("matched above"),
+                FigureId::FaultTimeline | FigureId::LoadCurve => unreachable!("matched above"),
             }
         }
     };

@@ -36,7 +36,7 @@ fn copy_tree(from: &Path, to: &Path) {
 /// A private copy of the fixture measurements to break.
 fn measurements_copy(name: &str) -> PathBuf {
     let root = scratch(name).join("measurements");
-    for sweep in ["pressure-grid", "fault-kill"] {
+    for sweep in ["pressure-grid", "fault-kill", "load"] {
         copy_tree(&fixtures().join(sweep), &root.join(sweep));
     }
     root
@@ -55,10 +55,10 @@ fn png_size(bytes: &[u8]) -> (u32, u32) {
 }
 
 #[test]
-fn all_six_render_from_fixtures_and_their_data_match_the_goldens() {
+fn all_seven_render_from_fixtures_and_their_data_match_the_goldens() {
     let out = scratch("all").join("out");
     let files = render_all(&fixtures(), &out).unwrap();
-    assert_eq!(files.len(), 18, "{files:?}");
+    assert_eq!(files.len(), 21, "{files:?}");
     let update = std::env::var_os("UPDATE_GOLDEN").is_some();
     let golden_dir = fixtures().join("golden");
     let titles = [
@@ -68,6 +68,7 @@ fn all_six_render_from_fixtures_and_their_data_match_the_goldens() {
         "Knowledge ladder",
         "Belief",
         "Fault timeline",
+        "Load curve",
     ];
     for (fig, title) in FigureId::ALL.iter().zip(titles) {
         let base = out.join(fig.stem());
@@ -83,7 +84,8 @@ fn all_six_render_from_fixtures_and_their_data_match_the_goldens() {
             "emulated fleet, 3 replicas",
             "TTFT &lt; 990 ms",
         ] {
-            if *fig != FigureId::FaultTimeline || context != "pressure-grid" {
+            let own_sweep = matches!(fig, FigureId::FaultTimeline | FigureId::LoadCurve);
+            if !own_sweep || context != "pressure-grid" {
                 assert!(svg.contains(context), "{fig}: SVG lacks `{context}`");
             }
         }
@@ -281,7 +283,11 @@ fn missing_sweeps_are_named() {
     std::fs::create_dir_all(&empty).unwrap();
     let out = scratch("empty-out");
     let err = format!("{:#}", render_all(&empty, &out).unwrap_err());
-    assert!(err.contains("6 of 6 figures not drawn"), "{err}");
+    assert!(err.contains("7 of 7 figures not drawn"), "{err}");
+    assert!(
+        err.contains("figure 7 needs a load sweep") && err.contains("load-quick"),
+        "{err}"
+    );
     assert!(err.contains("pressure-grid"), "{err}");
     assert!(
         err.contains("fault-kill") && err.contains("timeline.csv"),
@@ -349,5 +355,56 @@ fn figure_ids_parse_from_numbers_and_names() {
         FigureId::parse("fault-timeline"),
         Some(FigureId::FaultTimeline)
     );
-    assert_eq!(FigureId::parse("7"), None);
+    assert_eq!(FigureId::parse("7"), Some(FigureId::LoadCurve));
+    assert_eq!(FigureId::parse("load-curve"), Some(FigureId::LoadCurve));
+    assert_eq!(FigureId::parse("8"), None);
+}
+
+#[test]
+fn the_load_curve_marks_each_policys_knee_and_says_how() {
+    let out = scratch("load-curve");
+    let files = render(
+        &Sources::discover(&fixtures()),
+        &out,
+        &[FigureId::LoadCurve],
+    )
+    .unwrap();
+    assert_eq!(files.len(), 3);
+    let csv = std::fs::read_to_string(out.join("fig7-load-curve.csv")).unwrap();
+    // session-affinity: 100% at 0.5×, median 87.5% at 1.0× → knee at 1.5 req/s wall (0.5×);
+    // prefix-affinity: 95.8% at 1.0×, 72% at 1.5× → knee at 3 req/s wall (1.0×).
+    let knees: Vec<(String, String)> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect::<Vec<_>>())
+        .filter(|f| f[12] == "1")
+        .map(|f| (f[0].to_string(), f[1].to_string()))
+        .collect();
+    assert_eq!(
+        knees,
+        [
+            ("session-affinity".to_string(), "ws1-s0-load0.5".to_string()),
+            ("prefix-affinity".to_string(), "ws1-s0-load1.0".to_string())
+        ]
+    );
+    let svg = std::fs::read_to_string(out.join("fig7-load-curve.svg")).unwrap();
+    assert!(svg.contains("Load curve"), "title");
+    assert!(
+        svg.contains("the highest offered load up to which"),
+        "the caption states the knee rule"
+    );
+    assert!(
+        svg.contains("0.15 req/s of model time"),
+        "the capacity is named"
+    );
+    // A point whose repetitions record no offered load (a closed loop) is refused, named.
+    let m = measurements_copy("load-closed");
+    let meta = m.join("load/ws1-s0-load1.0/prefix-affinity/rep-2/meta.json");
+    let text = std::fs::read_to_string(&meta).unwrap();
+    std::fs::write(&meta, text.replace("offered_wall_rps", "offered_elsewhere")).unwrap();
+    let err = render_err(&m, &[FigureId::LoadCurve], "load-closed");
+    assert!(
+        err.contains("ws1-s0-load1.0/prefix-affinity/rep-2") && err.contains("run.offered_rps"),
+        "{err}"
+    );
 }
