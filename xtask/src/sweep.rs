@@ -10,7 +10,7 @@ use clap::{Args, ValueEnum};
 
 use experiment::Bins;
 use experiment::cell::{self, CellState};
-use experiment::grid::{self, SweepName};
+use experiment::grid::SweepName;
 use experiment::progress::Progress;
 use experiment::sweep::{LiveSweep, SweepSettings};
 use fleet::Ingress;
@@ -128,6 +128,9 @@ pub struct SweepArgs {
     /// The fleet.
     #[command(flatten)]
     pub fleet: FleetArgs,
+    /// The trace of `sweep trace`.
+    #[command(flatten)]
+    pub trace: crate::trace_args::TraceArgs,
 }
 
 impl SweepArgs {
@@ -145,12 +148,12 @@ impl SweepArgs {
             rates_rps: self.rates.clone(),
             points: self.points.clone(),
             think_model_s: self.think_s,
-            warmup_s: self
-                .warmup_s
-                .unwrap_or_else(|| grid::default_warmup_s(self.quick)),
-            measure_s: self
-                .measure_s
-                .unwrap_or_else(|| grid::default_measure_s(self.quick)),
+            warmup_s: self.warmup_s.unwrap_or_else(|| {
+                experiment::trace_sweep::default_warmup_s(self.name, self.quick)
+            }),
+            measure_s: self.measure_s.unwrap_or_else(|| {
+                experiment::trace_sweep::default_measure_s(self.name, self.quick)
+            }),
             calibration: self.calibration.clone(),
             recalibrate: self.recalibrate,
             max_lateness_p99_ms: self.max_lateness_p99_ms,
@@ -161,6 +164,7 @@ impl SweepArgs {
             fleet: self.fleet.spec(self.quick),
             git_rev: env::git_rev(),
             versions: env::versions(),
+            trace: self.trace.settings(self.quick),
         }
     }
 

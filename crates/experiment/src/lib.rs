@@ -22,6 +22,7 @@
 //! - [`calibrate`]: the calibration procedure, its phases printed with an ETA.
 //! - [`fault`]: the fault procedure ([`fault::FaultRun`]).
 //! - [`virtual_sweep`]: the virtual sweep's fleet, calibration, preparation and cell.
+//! - [`trace_sweep`]: the trace sweep's settings, point, `trace-plan.json` and engine limits.
 //! - [`publish`]: a finished sweep or fault run → `docs/measurements/<name>/`.
 //! - [`progress`]: count-and-ETA lines for long loops.
 
@@ -37,6 +38,7 @@ pub mod plan_file;
 pub mod progress;
 pub mod publish;
 pub mod sweep;
+pub mod trace_sweep;
 pub mod virtual_sweep;
 
 pub use bins::Bins;

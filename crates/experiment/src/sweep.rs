@@ -71,6 +71,8 @@ pub struct SweepSettings {
     pub git_rev: Option<String>,
     /// Tool versions recorded beside it.
     pub versions: serde_json::Value,
+    /// The trace the `trace` sweep replays (`None` for every other sweep).
+    pub trace: Option<crate::trace_sweep::TraceSettings>,
 }
 
 impl SweepSettings {
@@ -82,6 +84,9 @@ impl SweepSettings {
     /// The sweep's grid points for a fleet of `replicas`, narrowed to `points`; the live and the
     /// virtual sweep share it so both run the same grid.
     pub fn sweep_points(&self, replicas: usize) -> Result<Vec<Point>> {
+        if let Some(t) = crate::trace_sweep::settings_of(self)? {
+            return grid::select_points(vec![t.point()], &self.points);
+        }
         let points = grid::points(
             self.name,
             &GridParams {
@@ -129,6 +134,9 @@ impl SweepSettings {
                 rate_rps: rate_rps * speed,
                 duration_s: run_s,
             },
+            Arrival::Trace { .. } => {
+                return crate::trace_sweep::ensure_trace_plan(self, point, sweep_dir);
+            }
         };
         ensure_plan(&sweep_dir.join(&point.name), &spec, &arrival)
     }
@@ -294,6 +302,7 @@ impl<'a> LiveSweep<'a> {
         let source = s
             .fleet
             .source(&bins.engine, kv_events, Some(&cal.used_replicas))?;
+        let source = crate::trace_sweep::with_engine_limits(source, s)?;
         let fleet = Fleet::new(source, s.fleet.options(&dir.join("logs").join("fleet")))?;
         let record = serde_json::json!({
             "sweep": s.name.as_str(),
@@ -307,6 +316,7 @@ impl<'a> LiveSweep<'a> {
             "speed": s.fleet.effective_speed(),
             "max_lateness_p99_ms": s.max_lateness_p99_ms,
             "calibration": cal,
+            "trace": s.trace,
         });
         let record_path = dir.join(record_file_name(s.ingress));
         let earlier = std::fs::read_to_string(&record_path)
@@ -358,6 +368,7 @@ impl<'a> LiveSweep<'a> {
         let (mode, closed_users) = match point.arrival {
             Arrival::Closed { users } => ("closed", Some(users as usize)),
             Arrival::Open { .. } => ("open", None),
+            Arrival::Trace { .. } => ("replay", None),
         };
         let belief = grid::uses_belief_index(policy);
         let router = RouterSettings {
@@ -523,6 +534,7 @@ impl<'a> LiveSweep<'a> {
                     "think_model_s": s.think_model_s,
                     "arrival": point.arrival,
                     "requests": result.requests,
+                    "trace": crate::trace_sweep::meta_of(plan),
                 }),
             };
             if should_stop() {

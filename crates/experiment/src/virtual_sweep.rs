@@ -175,6 +175,25 @@ pub struct CellSettings {
     pub versions: serde_json::Value,
 }
 
+/// What a point's cells replay.
+#[derive(Debug, Clone)]
+pub enum Work {
+    /// A workload plan.
+    Plan {
+        /// The point's plan, shared by its cells.
+        plan: Arc<Plan>,
+        /// The plan's prompts, computed once per point.
+        book: Arc<sim::PromptBook>,
+    },
+    /// A trace replay (`crate::trace_sweep`).
+    Trace {
+        /// The replay, shared by the point's cells.
+        plan: Arc<trace::ReplayPlan>,
+        /// The engines' `max_model_len` it needs, when more than their default.
+        max_model_len: Option<u32>,
+    },
+}
+
 /// One repetition to simulate.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -184,10 +203,8 @@ pub struct Job {
     pub policy: String,
     /// Repetition number (1-based).
     pub rep: u32,
-    /// The point's plan, shared by its cells.
-    pub plan: Arc<Plan>,
-    /// The plan's prompts, computed once per point.
-    pub book: Arc<sim::PromptBook>,
+    /// What it replays.
+    pub work: Work,
     /// The repetition directory (`<sweep>/<point>/<policy>/rep-<k>`).
     pub dir: PathBuf,
     /// Run settings recorded under `meta.run`.
@@ -220,9 +237,19 @@ pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
         versions: s.versions.clone(),
         run: job.run.clone(),
     };
-    let (summary, mut meta_json) =
-        sim::write_cell_rows(&cfg, &job.plan, &job.book, &job.dir, &meta)
-            .map_err(|e| anyhow!("{e}"))?;
+    let written = match &job.work {
+        Work::Plan { plan, book } => sim::write_cell_rows(&cfg, plan, book, &job.dir, &meta),
+        Work::Trace {
+            plan,
+            max_model_len,
+        } => {
+            if let Some(n) = *max_model_len {
+                cfg.engine.max_model_len = cfg.engine.max_model_len.max(n);
+            }
+            sim::write_trace_cell_rows(&cfg, plan, &job.dir, &meta)
+        }
+    };
+    let (summary, mut meta_json) = written.map_err(|e| anyhow!("{e}"))?;
     let drift = analysis::check_rep_dir(
         &job.dir,
         &s.slo,
@@ -319,6 +346,7 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
             "speed": s.fleet.speed,
             "jitter": JITTER,
             "calibration": cal,
+            "trace": s.trace,
         }))?
         .as_bytes(),
     )?;
@@ -326,13 +354,23 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
     let mut skipped = 0usize;
     for point in &points {
         let plan_file = s.plan_for(point, &cal, dir)?;
-        let bytes = std::fs::read(&plan_file.path)
-            .with_context(|| format!("reading {}", plan_file.path.display()))?;
-        let plan = Arc::new(Plan::from_bytes(&bytes).map_err(|e| anyhow!("{e}"))?);
-        let book = Arc::new(
-            sim::PromptBook::new(&plan, &base.model, base.router.block_bytes, true)
-                .map_err(|e| anyhow!("prompts of {}: {e}", point.name))?,
-        );
+        let work = if crate::trace_sweep::settings_of(s)?.is_some() {
+            let (plan, _) = crate::trace_sweep::replay_plan(s)?;
+            let max_model_len = crate::trace_sweep::max_model_len(&plan);
+            Work::Trace {
+                plan: Arc::new(plan),
+                max_model_len,
+            }
+        } else {
+            let bytes = std::fs::read(&plan_file.path)
+                .with_context(|| format!("reading {}", plan_file.path.display()))?;
+            let plan = Arc::new(Plan::from_bytes(&bytes).map_err(|e| anyhow!("{e}"))?);
+            let book = Arc::new(
+                sim::PromptBook::new(&plan, &base.model, base.router.block_bytes, true)
+                    .map_err(|e| anyhow!("prompts of {}: {e}", point.name))?,
+            );
+            Work::Plan { plan, book }
+        };
         for rep in 1..=s.reps {
             for policy in &policies {
                 let rep_dir = cell::rep_dir(dir, &point.name, policy, rep);
@@ -344,13 +382,13 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
                     point: point.name.clone(),
                     policy: policy.clone(),
                     rep,
-                    plan: plan.clone(),
-                    book: book.clone(),
+                    work: work.clone(),
                     dir: rep_dir,
                     run: serde_json::json!({
                         "plan": plan_file.name,
                         "think_model_s": s.think_model_s,
                         "arrival": point.arrival,
+                        "trace": crate::trace_sweep::meta_of(&plan_file),
                     }),
                 });
             }
@@ -468,8 +506,10 @@ mod tests {
             point: "ws1-s0".into(),
             policy: "prefix-affinity".into(),
             rep,
-            plan: plan.clone(),
-            book: book.clone(),
+            work: Work::Plan {
+                plan: plan.clone(),
+                book: book.clone(),
+            },
             dir: s.0.join(dir),
             run: serde_json::json!({"plan": plan.name()}),
         };
