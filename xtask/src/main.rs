@@ -15,6 +15,7 @@ mod interrupt;
 mod publish;
 mod report;
 mod sweep;
+mod trace_args;
 mod virtual_sweep;
 
 use std::path::PathBuf;
@@ -35,7 +36,7 @@ enum Cmd {
     /// Measure floors (→ SLO), KV capacity, index TTL and node cap, and the fleet's capacity (the
     /// highest open-loop rate the best policy serves within the SLO); exclude a throttling outlier.
     Calibrate(Box<calibration::CalibrateArgs>),
-    /// Run a sweep (pressure-grid, load, turns, prompt-length), resumably, then report.
+    /// Run a sweep (pressure-grid, load, turns, prompt-length, trace), resumably, then report.
     Sweep(Box<sweep::SweepArgs>),
     /// Fault a replica under steady load (`kill` or `drain`) and check the loss bounds.
     Fault(Box<fault::FaultArgs>),

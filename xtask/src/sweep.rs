@@ -10,7 +10,7 @@ use clap::{Args, ValueEnum};
 
 use experiment::Bins;
 use experiment::cell::{self, CellState};
-use experiment::grid::{self, PrefixGroups, Sharing, SweepName, WorkloadShape};
+use experiment::grid::{PrefixGroups, Sharing, SweepName, WorkloadShape};
 use experiment::progress::Progress;
 use experiment::sweep::{LiveSweep, SweepSettings};
 use fleet::Ingress;
@@ -152,6 +152,9 @@ pub struct SweepArgs {
     /// The fleet.
     #[command(flatten)]
     pub fleet: FleetArgs,
+    /// The trace of `sweep trace`.
+    #[command(flatten)]
+    pub trace: crate::trace_args::TraceArgs,
 }
 
 impl SweepArgs {
@@ -183,13 +186,13 @@ impl SweepArgs {
             },
             points: self.points.clone(),
             think_model_s: self.think_s,
-            warmup_s: self
-                .warmup_s
-                .unwrap_or_else(|| grid::default_warmup_s(self.quick)),
+            warmup_s: self.warmup_s.unwrap_or_else(|| {
+                experiment::trace_sweep::default_warmup_s(self.name, self.quick)
+            }),
             warmup_given: self.warmup_s.is_some(),
-            measure_s: self
-                .measure_s
-                .unwrap_or_else(|| grid::default_measure_s(self.quick)),
+            measure_s: self.measure_s.unwrap_or_else(|| {
+                experiment::trace_sweep::default_measure_s(self.name, self.quick)
+            }),
             calibration: self.calibration.clone(),
             recalibrate: self.recalibrate,
             lateness_share_of_itl_floor: self.lateness_share_of_itl_floor,
@@ -200,6 +203,7 @@ impl SweepArgs {
             fleet: self.fleet.spec(self.quick),
             git_rev: env::git_rev(),
             versions: env::versions(),
+            trace: self.trace.settings(self.quick),
         }
     }
 

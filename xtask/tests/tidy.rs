@@ -14,22 +14,26 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("prom-text", &[]),
     ("kv-index", &[]),
     ("workload", &[]),
+    ("trace", &["workload"]),
     ("engine", &[]),
     ("policies", &["kv-index"]),
     ("proxy", &["kv-index", "policies", "schema", "prom-text"]),
-    ("driver", &["workload", "schema"]),
+    ("driver", &["workload", "schema", "trace"]),
     ("fleet", &["schema", "prom-text"]),
     ("analysis", &["workload", "schema"]),
     ("figures", &["analysis", "schema"]),
     (
         "sim",
-        &["workload", "policies", "kv-index", "engine", "schema"],
+        &[
+            "workload", "trace", "policies", "kv-index", "engine", "schema",
+        ],
     ),
     ("proxy-bench", &["proxy", "analysis", "schema"]),
     (
         "experiment",
         &[
-            "schema", "workload", "fleet", "analysis", "sim", "policies", "kv-index", "engine",
+            "schema", "workload", "trace", "fleet", "analysis", "sim", "policies", "kv-index",
+            "engine",
         ],
     ),
 ];
@@ -43,6 +47,7 @@ const PURE: &[&str] = &[
     "kv-index",
     "policies",
     "workload",
+    "trace",
     "engine",
 ];
 

@@ -1,11 +1,13 @@
 //! `driver`: write workload plans and replay them closed-loop or open-loop against an
 //! OpenAI-compatible server, one `client.csv` row per request.
 
+mod replay;
+
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use driver::{ProgressMode, RunConfig};
+use driver::{DriverError, ProgressMode, RunConfig, RunSummary};
 use workload::spec::{
     DEFAULT_BYTES_PER_TOKEN, DEFAULT_GROUP_PREFIX_TOKENS, DEFAULT_GROUP_SKEW,
     DEFAULT_OUTPUT_TOKENS, DEFAULT_PREFIX_TOKENS, DEFAULT_PRIVATE_CONTEXT_TOKENS, DEFAULT_TURNS,
@@ -34,6 +36,11 @@ enum Command {
     Closed(RunArgs),
     /// Open loop: send at the plan's Poisson arrival times (never rescaled).
     Open(RunArgs),
+    /// Replay a Mooncake-format trace open loop (`--trace FILE` or a sweep's `--plan
+    /// trace-plan.json`): each hash id a block of text, times scaled, rows as `open` writes them.
+    Replay(Box<replay::ReplayArgs>),
+    /// Print the replay plan of a trace (one JSON line) without sending anything.
+    TracePlan(replay::MappingArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -187,6 +194,8 @@ fn real_main() -> Result<()> {
         }
         Command::Closed(a) => drive(&a, Arrival::Closed),
         Command::Open(a) => drive(&a, Arrival::Open),
+        Command::Replay(a) => replay::replay(&a),
+        Command::TracePlan(a) => replay::describe(&a),
     }
 }
 
@@ -281,18 +290,27 @@ fn drive(a: &RunArgs, mode: Arrival) -> Result<()> {
         },
         progress_file: a.progress_file.clone(),
     };
-    // One core: the benchmark in crates/driver/README.md was measured this way.
+    let summary = interruptible(&cfg, async {
+        match mode {
+            Arrival::Closed => driver::run_closed(&plan, &cfg).await,
+            Arrival::Open => driver::run_open(&plan, &cfg).await,
+        }
+    })?;
+    println!("{summary}");
+    Ok(())
+}
+
+/// Runs `run` on one core (the benchmark in crates/driver/README.md was measured this way); on
+/// Ctrl-C or SIGTERM stops with an error naming where the rows so far are.
+fn interruptible(
+    cfg: &RunConfig,
+    run: impl std::future::Future<Output = Result<RunSummary, DriverError>>,
+) -> Result<RunSummary> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the runtime")?;
-    let summary = rt.block_on(async {
-        let run = async {
-            match mode {
-                Arrival::Closed => driver::run_closed(&plan, &cfg).await,
-                Arrival::Open => driver::run_open(&plan, &cfg).await,
-            }
-        };
+    rt.block_on(async {
         let interrupted = |what: &str| {
             anyhow::anyhow!(
                 "{what}; rows so far are in {}",
@@ -306,7 +324,5 @@ fn drive(a: &RunArgs, mode: Arrival) -> Result<()> {
             _ = tokio::signal::ctrl_c() => Err(interrupted("interrupted")),
             _ = term.recv() => Err(interrupted("terminated")),
         }
-    })?;
-    println!("{summary}");
-    Ok(())
+    })
 }

@@ -2,6 +2,7 @@
 //! (the router, one replica, or real vLLM) and write one `client.csv` row per request.
 //!
 //! - [`run_closed`] / [`run_open`] / [`run`] / [`run_blocking`]: the library API the sweep calls.
+//! - [`run_replay`]: a Mooncake-format trace replayed open loop ([`replay`]).
 //! - [`client::Requester`]: one streaming request, timed per chunk on a monotonic clock.
 //! - [`sse`], [`chunk`], [`metrics`]: incremental SSE parsing, chunk interpretation and the
 //!   TTFT / ITL / TPOT definitions (pure, unit-tested).
@@ -11,11 +12,13 @@
 pub mod chunk;
 pub mod client;
 pub mod metrics;
+pub mod replay;
 pub mod rows;
 pub mod run;
 pub mod sse;
 pub mod testserver;
 
+pub use replay::{load_replay, load_replay_file, run_replay, run_replay_blocking};
 pub use rows::{ClientRow, read_rows};
 pub use run::{
     ProgressMode, Quantiles, RunConfig, RunSummary, run, run_blocking, run_closed, run_open,

@@ -296,21 +296,42 @@ impl Sink {
     }
 }
 
-/// What every task shares.
-struct Shared {
-    plan: Arc<Plan>,
-    requester: Requester,
-    model: String,
+/// What every task shares: the workload `W` (a plan, or a trace replay) and the run's state.
+pub(crate) struct Shared<W = Plan> {
+    pub(crate) plan: Arc<W>,
+    pub(crate) requester: Requester,
+    pub(crate) model: String,
     warmup: Duration,
     stop_at: Option<Duration>,
     sink: Mutex<Sink>,
 }
 
-impl Shared {
-    fn stopped(&self, scheduled: Duration) -> bool {
-        self.stop_at.is_some_and(|s| scheduled >= s)
+/// What the summary names a workload by.
+pub(crate) trait Named {
+    /// The plan's name.
+    fn plan_name(&self) -> String;
+    /// The plan's fingerprint, hex.
+    fn plan_fingerprint(&self) -> Result<String, DriverError>;
+}
+
+impl Named for Plan {
+    fn plan_name(&self) -> String {
+        self.name()
     }
 
+    fn plan_fingerprint(&self) -> Result<String, DriverError> {
+        self.fingerprint_hex()
+            .map_err(|e| DriverError::Plan(e.to_string()))
+    }
+}
+
+impl<W> Shared<W> {
+    pub(crate) fn stopped(&self, scheduled: Duration) -> bool {
+        self.stop_at.is_some_and(|s| scheduled >= s)
+    }
+}
+
+impl Shared {
     /// Sends one planned request and records its row.
     async fn fire(&self, request_id: &str, conversation: u32, turn: u32, scheduled: Duration) {
         let session_id = self.plan.session_id(conversation);
@@ -335,8 +356,10 @@ impl Shared {
         let outcome = self.requester.send(&req).await;
         self.record(request_id, &session_id, turn, scheduled, &outcome);
     }
+}
 
-    fn record(
+impl<W> Shared<W> {
+    pub(crate) fn record(
         &self,
         request_id: &str,
         session_id: &str,
@@ -585,15 +608,23 @@ async fn run_open_shared(
 
 /// Sleeps until `at`, not at all when it has passed: tokio rounds deadlines up to its next
 /// millisecond tick, which would add up to 1 ms of send lag to every zero-think request.
-async fn sleep_until(at: Instant) {
+pub(crate) async fn sleep_until(at: Instant) {
     if at > Instant::now() {
         tokio::time::sleep_until(at.into()).await;
     }
 }
 
 async fn prepare(plan: &Plan, cfg: &RunConfig) -> Result<Arc<Shared>, DriverError> {
-    cfg.validate()?;
     plan.check().map_err(|e| DriverError::Plan(e.to_string()))?;
+    prepare_with(Arc::new(plan.clone()), cfg).await
+}
+
+/// Preflight, model, rows and clock for a run of `plan` (already checked).
+pub(crate) async fn prepare_with<W>(
+    plan: Arc<W>,
+    cfg: &RunConfig,
+) -> Result<Arc<Shared<W>>, DriverError> {
+    cfg.validate()?;
     // The clock starts after the preflight so that plan time 0 is when sending may begin.
     let probe = Requester::new(
         &cfg.url,
@@ -617,7 +648,7 @@ async fn prepare(plan: &Plan, cfg: &RunConfig) -> Result<Arc<Shared>, DriverErro
     let start = Instant::now();
     let requester = Requester::new(&cfg.url, start, Duration::from_secs_f64(cfg.timeout_s))?;
     Ok(Arc::new(Shared {
-        plan: Arc::new(plan.clone()),
+        plan,
         requester,
         model,
         warmup: Duration::from_secs_f64(cfg.warmup_s),
@@ -643,13 +674,13 @@ async fn prepare(plan: &Plan, cfg: &RunConfig) -> Result<Arc<Shared>, DriverErro
     }))
 }
 
-type ProgressTask = Option<(
+pub(crate) type ProgressTask = Option<(
     tokio::task::JoinHandle<()>,
     tokio::sync::oneshot::Sender<()>,
 )>;
 
-fn spawn_progress(
-    shared: &Arc<Shared>,
+pub(crate) fn spawn_progress<W: Send + Sync + 'static>(
+    shared: &Arc<Shared<W>>,
     cfg: &RunConfig,
     total: u64,
     plan_end: Option<Duration>,
@@ -731,8 +762,8 @@ fn progress_line(s: &Sink, total: u64, elapsed: Duration, plan_end: Option<Durat
     )
 }
 
-async fn finish(
-    shared: Arc<Shared>,
+pub(crate) async fn finish<W: Named>(
+    shared: Arc<Shared<W>>,
     tasks: Vec<tokio::task::JoinHandle<(u64, u64)>>,
     progress: ProgressTask,
     total: u64,
@@ -757,10 +788,7 @@ async fn finish(
     if let Some(p) = panicked {
         return Err(DriverError::Io(format!("a driver task failed: {p}")));
     }
-    let plan_fingerprint = shared
-        .plan
-        .fingerprint_hex()
-        .map_err(|e| DriverError::Plan(e.to_string()))?;
+    let plan_fingerprint = shared.plan.plan_fingerprint()?;
     let mut sink = shared
         .sink
         .lock()
@@ -779,7 +807,7 @@ async fn finish(
     Ok(RunSummary {
         mode: mode.to_owned(),
         model: shared.model.clone(),
-        plan_name: shared.plan.name(),
+        plan_name: shared.plan.plan_name(),
         plan_fingerprint,
         out,
         requests: sink.done,

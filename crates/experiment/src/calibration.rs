@@ -865,7 +865,7 @@ pub fn throttle_bound(replicas: &[ReplicaCalibration], used: &[usize]) -> Option
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn replica(index: usize, ttft: f64, itl: f64) -> ReplicaCalibration {
@@ -1235,6 +1235,7 @@ mod tests {
             workload: crate::grid::WorkloadShape::DEFAULT,
             git_rev: None,
             versions: serde_json::Value::Null,
+            trace: None,
         };
         let replicas: Vec<fleet::ReplicaInfo> = (0..3)
             .map(|i| fleet::ReplicaInfo {

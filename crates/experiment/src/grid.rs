@@ -64,6 +64,9 @@ pub enum SweepName {
     Turns,
     /// Context-prefix length at the frozen point.
     PromptLength,
+    /// A Mooncake-format trace replayed (`crate::trace_sweep`; its one point comes from the
+    /// trace settings, not from this grid).
+    Trace,
 }
 
 impl SweepName {
@@ -74,6 +77,7 @@ impl SweepName {
             SweepName::Load => "load",
             SweepName::Turns => "turns",
             SweepName::PromptLength => "prompt-length",
+            SweepName::Trace => "trace",
         }
     }
 }
@@ -90,6 +94,11 @@ pub enum Arrival {
     Open {
         /// Model-time rate (the wall rate is `rate_rps × speed`).
         rate_rps: f64,
+    },
+    /// A trace's own arrival times (`crate::trace_sweep`), open loop.
+    Trace {
+        /// Model time = trace time × this (the wall time divides it by the speed).
+        time_scale: f64,
     },
 }
 
@@ -252,7 +261,7 @@ fn loads(name: SweepName, p: &GridParams) -> Result<Vec<Load>> {
         };
         let suffix = match arrival {
             Arrival::Open { rate_rps } => format!("-rate{}", fmt(rate_rps)),
-            Arrival::Closed { .. } => String::new(),
+            Arrival::Closed { .. } | Arrival::Trace { .. } => String::new(),
         };
         return Ok(vec![Load {
             arrival,
@@ -388,6 +397,9 @@ pub fn points(name: SweepName, p: &GridParams) -> Result<Vec<Point>> {
                     })
                 })
                 .collect()
+        }
+        SweepName::Trace => {
+            bail!("the trace sweep's point comes from its trace settings (--trace FILE)")
         }
         SweepName::PromptLength => {
             let all: &[u32] = if p.quick {

@@ -26,6 +26,7 @@
 //!   cell's window from the settling times it measured, and the live search.
 //! - [`fault`]: the fault procedure ([`fault::FaultRun`]).
 //! - [`virtual_sweep`]: the virtual sweep's fleet, calibration, preparation and cell.
+//! - [`trace_sweep`]: the trace sweep's settings, point, `trace-plan.json` and engine limits.
 //! - [`publish`]: a finished sweep or fault run → `docs/measurements/<name>/`.
 //! - [`progress`]: count-and-ETA lines for long loops.
 
@@ -43,6 +44,7 @@ pub mod plan_file;
 pub mod progress;
 pub mod publish;
 pub mod sweep;
+pub mod trace_sweep;
 pub mod virtual_sweep;
 
 pub use bins::Bins;

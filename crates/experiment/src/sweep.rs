@@ -84,6 +84,8 @@ pub struct SweepSettings {
     pub git_rev: Option<String>,
     /// Tool versions recorded beside it.
     pub versions: serde_json::Value,
+    /// The trace the `trace` sweep replays (`None` for every other sweep).
+    pub trace: Option<crate::trace_sweep::TraceSettings>,
 }
 
 impl SweepSettings {
@@ -95,6 +97,9 @@ impl SweepSettings {
     /// The sweep's grid points under `cal` (its replicas in use, its capacity for `--load`),
     /// narrowed to `points`; the live and the virtual sweep share it so both run the same grid.
     pub fn sweep_points(&self, cal: &Calibration) -> Result<Vec<Point>> {
+        if let Some(t) = crate::trace_sweep::settings_of(self)? {
+            return grid::select_points(vec![t.point()], &self.points);
+        }
         let points = grid::points(
             self.name,
             &GridParams {
@@ -169,7 +174,8 @@ impl SweepSettings {
     ) -> serde_json::Value {
         let offered_rps = match point.arrival {
             Arrival::Open { rate_rps } => Some(rate_rps),
-            Arrival::Closed { .. } => None,
+            // A trace's offered load is its own (and changes through it).
+            Arrival::Closed { .. } | Arrival::Trace { .. } => None,
         };
         serde_json::json!({
             "arrival": point.arrival,
@@ -219,6 +225,9 @@ impl SweepSettings {
                 rate_rps: rate_rps * speed,
                 duration_s: run_s,
             },
+            Arrival::Trace { .. } => {
+                return crate::trace_sweep::ensure_trace_plan(self, point, sweep_dir);
+            }
         };
         // The load fraction is the sweep's, not the plan's: the name carries it beside the rate.
         let label = point
@@ -420,6 +429,7 @@ impl<'a> LiveSweep<'a> {
         let source = s
             .fleet
             .source(&bins.engine, kv_events, Some(&cal.used_replicas))?;
+        let source = crate::trace_sweep::with_engine_limits(source, s)?;
         let fleet = Fleet::new(source, s.fleet.options(&dir.join("logs").join("fleet")))?;
         let record = serde_json::json!({
             "sweep": s.name.as_str(),
@@ -442,6 +452,7 @@ impl<'a> LiveSweep<'a> {
             ),
             "routing": routing,
             "calibration": cal,
+            "trace": s.trace,
         });
         let record_path = dir.join(record_file_name(s.ingress));
         let earlier = std::fs::read_to_string(&record_path)
@@ -496,6 +507,7 @@ impl<'a> LiveSweep<'a> {
         let (mode, closed_users) = match point.arrival {
             Arrival::Closed { users } => ("closed", Some(users as usize)),
             Arrival::Open { .. } => ("open", None),
+            Arrival::Trace { .. } => ("replay", None),
         };
         let router = s.router_settings(&self.routing, policy, rep);
         let cell_bounds = bounds(
@@ -624,6 +636,7 @@ impl<'a> LiveSweep<'a> {
                     run["evidence_bounds"] = serde_json::to_value(&cell_bounds)?;
                     run["driver"] = serde_json::to_value(&driver)?;
                     run["requests"] = serde_json::json!(result.requests);
+                    run["trace"] = serde_json::to_value(crate::trace_sweep::meta_of(plan))?;
                     run
                 },
             };
@@ -731,6 +744,7 @@ mod tests {
             workload: WorkloadShape::DEFAULT,
             git_rev: None,
             versions: serde_json::Value::Null,
+            trace: None,
         }
     }
 

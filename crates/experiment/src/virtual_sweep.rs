@@ -343,6 +343,25 @@ pub struct CellSettings {
     pub versions: serde_json::Value,
 }
 
+/// What a point's cells replay.
+#[derive(Debug, Clone)]
+pub enum Work {
+    /// A workload plan.
+    Plan {
+        /// The point's plan, shared by its cells.
+        plan: Arc<Plan>,
+        /// The plan's prompts, computed once per point.
+        book: Arc<sim::PromptBook>,
+    },
+    /// A trace replay (`crate::trace_sweep`).
+    Trace {
+        /// The replay, shared by the point's cells.
+        plan: Arc<trace::ReplayPlan>,
+        /// The engines' `max_model_len` it needs, when more than their default.
+        max_model_len: Option<u32>,
+    },
+}
+
 /// One repetition to simulate.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -352,10 +371,8 @@ pub struct Job {
     pub policy: String,
     /// Repetition number (1-based).
     pub rep: u32,
-    /// The point's plan, shared by its cells.
-    pub plan: Arc<Plan>,
-    /// The plan's prompts, computed once per point.
-    pub book: Arc<sim::PromptBook>,
+    /// What it replays.
+    pub work: Work,
     /// The repetition directory (`<sweep>/<point>/<policy>/rep-<k>`).
     pub dir: PathBuf,
     /// Discarded warm-up, s (the point's, [`SweepSettings::window_for`]).
@@ -396,7 +413,7 @@ pub fn cell_config(
 /// Simulates one repetition into `job.dir` (cleared first), checks drift on its rows, writes
 /// `meta.json` last. Returns whether the repetition was accepted.
 pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
-    let cfg = cell_config(s, &job.policy, job.rep, job.warmup_s, job.run_s);
+    let mut cfg = cell_config(s, &job.policy, job.rep, job.warmup_s, job.run_s);
     cell::clear(&job.dir)?;
     let meta = sim::CellMeta {
         sweep: s.sweep.clone(),
@@ -408,9 +425,19 @@ pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
         versions: s.versions.clone(),
         run: job.run.clone(),
     };
-    let (summary, mut meta_json) =
-        sim::write_cell_rows(&cfg, &job.plan, &job.book, &job.dir, &meta)
-            .map_err(|e| anyhow!("{e}"))?;
+    let written = match &job.work {
+        Work::Plan { plan, book } => sim::write_cell_rows(&cfg, plan, book, &job.dir, &meta),
+        Work::Trace {
+            plan,
+            max_model_len,
+        } => {
+            if let Some(n) = *max_model_len {
+                cfg.engine.max_model_len = cfg.engine.max_model_len.max(n);
+            }
+            sim::write_trace_cell_rows(&cfg, plan, &job.dir, &meta)
+        }
+    };
+    let (summary, mut meta_json) = written.map_err(|e| anyhow!("{e}"))?;
     let drift = analysis::check_rep_dir(
         &job.dir,
         &s.slo,
@@ -535,6 +562,7 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
             "speed": s.fleet.speed,
             "repetitions": REPETITIONS,
             "calibration": cal,
+            "trace": s.trace,
         }))?
         .as_bytes(),
     )?;
@@ -543,13 +571,23 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
     for point in &points {
         let window = s.window_for(point, &cal)?;
         let plan_file = s.plan_for(point, &cal, dir)?;
-        let bytes = std::fs::read(&plan_file.path)
-            .with_context(|| format!("reading {}", plan_file.path.display()))?;
-        let plan = Arc::new(Plan::from_bytes(&bytes).map_err(|e| anyhow!("{e}"))?);
-        let book = Arc::new(
-            sim::PromptBook::new(&plan, &base.model, base.router.block_bytes, true)
-                .map_err(|e| anyhow!("prompts of {}: {e}", point.name))?,
-        );
+        let work = if crate::trace_sweep::settings_of(s)?.is_some() {
+            let (plan, _) = crate::trace_sweep::replay_plan(s)?;
+            let max_model_len = crate::trace_sweep::max_model_len(&plan);
+            Work::Trace {
+                plan: Arc::new(plan),
+                max_model_len,
+            }
+        } else {
+            let bytes = std::fs::read(&plan_file.path)
+                .with_context(|| format!("reading {}", plan_file.path.display()))?;
+            let plan = Arc::new(Plan::from_bytes(&bytes).map_err(|e| anyhow!("{e}"))?);
+            let book = Arc::new(
+                sim::PromptBook::new(&plan, &base.model, base.router.block_bytes, true)
+                    .map_err(|e| anyhow!("prompts of {}: {e}", point.name))?,
+            );
+            Work::Plan { plan, book }
+        };
         for rep in 1..=s.reps {
             for policy in &policies {
                 let rep_dir = cell::rep_dir(dir, &point.name, policy, rep);
@@ -561,8 +599,7 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
                     point: point.name.clone(),
                     policy: policy.clone(),
                     rep,
-                    plan: plan.clone(),
-                    book: book.clone(),
+                    work: work.clone(),
                     dir: rep_dir,
                     warmup_s: window.warmup_s,
                     run_s: window.run_s(),
@@ -571,6 +608,8 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
                         let mut run = s.run_record(point, &cal, &window);
                         run["plan"] = serde_json::Value::String(plan_file.name.clone());
                         run["routing"] = serde_json::to_value(&routing)?;
+                        run["trace"] =
+                            serde_json::to_value(crate::trace_sweep::meta_of(&plan_file))?;
                         run
                     },
                 });
@@ -696,8 +735,10 @@ mod tests {
             point: "ws1-s0".into(),
             policy: "prefix-affinity".into(),
             rep,
-            plan: plan.clone(),
-            book: book.clone(),
+            work: Work::Plan {
+                plan: plan.clone(),
+                book: book.clone(),
+            },
             dir: s.0.join(dir),
             warmup_s,
             run_s,

@@ -112,22 +112,49 @@ fn wall_ns_quantile(ns: &mut [f64], q: f64) -> Option<u64> {
     quantile_in_place(ns, q).map(|v| v.round() as u64)
 }
 
-fn closed_users(plan: &Plan) -> Option<usize> {
-    match &plan.schedule {
-        Schedule::Closed { users, .. } => Some(users.len()),
-        Schedule::Open { .. } => None,
+/// What a cell's rows and meta say about the workload it ran: a plan, or a trace replay.
+pub(crate) struct Workload {
+    /// The full name (content and arrival).
+    pub(crate) name: String,
+    /// The content name.
+    pub(crate) workload_name: String,
+    /// The content fingerprint.
+    pub(crate) workload_fingerprint: String,
+    /// The arrival-plan fingerprint.
+    pub(crate) plan_fingerprint: String,
+    /// Closed-loop users (the window rule), `None` for open loop.
+    pub(crate) closed_users: Option<usize>,
+    /// Where the schedule ends, s (∞ for a closed loop).
+    pub(crate) plan_end_s: f64,
+}
+
+impl Workload {
+    fn of_plan(plan: &Plan) -> Result<Workload, SimError> {
+        let fp = |r: Result<String, workload::WorkloadError>| {
+            r.map_err(|e| SimError::Plan(e.to_string()))
+        };
+        Ok(Workload {
+            name: plan.name(),
+            workload_name: plan.spec.name(),
+            workload_fingerprint: fp(plan.workload_fingerprint_hex())?,
+            plan_fingerprint: fp(plan.fingerprint_hex())?,
+            closed_users: match &plan.schedule {
+                Schedule::Closed { users, .. } => Some(users.len()),
+                Schedule::Open { .. } => None,
+            },
+            plan_end_s: match plan.arrival {
+                ArrivalSpec::Open { duration_s, .. } => duration_s,
+                ArrivalSpec::Closed { .. } => f64::INFINITY,
+            },
+        })
     }
 }
 
-fn planned_end_s(cfg: &SimConfig, plan: &Plan, meta: &CellMeta) -> f64 {
-    let plan_end = match plan.arrival {
-        ArrivalSpec::Open { duration_s, .. } => duration_s,
-        ArrivalSpec::Closed { .. } => f64::INFINITY,
-    };
+fn planned_end_s(cfg: &SimConfig, w: &Workload, meta: &CellMeta) -> f64 {
     meta.planned_end_s
         .unwrap_or(f64::INFINITY)
         .min(cfg.driver.duration_s.unwrap_or(f64::INFINITY))
-        .min(plan_end)
+        .min(w.plan_end_s)
 }
 
 /// Summarizes a run: window, goodput and mechanism numbers (the analysis crate recomputes
@@ -135,6 +162,16 @@ fn planned_end_s(cfg: &SimConfig, plan: &Plan, meta: &CellMeta) -> f64 {
 pub fn summarize(
     cfg: &SimConfig,
     plan: &Plan,
+    out: &SimOutput,
+    meta: &CellMeta,
+    wall_s: f64,
+) -> Result<CellSummary, SimError> {
+    summarize_workload(cfg, &Workload::of_plan(plan)?, out, meta, wall_s)
+}
+
+pub(crate) fn summarize_workload(
+    cfg: &SimConfig,
+    w: &Workload,
     out: &SimOutput,
     meta: &CellMeta,
     wall_s: f64,
@@ -147,8 +184,8 @@ pub fn summarize(
     let window = measured_window(
         &sent,
         cfg.driver.warmup_s,
-        planned_end_s(cfg, plan, meta),
-        closed_users(plan),
+        planned_end_s(cfg, w, meta),
+        w.closed_users,
     )?;
     let mut in_window = 0usize;
     let mut good = 0usize;
@@ -262,12 +299,10 @@ pub fn render_rows(out: &SimOutput) -> Result<(Vec<u8>, Vec<u8>), SimError> {
 
 fn meta_json(
     cfg: &SimConfig,
-    plan: &Plan,
+    w: &Workload,
     meta: &CellMeta,
     summary: &CellSummary,
 ) -> Result<serde_json::Value, SimError> {
-    let fp =
-        |r: Result<String, workload::WorkloadError>| r.map_err(|e| SimError::Plan(e.to_string()));
     let slowdowns: Vec<f64> = (0..cfg.replicas as usize)
         .map(|i| cfg.slowdown(i))
         .collect();
@@ -277,9 +312,9 @@ fn meta_json(
         point: meta.point.clone(),
         policy: summary.policy.clone(),
         rep: meta.rep,
-        workload_name: plan.spec.name(),
-        workload_fingerprint: fp(plan.workload_fingerprint_hex())?,
-        plan_fingerprint: fp(plan.fingerprint_hex())?,
+        workload_name: w.workload_name.clone(),
+        workload_fingerprint: w.workload_fingerprint.clone(),
+        plan_fingerprint: w.plan_fingerprint.clone(),
         fleet: serde_json::json!({
             "source": "virtual",
             "replicas": cfg.replicas,
@@ -301,7 +336,7 @@ fn meta_json(
         evidence: serde_json::json!({"source": "virtual", "lateness_p99_ms": 0.0}),
         drift: serde_json::Value::Null,
         run: serde_json::json!({
-            "plan_name": plan.name(),
+            "plan_name": w.name,
             "model": cfg.model,
             "policy_seed": cfg.policy.seed,
             "engine_seed": cfg.engine.seed,
@@ -368,7 +403,19 @@ pub fn write_cell_rows(
     let started = Instant::now();
     let out = simulate_with(cfg, plan, book)?;
     let wall_s = started.elapsed().as_secs_f64();
-    let summary = summarize(cfg, plan, &out, meta, wall_s)?;
+    write_workload_rows(cfg, &Workload::of_plan(plan)?, &out, wall_s, out_dir, meta)
+}
+
+/// The rows, evidence and `meta.json` value of a finished run of `w`.
+pub(crate) fn write_workload_rows(
+    cfg: &SimConfig,
+    w: &Workload,
+    out: &SimOutput,
+    wall_s: f64,
+    out_dir: &Path,
+    meta: &CellMeta,
+) -> Result<(CellSummary, serde_json::Value), SimError> {
+    let summary = summarize_workload(cfg, w, out, meta, wall_s)?;
     std::fs::create_dir_all(out_dir)
         .map_err(|e| SimError::Io(format!("{}: {e}", out_dir.display())))?;
     // A stale meta from an earlier attempt must not vouch for the new rows while they are
@@ -378,7 +425,7 @@ pub fn write_cell_rows(
         std::fs::remove_file(&meta_path)
             .map_err(|e| SimError::Io(format!("{}: {e}", meta_path.display())))?;
     }
-    let (client, router) = render_rows(&out)?;
+    let (client, router) = render_rows(out)?;
     write_atomic(&out_dir.join("client.csv"), &client)?;
     write_atomic(&out_dir.join("router.csv"), &router)?;
     let evidence = serde_json::json!({
@@ -391,7 +438,7 @@ pub fn write_cell_rows(
         &out_dir.join("evidence.jsonl"),
         format!("{evidence}\n").as_bytes(),
     )?;
-    let meta_value = meta_json(cfg, plan, meta, &summary)?;
+    let meta_value = meta_json(cfg, w, meta, &summary)?;
     Ok((summary, meta_value))
 }
 

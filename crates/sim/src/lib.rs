@@ -15,6 +15,7 @@
 //!   `xtask calibrate` measures them (on a plan the caller shaped, or one built from a shape).
 //! - [`cell`]: [`run_cell`] (rows + meta on disk, atomically), [`run_grid`] (cells in parallel),
 //!   [`CellSummary`].
+//! - [`trace`]: trace replays ([`simulate_trace`], [`run_trace_cell`], [`context_tokens`]).
 
 #![forbid(unsafe_code)]
 
@@ -24,6 +25,7 @@ pub mod config;
 pub mod prompts;
 pub mod rows;
 pub mod sim;
+pub mod trace;
 
 pub use calibrate::{Calibration, calibrate, calibrate_plan};
 pub use cell::{
@@ -32,7 +34,8 @@ pub use cell::{
 };
 pub use config::{DEFAULT_MODEL, DriverModel, RouterModel, SimConfig};
 pub use prompts::PromptBook;
-pub use sim::{EngineTotals, SimOutput, simulate, simulate_with};
+pub use sim::{EngineTotals, SimOutput, simulate, simulate_trace, simulate_with};
+pub use trace::{context_tokens, run_trace_cell, write_trace_cell_rows};
 
 /// Why a virtual run could not be done.
 #[derive(Debug, Clone, PartialEq)]

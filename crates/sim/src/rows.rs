@@ -4,7 +4,8 @@
 
 use std::fmt::Write as _;
 
-/// Who sent a request: closed-loop user `u`'s `k`-th request, or open-loop arrival `i`.
+/// Who sent a request: closed-loop user `u`'s `k`-th request, open-loop arrival `i`, or request
+/// `i` of a trace replay.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Origin {
     /// `u{user}-{index}`.
@@ -19,6 +20,13 @@ pub enum Origin {
         /// 0-based arrival index.
         index: u32,
     },
+    /// `t{line}`, as `driver replay` names it (`trace::ReplayPlan::request_id`).
+    Trace {
+        /// 0-based index in the replay plan.
+        index: u32,
+        /// The trace line it comes from.
+        line: u32,
+    },
 }
 
 impl Origin {
@@ -29,6 +37,7 @@ impl Origin {
                 workload::closed_request_id(user as usize, index as usize)
             }
             Origin::Open { index } => workload::open_request_id(index as usize),
+            Origin::Trace { line, .. } => format!("t{line}"),
         }
     }
 }

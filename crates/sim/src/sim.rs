@@ -12,6 +12,8 @@
 //!   whose predecessor is still running waits, FIFO. With shared conversations
 //!   (`workload::Sharing::Shared`) neither holds: the cursor never claims, and every request is
 //!   sent when it fires, whatever else of its conversation is in flight — the live driver's rule.
+//!   A trace replay's requests are sent at their plan times, none waiting for another (as
+//!   `driver replay` sends them).
 //! - router: belief and keyless policies decide on arrival; exact residency first pays the
 //!   tokenize round trip. `decide`, then the chosen replica's outstanding is incremented; it is
 //!   decremented when the response ends. The request reaches the engine after the modelled
@@ -29,6 +31,7 @@ use engine::{Engine, EngineConfig, SamplingParams, StepOutput};
 use kv_index::IndexStats;
 use policies::prefix::{IndexMode, PrefixPolicy};
 use policies::{Keying, Policy, PolicySpec, ReplicaView, RouteRequest};
+use trace::ReplayPlan;
 use workload::{Pick, Plan, Schedule, WalkCursor};
 
 use crate::SimError;
@@ -205,10 +208,44 @@ pub struct SimOutput {
     pub skipped_draws: u64,
 }
 
+/// What a run replays: a workload plan with its prompt book, or a trace replay (open loop,
+/// prompts generated per request, `crate::trace`).
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    Plan {
+        plan: &'a Plan,
+        book: &'a PromptBook,
+    },
+    Trace(&'a ReplayPlan),
+}
+
+impl Source<'_> {
+    /// Conversations (plan) or sessions (trace): what `Outcome::conversation` indexes.
+    fn conversations(&self) -> usize {
+        match self {
+            Source::Plan { plan, .. } => plan.conversations.len(),
+            Source::Trace(t) => t.session_count(),
+        }
+    }
+
+    fn request_count(&self) -> usize {
+        match self {
+            Source::Plan { plan, .. } => plan.request_count(),
+            Source::Trace(t) => t.len(),
+        }
+    }
+
+    fn session_id(&self, c: u32) -> String {
+        match self {
+            Source::Plan { plan, .. } => plan.session_id(c),
+            Source::Trace(t) => t.session_id(c).to_string(),
+        }
+    }
+}
+
 struct Sim<'a> {
     cfg: &'a SimConfig,
-    plan: &'a Plan,
-    book: &'a PromptBook,
+    src: Source<'a>,
     policy: Routing,
     keying: Keying,
     heap: BinaryHeap<Item>,
@@ -239,6 +276,8 @@ struct Sim<'a> {
     gap_pool: Vec<Vec<f64>>,
     session_ids: Vec<String>,
     keys_buf: Vec<u64>,
+    /// Trace replay: the belief keys of the request being decided.
+    trace_keys: Vec<u64>,
     /// Finished requests, in completion order.
     finished: Vec<u32>,
     per_replica_requests: Vec<u64>,
@@ -285,12 +324,27 @@ pub fn simulate_with(
             cfg.model
         )));
     }
+    run(cfg, Source::Plan { plan, book })
+}
+
+/// Simulates a trace replay under `cfg`: every request at its plan time, open loop (no request
+/// waits for another), its prompt generated and tokenized when it is decided (`crate::trace`).
+/// The engines' `max_model_len` must admit the longest request (`crate::trace::context_tokens`).
+pub fn simulate_trace(cfg: &SimConfig, plan: &ReplayPlan) -> Result<SimOutput, SimError> {
+    cfg.validate()?;
+    run(cfg, Source::Trace(plan))
+}
+
+fn run(cfg: &SimConfig, src: Source<'_>) -> Result<SimOutput, SimError> {
     let mut spec = cfg.policy.clone();
     spec.salt = cfg.model.clone();
     spec.tokens_per_block = cfg.engine.block_size;
     let policy = Routing::build(&spec)?;
     let keying = policy.keying();
-    if keying == Keying::BeliefBytes && !book.has_belief_keys() {
+    if keying == Keying::BeliefBytes
+        && let Source::Plan { book, .. } = src
+        && !book.has_belief_keys()
+    {
         return Err(SimError::Config(
             "the prompt book has no belief keys but the policy needs them".into(),
         ));
@@ -311,11 +365,10 @@ pub fn simulate_with(
         });
     }
     let secs_us = |s: f64| (s * 1e6).round() as u64;
-    let n_conv = plan.conversations.len();
+    let n_conv = src.conversations();
     let mut sim = Sim {
         cfg,
-        plan,
-        book,
+        src,
         policy,
         keying,
         heap: BinaryHeap::new(),
@@ -323,7 +376,7 @@ pub fn simulate_with(
         timeouts: VecDeque::new(),
         replicas,
         fleet: (0..cfg.replicas).map(ReplicaView::idle).collect(),
-        reqs: Vec::with_capacity(plan.request_count()),
+        reqs: Vec::with_capacity(src.request_count()),
         conv_busy: vec![false; n_conv],
         conv_queue: vec![VecDeque::new(); n_conv],
         cursors: Vec::new(),
@@ -335,16 +388,21 @@ pub fn simulate_with(
         batches: Vec::new(),
         free_batches: Vec::new(),
         gap_pool: Vec::new(),
-        session_ids: (0..n_conv as u32).map(|c| plan.session_id(c)).collect(),
+        session_ids: (0..n_conv as u32).map(|c| src.session_id(c)).collect(),
         keys_buf: Vec::new(),
-        finished: Vec::with_capacity(plan.request_count()),
+        trace_keys: Vec::new(),
+        finished: Vec::with_capacity(src.request_count()),
         per_replica_requests: vec![0; cfg.replicas as usize],
-        decide_wall_ns: Vec::with_capacity(plan.request_count()),
+        decide_wall_ns: Vec::with_capacity(src.request_count()),
         stop_us: cfg.driver.duration_s.map(secs_us),
         warmup_us: secs_us(cfg.driver.warmup_s),
         timeout_us: secs_us(cfg.driver.timeout_s),
         tokenize_us: cfg.tokenize_us(),
-        max_tokens: plan.spec.output_tokens,
+        max_tokens: match src {
+            Source::Plan { plan, .. } => plan.spec.output_tokens,
+            // Per request (the trace's output length); see `decide`.
+            Source::Trace(_) => 0,
+        },
         event_batches: 0,
         events: 0,
         now: 0,
@@ -401,14 +459,25 @@ impl Sim<'_> {
     }
 
     fn start(&mut self) {
-        match &self.plan.schedule {
+        let plan = match self.src {
+            Source::Plan { plan, .. } => plan,
+            Source::Trace(t) => {
+                if let Some(r) = t.requests().first()
+                    && !self.stopped(r.at_us)
+                {
+                    self.push(r.at_us, Ev::Fire(0));
+                }
+                return;
+            }
+        };
+        match &plan.schedule {
             Schedule::Closed { users, spare_draws } => {
                 self.cursors = users
                     .iter()
                     .enumerate()
                     .map(|(u, s)| {
                         let spare = spare_draws.get(u).map_or(&[][..], Vec::as_slice);
-                        WalkCursor::new(s, spare, self.plan.spec.sharing)
+                        WalkCursor::new(s, spare, plan.spec.sharing)
                     })
                     .collect();
                 self.user_step = vec![(0, 0, false); users.len()];
@@ -431,7 +500,9 @@ impl Sim<'_> {
     /// A closed-loop user became ready at `ready_us`: it picks its next step (claiming a
     /// conversation when a walk starts), which fires after its think.
     fn schedule_user(&mut self, user: u32, ready_us: u64) {
-        let plan = self.plan;
+        let Source::Plan { plan, .. } = self.src else {
+            return;
+        };
         let Schedule::Closed { users, .. } = &plan.schedule else {
             return;
         };
@@ -546,7 +617,27 @@ impl Sim<'_> {
     }
 
     fn fire(&mut self, who: u32, t: u64) {
-        let (origin, conversation, turn, scheduled_us) = match &self.plan.schedule {
+        let plan = match self.src {
+            Source::Plan { plan, .. } => plan,
+            Source::Trace(trace) => {
+                let requests = trace.requests();
+                if let Some(next) = requests.get(who as usize + 1)
+                    && !self.stopped(next.at_us)
+                {
+                    self.push(next.at_us, Ev::Fire(who + 1));
+                }
+                let q = requests[who as usize];
+                let origin = Origin::Trace {
+                    index: who,
+                    line: q.line,
+                };
+                let r = self.open_request(origin, q.session, q.turn, t, t);
+                // Open loop without turn order: a trace's prompt never depends on a reply.
+                self.send(r, t);
+                return;
+            }
+        };
+        let (origin, conversation, turn, scheduled_us) = match &plan.schedule {
             Schedule::Closed { users, .. } => {
                 let (k, conversation, _) = self.user_step[who as usize];
                 let step = users[who as usize][k as usize];
@@ -571,6 +662,27 @@ impl Sim<'_> {
                 (Origin::Open { index: who }, a.conversation, a.turn, t)
             }
         };
+        let r = self.open_request(origin, conversation, turn, scheduled_us, t);
+        let c = conversation as usize;
+        if !plan.spec.sharing.one_turn_at_a_time() {
+            self.send(r, t);
+        } else if self.conv_busy[c] {
+            self.conv_queue[c].push_back(r);
+        } else {
+            self.conv_busy[c] = true;
+            self.send(r, t);
+        }
+    }
+
+    /// Records a new request fired at `t`; returns its index.
+    fn open_request(
+        &mut self,
+        origin: Origin,
+        conversation: u32,
+        turn: u32,
+        scheduled_us: u64,
+        t: u64,
+    ) -> u32 {
         let r = self.reqs.len() as u32;
         let gaps = self.gap_pool.pop().unwrap_or_default();
         self.reqs.push(Live {
@@ -596,15 +708,7 @@ impl Sim<'_> {
             gaps,
             done: false,
         });
-        let c = conversation as usize;
-        if !self.plan.spec.sharing.one_turn_at_a_time() {
-            self.send(r, t);
-        } else if self.conv_busy[c] {
-            self.conv_queue[c].push_back(r);
-        } else {
-            self.conv_busy[c] = true;
-            self.send(r, t);
-        }
+        r
     }
 
     fn send(&mut self, r: u32, t: u64) {
@@ -624,14 +728,36 @@ impl Sim<'_> {
         if self.reqs[r as usize].done {
             return; // timed out during the tokenize round trip
         }
-        let (conversation, turn) = {
+        let (conversation, turn, origin) = {
             let o = &self.reqs[r as usize].out;
-            (o.conversation, o.turn)
+            (o.conversation, o.turn, o.origin)
         };
         let mut prompt = Vec::new();
-        if let Err(e) = self.book.prompt_into(conversation, turn, &mut prompt) {
-            self.fail(r, t, 400, format!("http: {e}"));
-            return;
+        let mut max_tokens = self.max_tokens;
+        match (self.src, origin) {
+            (Source::Trace(trace), Origin::Trace { index, .. }) => {
+                let q = trace.requests()[index as usize];
+                max_tokens = q.max_tokens;
+                let belief = self.keying == Keying::BeliefBytes;
+                crate::trace::request_into(
+                    trace,
+                    &q,
+                    &self.cfg.model,
+                    self.cfg.router.block_bytes,
+                    &mut prompt,
+                    belief.then_some(&mut self.trace_keys),
+                );
+            }
+            (Source::Plan { book, .. }, _) => {
+                if let Err(e) = book.prompt_into(conversation, turn, &mut prompt) {
+                    self.fail(r, t, 400, format!("http: {e}"));
+                    return;
+                }
+            }
+            (Source::Trace(_), _) => {
+                self.fail(r, t, 400, "http: not a trace request".into());
+                return;
+            }
         }
         let tokens_per_block;
         let keys: &[u64] = match self.keying {
@@ -644,8 +770,13 @@ impl Sim<'_> {
                     self.cfg.router.block_bytes,
                     self.cfg.router.bytes_per_token,
                 );
-                // In range: `prompt_into` accepted the same conversation and turn.
-                self.book.belief_keys(conversation, turn).unwrap_or(&[])
+                match self.src {
+                    // In range: `prompt_into` accepted the same conversation and turn.
+                    Source::Plan { book, .. } => {
+                        book.belief_keys(conversation, turn).unwrap_or(&[])
+                    }
+                    Source::Trace(_) => &self.trace_keys,
+                }
             }
             Keying::ExactTokens => {
                 tokens_per_block = f64::from(self.cfg.engine.block_size);
@@ -694,7 +825,7 @@ impl Sim<'_> {
         live.out.decision = Some(decision);
         live.replica = Some(d.replica);
         let params = SamplingParams {
-            max_tokens: self.max_tokens,
+            max_tokens,
             ignore_eos: true,
         };
         let prompt_len = prompt.len();
