@@ -111,8 +111,10 @@ fn args<'a>(kind: &'a str, out: &'a str, policies: &'a str, calibration: &'a str
         "0.5",
         "--before-s",
         "2",
+        // Long enough for the router's health hysteresis (2 passing probes, 1 s apart) to bring
+        // the restarted replica back and for it to serve again.
         "--after-s",
-        "3.5",
+        "6",
         "--request-timeout-s",
         "20",
     ]);
@@ -270,7 +272,15 @@ fn kill_and_drain_keep_the_loss_bounds() {
     // A repetition the gates re-run (drift once, evidence up to twice) takes another ~10 s.
     let limit = Duration::from_secs(180);
     let calibration = root.join("calibration.json").to_string_lossy().into_owned();
-    let mut calibrate = vec!["calibrate", "--quick", "--no-build", "--out", &calibration];
+    // The fault runs need the calibration's routing, not its capacity (they set their own rate).
+    let mut calibrate = vec![
+        "calibrate",
+        "--quick",
+        "--no-build",
+        "--no-capacity",
+        "--out",
+        &calibration,
+    ];
     calibrate.extend(FLEET);
     let (ok, log) = xtask(&calibrate, &root.join("calibrate.log"), limit);
     assert!(ok, "calibrate failed:\n{log}");
@@ -330,10 +340,15 @@ fn kill_and_drain_keep_the_loss_bounds() {
             "{policy}: nothing was served by the dead replica"
         );
         let (_, victim_after) = share(rep, "after", 0);
-        assert!(
-            victim_after > 0.0,
-            "{policy}: the restarted replica serves again"
-        );
+        // Session affinity's ring takes the restarted replica's sessions back. Prefix affinity
+        // owes it nothing here: this tiny cell's few conversations all started before the
+        // fault, and each stays where its prefix is believed (a `match` decision).
+        if policy == "session-affinity" {
+            assert!(
+                victim_after > 0.0,
+                "{policy}: the restarted replica serves again"
+            );
+        }
         let outage = &rep["shares"]
             .as_array()
             .unwrap()

@@ -52,6 +52,10 @@ fn tiny(out: &Path, name: &str, seed: &str) -> PathBuf {
         "1024",
         "--users",
         "8",
+        // The private-context workload: this tiny cell (2 replicas × 1,024 blocks) is sized for
+        // it; 16 group prefixes of 2,048 tokens would fill its caches on their own.
+        "--prefix-groups",
+        "0",
         "--warmup-s",
         "2",
         "--measure-s",
