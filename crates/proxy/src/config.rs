@@ -98,7 +98,10 @@ pub struct RouterConfig {
 /// two workers used less CPU per request in all four cells at 50 and 200 streams (0.38–0.49 vs
 /// 0.43–0.55 s per 1,000 requests, ns resolution), and their first-event medians were lower in
 /// 7 of 8 comparisons (within the round-to-round spread of that loaded machine). With one
-/// worker every stream's frames wait behind each request's parse, hash and decision.
+/// worker every stream's frames wait behind each request's parse, hash and decision. On the
+/// same machine idle, one worker used 10–17 % less CPU (docs/proxy-bench.md, "quiet machine"):
+/// 2 is kept because a sweep's router shares its cores with the engines and the driver, the
+/// loaded case; measuring it in a sweep's own conditions is still open.
 pub const DEFAULT_WORKERS: usize = 2;
 
 /// Default of [`RouterConfig::header_read_timeout_ms`]: 10 s, HAProxy's documented
