@@ -27,12 +27,24 @@ pub(crate) struct Target {
 }
 
 impl Drop for Target {
+    /// SIGKILLs the target's whole process group (it was spawned as the group's leader,
+    /// [`in_own_group`]): nginx's worker outlives a SIGKILLed master otherwise.
     fn drop(&mut self) {
         if let Some(c) = &mut self.child {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", c.id())])
+                .status();
             let _ = c.kill();
             let _ = c.wait();
         }
     }
+}
+
+/// `cmd` as the leader of a new process group, so that [`Target`]'s drop can end it with every
+/// process it forks.
+fn in_own_group(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    cmd.process_group(0)
 }
 
 impl Target {
@@ -131,36 +143,35 @@ pub(crate) fn start_router(
         String::new()
     };
     let rows = a.dir.join(format!("router-{policy}{suffix}.csv"));
-    let mut child = Command::new(&a.router_bin)
-        .args([
-            "--port",
-            "0",
-            "--policy",
-            policy,
-            "--workers",
-            &workers.to_string(),
-            "--model",
-            "bench",
-        ])
-        .arg("--replicas")
-        .arg(
-            upstreams
-                .iter()
-                .map(|u| format!("http://{u}"))
-                .collect::<Vec<_>>()
-                .join(","),
+    let mut cmd = Command::new(&a.router_bin);
+    cmd.args([
+        "--port",
+        "0",
+        "--policy",
+        policy,
+        "--workers",
+        &workers.to_string(),
+        "--model",
+        "bench",
+    ])
+    .arg("--replicas")
+    .arg(
+        upstreams
+            .iter()
+            .map(|u| format!("http://{u}"))
+            .collect::<Vec<_>>()
+            .join(","),
+    )
+    .arg("--rows")
+    .arg(&rows)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit());
+    let mut child = in_own_group(&mut cmd).spawn().with_context(|| {
+        format!(
+            "spawning {} (build it: cargo build --release -p router-bin)",
+            a.router_bin.display()
         )
-        .arg("--rows")
-        .arg(&rows)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .with_context(|| {
-            format!(
-                "spawning {} (build it: cargo build --release -p router-bin)",
-                a.router_bin.display()
-            )
-        })?;
+    })?;
     let mut line = String::new();
     BufReader::new(child.stdout.take().context("router stdout")?).read_line(&mut line)?;
     let v: serde_json::Value =
@@ -206,13 +217,13 @@ pub(crate) fn start_haproxy(a: &ProxyBenchArgs, upstreams: &[String]) -> Result<
     let port = free_port()?;
     let path = a.dir.join("haproxy.cfg");
     std::fs::write(&path, haproxy_config(a.haproxy_threads, port, upstreams))?;
-    let child = Command::new("haproxy")
-        .arg("-db")
+    let mut cmd = Command::new("haproxy");
+    cmd.arg("-db")
         .arg("-f")
         .arg(&path)
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()?;
+        .stderr(Stdio::inherit());
+    let child = in_own_group(&mut cmd).spawn()?;
     let addr = format!("127.0.0.1:{port}");
     wait_listening(&addr)?;
     Ok(Target {
@@ -244,14 +255,14 @@ pub(crate) fn start_nginx(a: &ProxyBenchArgs, upstreams: &[String]) -> Result<Ta
     let dir = std::fs::canonicalize(&a.dir)?;
     let path = dir.join("nginx.conf");
     std::fs::write(&path, nginx_config(&dir, port, upstreams))?;
-    let child = Command::new("nginx")
-        .arg("-p")
+    let mut cmd = Command::new("nginx");
+    cmd.arg("-p")
         .arg(&dir)
         .arg("-c")
         .arg(&path)
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()?;
+        .stderr(Stdio::inherit());
+    let child = in_own_group(&mut cmd).spawn()?;
     let addr = format!("127.0.0.1:{port}");
     wait_listening(&addr)?;
     // The master only supervises; the worker does the proxying. Count both.
