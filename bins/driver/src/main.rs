@@ -137,12 +137,19 @@ struct PlanArgs {
 
 #[derive(Args)]
 struct RunArgs {
-    /// Server base URL (router, replica or vLLM), e.g. http://127.0.0.1:8000.
-    #[arg(long)]
-    url: String,
     /// The plan file.
     #[arg(long)]
     plan: PathBuf,
+    #[command(flatten)]
+    send: SendArgs,
+}
+
+/// Where and how a run sends, shared by `closed`, `open` and `replay`.
+#[derive(Args)]
+pub struct SendArgs {
+    /// Server base URL (router, replica or vLLM), e.g. http://127.0.0.1:8000.
+    #[arg(long)]
+    url: String,
     /// Where to write client.csv (rows stream into <out>.partial during the run).
     #[arg(long)]
     out: PathBuf,
@@ -168,6 +175,27 @@ struct RunArgs {
     /// Skip the GET /v1/models check (requires --model).
     #[arg(long)]
     no_preflight: bool,
+}
+
+impl SendArgs {
+    /// The driver's run configuration these flags ask for.
+    pub fn run_config(&self) -> RunConfig {
+        RunConfig {
+            url: self.url.clone(),
+            out: self.out.clone(),
+            model: self.model.clone(),
+            warmup_s: self.warmup_s,
+            timeout_s: self.timeout_s,
+            duration_s: self.duration_s,
+            preflight: !self.no_preflight,
+            progress: match self.progress {
+                Progress::Auto => ProgressMode::Auto,
+                Progress::On => ProgressMode::On,
+                Progress::Off => ProgressMode::Off,
+            },
+            progress_file: self.progress_file.clone(),
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -275,21 +303,7 @@ fn load_plan(path: &Path) -> Result<Plan> {
 
 fn drive(a: &RunArgs, mode: Arrival) -> Result<()> {
     let plan = load_plan(&a.plan)?;
-    let cfg = RunConfig {
-        url: a.url.clone(),
-        out: a.out.clone(),
-        model: a.model.clone(),
-        warmup_s: a.warmup_s,
-        timeout_s: a.timeout_s,
-        duration_s: a.duration_s,
-        preflight: !a.no_preflight,
-        progress: match a.progress {
-            Progress::Auto => ProgressMode::Auto,
-            Progress::On => ProgressMode::On,
-            Progress::Off => ProgressMode::Off,
-        },
-        progress_file: a.progress_file.clone(),
-    };
+    let cfg = a.send.run_config();
     let summary = interruptible(&cfg, async {
         match mode {
             Arrival::Closed => driver::run_closed(&plan, &cfg).await,

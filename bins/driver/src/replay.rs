@@ -5,11 +5,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use driver::{ProgressMode, RunConfig};
 use trace::ReplaySpec;
 use trace::replay::DEFAULT_BLOCK_TOKENS;
 
-use crate::Progress;
+use crate::SendArgs;
 
 /// How the trace is mapped (`trace::ReplaySpec`).
 #[derive(Args)]
@@ -68,33 +67,8 @@ impl MappingArgs {
 pub struct ReplayArgs {
     #[command(flatten)]
     mapping: MappingArgs,
-    /// Server base URL (router, replica or vLLM), e.g. http://127.0.0.1:8000.
-    #[arg(long)]
-    url: String,
-    /// Where to write client.csv (rows stream into <out>.partial during the run).
-    #[arg(long)]
-    out: PathBuf,
-    /// Model name; default: the first id of GET /v1/models.
-    #[arg(long)]
-    model: Option<String>,
-    /// Requests sent in the first S seconds are flagged warmup=1.
-    #[arg(long, default_value_t = 0.0)]
-    warmup_s: f64,
-    /// A request unfinished this long after sending fails with `timeout`.
-    #[arg(long, default_value_t = 600.0)]
-    timeout_s: f64,
-    /// Stop sending new requests after S seconds.
-    #[arg(long)]
-    duration_s: Option<f64>,
-    /// Progress line on stderr.
-    #[arg(long, value_enum, default_value_t = Progress::Auto)]
-    progress: Progress,
-    /// Also rewrite the progress line into this file every second.
-    #[arg(long)]
-    progress_file: Option<PathBuf>,
-    /// Skip the GET /v1/models check (requires --model).
-    #[arg(long)]
-    no_preflight: bool,
+    #[command(flatten)]
+    send: SendArgs,
 }
 
 /// Prints the replay plan's description (one JSON line), as `driver plan` does for a plan.
@@ -107,21 +81,7 @@ pub fn describe(a: &MappingArgs) -> Result<()> {
 pub fn replay(a: &ReplayArgs) -> Result<()> {
     let plan = a.mapping.load()?;
     eprintln!("{}", plan.describe());
-    let cfg = RunConfig {
-        url: a.url.clone(),
-        out: a.out.clone(),
-        model: a.model.clone(),
-        warmup_s: a.warmup_s,
-        timeout_s: a.timeout_s,
-        duration_s: a.duration_s,
-        preflight: !a.no_preflight,
-        progress: match a.progress {
-            Progress::Auto => ProgressMode::Auto,
-            Progress::On => ProgressMode::On,
-            Progress::Off => ProgressMode::Off,
-        },
-        progress_file: a.progress_file.clone(),
-    };
+    let cfg = a.send.run_config();
     let summary = crate::interruptible(&cfg, driver::run_replay(&plan, &cfg))
         .context("replaying the trace")?;
     println!("{summary}");
