@@ -178,10 +178,28 @@ impl CellBounds {
 /// `lateness_share` × the ITL floor in model time ([`crate::calibration::lateness_bound`]), and
 /// the calibration's throttle bound on command fleets only.
 pub fn bounds(cal: &Calibration, kind: FleetKind, speed: f64, lateness_share: f64) -> CellBounds {
+    bounds_from(
+        &cal.floors,
+        cal.gpu_throttle_bound.as_ref(),
+        kind,
+        speed,
+        lateness_share,
+    )
+}
+
+/// [`bounds`] from the floors and throttle bound themselves (a fault run given its SLO outright
+/// has floors but no calibration).
+pub fn bounds_from(
+    floors: &Slo,
+    throttle: Option<&ThrottleBound>,
+    kind: FleetKind,
+    speed: f64,
+    lateness_share: f64,
+) -> CellBounds {
     CellBounds {
-        lateness: lateness_bound(&cal.floors, speed, lateness_share),
+        lateness: lateness_bound(floors, speed, lateness_share),
         throttle: match kind {
-            FleetKind::Command => cal.gpu_throttle_bound.clone(),
+            FleetKind::Command => throttle.cloned(),
             FleetKind::Emulated | FleetKind::Static => None,
         },
     }

@@ -220,20 +220,15 @@ pub struct Setup {
     pub throttle: Option<crate::calibration::ThrottleBound>,
 }
 
-/// The evidence bounds of a repetition: the sweep cells' rule (`attempt::bounds`) on the
-/// setup's floors.
-fn self_bounds(s: &FaultSettings, setup: &Setup) -> crate::attempt::CellBounds {
-    crate::attempt::CellBounds {
-        lateness: crate::calibration::lateness_bound(
-            &setup.floors,
-            s.fleet.effective_speed(),
-            s.lateness_share_of_itl_floor,
-        ),
-        throttle: match s.fleet.kind {
-            crate::fleet_spec::FleetKind::Command => setup.throttle.clone(),
-            _ => None,
-        },
-    }
+/// The evidence bounds of a repetition: the sweep cells' rule on the setup's floors.
+fn rep_bounds(s: &FaultSettings, setup: &Setup) -> crate::attempt::CellBounds {
+    crate::attempt::bounds_from(
+        &setup.floors,
+        setup.throttle.as_ref(),
+        s.fleet.kind,
+        s.fleet.effective_speed(),
+        s.lateness_share_of_itl_floor,
+    )
 }
 
 /// The SLO, capacity and index settings: from the SLO given (capacity read from the replicas,
@@ -458,7 +453,7 @@ impl<'a> FaultRun<'a> {
                 "outage_model_s": s.outage_model_s,
                 "outage_wall_s": s.outage_wall_s(),
                 "after_s": s.after_s,
-                "evidence_bounds": self_bounds(s, &setup),
+                "evidence_bounds": rep_bounds(s, &setup),
                 "evidence_retries": s.evidence_retries,
                 "drift_window": analysis::fault::DRIFT_WINDOW_RULE,
                 "setup": setup,
@@ -516,7 +511,7 @@ impl<'a> FaultRun<'a> {
             let window = drift_window(&a.events);
             let drift =
                 analysis::check_rows(&a.client, &self.setup.slo, &window, &DriftConfig::default());
-            let evidence = a.evidence.check(&self_bounds(s, &self.setup).evidence());
+            let evidence = a.evidence.check(&rep_bounds(s, &self.setup).evidence());
             let recorded = RecordedGates::new(
                 match &evidence {
                     Ok(()) => GateStatus::Passed,
