@@ -144,26 +144,11 @@ pub struct CurvePoint {
     pub phase: String,
     /// Re-runs before this one at this rate and policy (each doubling the warm-up).
     pub lengthening: u32,
-    /// Share of measured requests meeting the SLO.
-    pub attainment: Option<f64>,
-    /// Requests sent in the window ÷ requests scheduled in it ([`StepMeasurement::delivered_share`]).
-    pub delivered_share: Option<f64>,
-    /// Requests meeting the SLO ÷ measured window, requests per second of model time.
-    pub goodput_rps: f64,
-    /// Requests in the measured window.
-    pub measured_requests: u64,
-    /// Drift check passed and evidence clean.
-    pub settled: bool,
-    /// Why not settled.
-    pub unsettled_reason: Option<String>,
+    /// What the step measured (its fields stand at this level in `calibration.json`).
+    #[serde(flatten)]
+    pub step: StepMeasurement,
     /// Settled, attainment ≥ the target and delivered share ≥ the target.
     pub meets_target: bool,
-    /// Warm-up, wall s.
-    pub warmup_s: f64,
-    /// Measured window, wall s.
-    pub measure_s: f64,
-    /// The step's repetition directory.
-    pub dir: Option<PathBuf>,
 }
 
 /// The fleet's capacity: `calibration.json`'s `capacity`.
@@ -197,7 +182,7 @@ pub struct Capacity {
 impl Capacity {
     /// The settled steps (those that say something about their rate).
     pub fn settled(&self) -> impl Iterator<Item = &CurvePoint> {
-        self.curve.iter().filter(|p| p.settled)
+        self.curve.iter().filter(|p| p.step.settled)
     }
 }
 
@@ -266,16 +251,8 @@ impl Searcher<'_> {
                     policy: policy.clone(),
                     phase: phase.to_string(),
                     lengthening,
-                    attainment: m.attainment,
-                    delivered_share: m.delivered_share,
-                    goodput_rps: m.goodput_rps,
-                    measured_requests: m.measured_requests,
-                    settled: m.settled,
-                    unsettled_reason: m.unsettled_reason.clone(),
+                    step: m.clone(),
                     meets_target,
-                    warmup_s: m.warmup_s,
-                    measure_s: m.measure_s,
-                    dir: m.dir.clone(),
                 });
                 if meets_target {
                     self.last_meeting = Some(policy.clone());
@@ -298,11 +275,13 @@ impl Searcher<'_> {
                 format!(
                     "{} attainment {}, delivered {}{}",
                     p.policy,
-                    p.attainment
+                    p.step
+                        .attainment
                         .map_or_else(|| "none".into(), |a| format!("{:.1}%", a * 100.0)),
-                    p.delivered_share
+                    p.step
+                        .delivered_share
                         .map_or_else(|| "none".into(), |a| format!("{:.1}%", a * 100.0)),
-                    match &p.unsettled_reason {
+                    match &p.step.unsettled_reason {
                         Some(why) => format!(" (unsettled: {why})"),
                         None => String::new(),
                     }
@@ -509,8 +488,8 @@ pub fn cell_window(
     let mut settled: Vec<(f64, f64)> = Vec::new();
     for p in cap.settled() {
         match settled.iter_mut().find(|(r, _)| *r == p.rate_rps) {
-            Some((_, w)) => *w = w.max(p.warmup_s),
-            None => settled.push((p.rate_rps, p.warmup_s)),
+            Some((_, w)) => *w = w.max(p.step.warmup_s),
+            None => settled.push((p.rate_rps, p.step.warmup_s)),
         }
     }
     settled.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -1048,11 +1027,15 @@ mod tests {
         assert!(cap.rate_rps <= crossing(8.0) && cap.failing_rps > crossing(8.0));
         assert!(cap.failing_rps <= cap.rate_rps * 1.1 + 1e-9);
         let first = &cap.curve[0];
-        assert!(!first.settled && !first.meets_target && first.warmup_s == 5.0);
-        assert_eq!(first.attainment, Some(0.99), "measured, yet not counted");
+        assert!(!first.step.settled && !first.meets_target && first.step.warmup_s == 5.0);
+        assert_eq!(
+            first.step.attainment,
+            Some(0.99),
+            "measured, yet not counted"
+        );
         let second = &cap.curve[1];
-        assert!(second.settled && second.meets_target);
-        assert_eq!((second.lengthening, second.warmup_s), (1, 10.0));
+        assert!(second.step.settled && second.meets_target);
+        assert_eq!((second.lengthening, second.step.warmup_s), (1, 10.0));
 
         // A rate whose steps never settle (a backlog growing through every window) counts as
         // not meeting, even with an attainment above the target.
@@ -1065,7 +1048,7 @@ mod tests {
         let cap = run(&config(2.0), &mut fake).unwrap();
         assert!(cap.rate_rps <= 5.0, "{}", cap.rate_rps);
         assert!(cap.failing_rps > 5.0);
-        let unsettled: Vec<&CurvePoint> = cap.curve.iter().filter(|p| !p.settled).collect();
+        let unsettled: Vec<&CurvePoint> = cap.curve.iter().filter(|p| !p.step.settled).collect();
         assert!(!unsettled.is_empty());
         assert!(unsettled.iter().all(|p| !p.meets_target));
         // Each policy at a never-settling rate ran 1 + max_lengthenings times.
@@ -1091,8 +1074,10 @@ mod tests {
             .iter()
             .find(|p| p.rate_rps == cap.failing_rps)
             .unwrap();
-        assert!(failing.settled && failing.attainment == Some(0.97) && !failing.meets_target);
-        assert_eq!(failing.delivered_share, Some(0.7));
+        assert!(
+            failing.step.settled && failing.step.attainment == Some(0.97) && !failing.meets_target
+        );
+        assert_eq!(failing.step.delivered_share, Some(0.7));
         assert!(cap.rule.contains("scheduled in the window"), "{}", cap.rule);
     }
 
@@ -1175,16 +1160,18 @@ mod tests {
                     policy: "prefix-affinity".into(),
                     phase: "coarse".into(),
                     lengthening: 0,
-                    attainment: Some(0.95),
-                    delivered_share: Some(1.0),
-                    goodput_rps: rate_rps,
-                    measured_requests: 100,
-                    settled,
-                    unsettled_reason: None,
+                    step: StepMeasurement {
+                        attainment: Some(0.95),
+                        delivered_share: Some(1.0),
+                        goodput_rps: rate_rps,
+                        measured_requests: 100,
+                        settled,
+                        unsettled_reason: None,
+                        warmup_s,
+                        measure_s: 8.0,
+                        dir: None,
+                    },
                     meets_target: settled,
-                    warmup_s,
-                    measure_s: 8.0,
-                    dir: None,
                 })
                 .collect(),
         }
