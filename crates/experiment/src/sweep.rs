@@ -162,6 +162,30 @@ impl SweepSettings {
         }
     }
 
+    /// What `sweep.json` records for both the live and the virtual sweep (each adds its own keys):
+    /// the settings, the points and policies, the capacity and the calibration.
+    pub fn record(
+        &self,
+        points: &[Point],
+        policies: &[String],
+        cal: &Calibration,
+    ) -> serde_json::Value {
+        serde_json::json!({
+            "sweep": self.name.as_str(),
+            "quick": self.quick,
+            "points": points,
+            "policies": policies,
+            "reps": self.reps,
+            "warmup_s": self.warmup_s,
+            "measure_s": self.measure_s,
+            "think_model_s": self.think_model_s,
+            "load_fractions": self.load_fractions,
+            "capacity_rps": cal.capacity.as_ref().map(|c| c.rate_rps),
+            "calibration": cal,
+            "trace": self.trace,
+        })
+    }
+
     /// What `meta.json`'s `run` records about a point's arrival and window, shared by the live
     /// and the virtual cell: the arrival, the load fraction and the absolute offered rate (model
     /// and wall req/s; `null` for a closed loop, whose offered load depends on the latency it
@@ -431,29 +455,16 @@ impl<'a> LiveSweep<'a> {
             .source(&bins.engine, kv_events, Some(&cal.used_replicas))?;
         let source = crate::trace_sweep::with_engine_limits(source, s)?;
         let fleet = Fleet::new(source, s.fleet.options(&dir.join("logs").join("fleet")))?;
-        let record = serde_json::json!({
-            "sweep": s.name.as_str(),
-            "quick": s.quick,
-            "points": points,
-            "policies": policies,
-            "reps": s.reps,
-            "warmup_s": s.warmup_s,
-            "measure_s": s.measure_s,
-            "think_model_s": s.think_model_s,
-            "load_fractions": s.load_fractions,
-            "capacity_rps": cal.capacity.as_ref().map(|c| c.rate_rps),
-            "speed": s.fleet.effective_speed(),
-            "lateness_share_of_itl_floor": s.lateness_share_of_itl_floor,
-            "evidence_bounds": bounds(
-                &cal,
-                s.fleet.kind,
-                s.fleet.effective_speed(),
-                s.lateness_share_of_itl_floor,
-            ),
-            "routing": routing,
-            "calibration": cal,
-            "trace": s.trace,
-        });
+        let mut record = s.record(&points, &policies, &cal);
+        record["speed"] = serde_json::json!(s.fleet.effective_speed());
+        record["lateness_share_of_itl_floor"] = serde_json::json!(s.lateness_share_of_itl_floor);
+        record["evidence_bounds"] = serde_json::to_value(bounds(
+            &cal,
+            s.fleet.kind,
+            s.fleet.effective_speed(),
+            s.lateness_share_of_itl_floor,
+        ))?;
+        record["routing"] = serde_json::to_value(&routing)?;
         let record_path = dir.join(record_file_name(s.ingress));
         let earlier = std::fs::read_to_string(&record_path)
             .ok()

@@ -547,23 +547,13 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
     let points = s.sweep_points(&cal)?;
     cell::write_atomic(
         &dir.join("sweep.json"),
-        serde_json::to_string_pretty(&serde_json::json!({
-            "sweep": s.name.as_str(),
-            "virtual": true,
-            "quick": s.quick,
-            "points": points,
-            "policies": policies,
-            "reps": s.reps,
-            "warmup_s": s.warmup_s,
-            "measure_s": s.measure_s,
-            "think_model_s": s.think_model_s,
-            "load_fractions": s.load_fractions,
-            "capacity_rps": cal.capacity.as_ref().map(|c| c.rate_rps),
-            "speed": s.fleet.speed,
-            "repetitions": REPETITIONS,
-            "calibration": cal,
-            "trace": s.trace,
-        }))?
+        serde_json::to_string_pretty(&{
+            let mut record = s.record(&points, &policies, &cal);
+            record["virtual"] = serde_json::json!(true);
+            record["speed"] = serde_json::json!(s.fleet.speed);
+            record["repetitions"] = serde_json::json!(REPETITIONS);
+            record
+        })?
         .as_bytes(),
     )?;
     let mut jobs = Vec::new();
