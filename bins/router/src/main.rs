@@ -205,12 +205,7 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     if a.block_bytes == 0 {
         return Err("--block-bytes must be ≥ 1".into());
     }
-    if a.admin_token_file.is_none() && !proxy::config::is_loopback_host(&a.admin_host) {
-        return Err(format!(
-            "--admin-host {} is not loopback: the admin API (drain, add or remove replicas) needs --admin-token-file there",
-            a.admin_host
-        ));
-    }
+    proxy::config::check_admin_exposure(&a.admin_host, a.admin_token_file.is_some())?;
     let mut cfg = RouterConfig::new(replicas, p);
     cfg.host = a.host;
     cfg.port = a.port;

@@ -132,6 +132,18 @@ pub fn is_loopback_host(host: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// Refuses an admin listener on `admin_host` without a token unless it is loopback: the admin
+/// API (drain, add or remove replicas) would be reachable from other machines. The binary checks
+/// its flags with it before starting, [`crate::Router::start`] any config it is given.
+pub fn check_admin_exposure(admin_host: &str, has_token: bool) -> Result<(), String> {
+    if has_token || is_loopback_host(admin_host) {
+        return Ok(());
+    }
+    Err(format!(
+        "the admin API (drain, add or remove replicas) would be reachable on {admin_host} without a token: give --admin-token-file, or keep --admin-host on loopback"
+    ))
+}
+
 /// Reads an admin token file: its content with surrounding whitespace trimmed; an empty file is
 /// an error (it would accept an empty bearer token).
 pub fn load_admin_token(path: &Path) -> Result<String, String> {

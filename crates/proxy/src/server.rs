@@ -15,7 +15,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 
 use crate::admin::AdminAuth;
-use crate::config::{RouterConfig, is_loopback_host};
+use crate::config::{RouterConfig, check_admin_exposure};
 use crate::rows::RowSink;
 use crate::service::ConnCtx;
 use crate::state::{NO_KV_USAGE, Replica, Settings, Shared, start_replica_tasks};
@@ -130,12 +130,8 @@ impl Router {
                 cfg.bytes_per_token
             )));
         }
-        if cfg.admin_token.is_none() && !is_loopback_host(&cfg.admin_host) {
-            return Err(RouterError::Config(format!(
-                "the admin API (drain, add or remove replicas) would be reachable on {} without a token: give --admin-token-file, or keep --admin-host on loopback",
-                cfg.admin_host
-            )));
-        }
+        check_admin_exposure(&cfg.admin_host, cfg.admin_token.is_some())
+            .map_err(RouterError::Config)?;
         if cfg.max_connections == 0 {
             return Err(RouterError::Config("max connections must be ≥ 1".into()));
         }
