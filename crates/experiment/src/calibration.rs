@@ -1209,33 +1209,10 @@ pub(crate) mod tests {
         // A live sweep cell: its router's command line.
         let fleet = crate::fleet_spec::FleetSpec::test_emulated();
         let sweep = crate::sweep::SweepSettings {
-            name: crate::grid::SweepName::PressureGrid,
-            quick: true,
-            reps: 1,
-            policies: vec![],
-            ingress: fleet::Ingress::Router,
-            balance_factor: 1.25,
-            users: 32,
-            open_rate_rps: None,
-            rates_rps: vec![],
-            points: vec![],
-            think_model_s: 1.0,
-            warmup_s: 5.0,
-            measure_s: 8.0,
             calibration: path.clone(),
-            recalibrate: false,
-            lateness_share_of_itl_floor: LATENESS_SHARE_OF_ITL_FLOOR,
             evidence_retries: 2,
-            evidence_interval_s: 1.0,
-            load_fractions: None,
-            warmup_given: true,
-            request_timeout_s: 60.0,
-            seed: 7,
             fleet: fleet.clone(),
-            workload: crate::grid::WorkloadShape::DEFAULT,
-            git_rev: None,
-            versions: serde_json::Value::Null,
-            trace: None,
+            ..crate::sweep::SweepSettings::test_quick()
         };
         let replicas: Vec<fleet::ReplicaInfo> = (0..3)
             .map(|i| fleet::ReplicaInfo {

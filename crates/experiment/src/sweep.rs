@@ -89,6 +89,40 @@ pub struct SweepSettings {
 }
 
 impl SweepSettings {
+    /// A quick pressure-grid sweep on the test fleet, for tests to vary (struct update).
+    #[cfg(test)]
+    pub(crate) fn test_quick() -> SweepSettings {
+        SweepSettings {
+            name: SweepName::PressureGrid,
+            quick: true,
+            reps: 1,
+            policies: vec![],
+            ingress: Ingress::Router,
+            balance_factor: 1.25,
+            users: 32,
+            open_rate_rps: None,
+            load_fractions: None,
+            rates_rps: vec![],
+            points: vec![],
+            think_model_s: 1.0,
+            warmup_s: 5.0,
+            warmup_given: true,
+            measure_s: 8.0,
+            calibration: PathBuf::from("calibration.json"),
+            recalibrate: false,
+            lateness_share_of_itl_floor: crate::calibration::LATENESS_SHARE_OF_ITL_FLOOR,
+            evidence_retries: 0,
+            evidence_interval_s: 1.0,
+            request_timeout_s: 60.0,
+            seed: 7,
+            fleet: FleetSpec::test_emulated(),
+            workload: WorkloadShape::DEFAULT,
+            git_rev: None,
+            versions: serde_json::Value::Null,
+            trace: None,
+        }
+    }
+
     /// Warm-up + measured window, wall s (the driver's `--duration-s`).
     pub fn run_s(&self) -> f64 {
         self.warmup_s + self.measure_s
@@ -730,32 +764,11 @@ mod tests {
     fn settings(load: Option<Vec<f64>>) -> SweepSettings {
         SweepSettings {
             name: SweepName::Load,
-            quick: true,
-            reps: 1,
-            policies: vec![],
-            ingress: Ingress::Router,
-            balance_factor: 1.25,
             users: 8,
-            open_rate_rps: None,
             load_fractions: load,
-            rates_rps: vec![],
-            points: vec![],
-            think_model_s: 1.0,
-            warmup_s: 5.0,
             warmup_given: false,
-            measure_s: 8.0,
             calibration: PathBuf::from("measurements/calibration.json"),
-            recalibrate: false,
-            lateness_share_of_itl_floor: crate::calibration::LATENESS_SHARE_OF_ITL_FLOOR,
-            evidence_retries: 0,
-            evidence_interval_s: 1.0,
-            request_timeout_s: 60.0,
-            seed: 7,
-            fleet: FleetSpec::test_emulated(),
-            workload: WorkloadShape::DEFAULT,
-            git_rev: None,
-            versions: serde_json::Value::Null,
-            trace: None,
+            ..SweepSettings::test_quick()
         }
     }
 

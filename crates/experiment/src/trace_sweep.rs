@@ -262,38 +262,13 @@ pub fn meta_of(plan: &PlanFile) -> serde_json::Value {
 mod tests {
     use super::*;
 
-    use crate::fleet_spec::FleetSpec;
     use crate::scratch::Scratch;
 
     fn settings(trace: Option<TraceSettings>) -> SweepSettings {
         SweepSettings {
             name: SweepName::Trace,
-            quick: true,
-            reps: 1,
-            policies: vec![],
-            ingress: fleet::Ingress::Router,
-            balance_factor: 1.25,
-            users: 32,
-            open_rate_rps: None,
-            rates_rps: vec![],
-            points: vec![],
-            think_model_s: 1.0,
-            warmup_s: 5.0,
-            measure_s: 8.0,
-            calibration: PathBuf::from("calibration.json"),
-            recalibrate: false,
-            lateness_share_of_itl_floor: crate::calibration::LATENESS_SHARE_OF_ITL_FLOOR,
-            evidence_retries: 0,
-            load_fractions: None,
-            warmup_given: true,
-            workload: crate::grid::WorkloadShape::DEFAULT,
-            evidence_interval_s: 1.0,
-            request_timeout_s: 60.0,
-            seed: 7,
-            fleet: FleetSpec::test_emulated(),
-            git_rev: None,
-            versions: serde_json::Value::Null,
             trace,
+            ..SweepSettings::test_quick()
         }
     }
 
