@@ -58,24 +58,33 @@ struct IdleTimer {
 impl IdleTimer {
     /// Polled when the upstream has nothing: ready (with the silence so far, ms) once no frame
     /// came for `limit`. The timer keeps the deadline it was armed with; frames only move
-    /// `last_frame_ns`, and a timer that fires early is re-armed from it.
-    fn poll_expired(&mut self, now_ns: u64, cx: &mut Context<'_>) -> Poll<u64> {
+    /// `last_frame_ns`, and a timer that fires early is re-armed from it. The clock is read only
+    /// when the timer is unarmed or has fired, not on every idle poll.
+    fn poll_expired(&mut self, now_ns: impl Fn() -> u64, cx: &mut Context<'_>) -> Poll<u64> {
+        if let Some(sleep) = &mut self.sleep
+            && sleep.as_mut().poll(cx).is_pending()
+        {
+            return Poll::Pending;
+        }
+        let now_ns = now_ns();
         let deadline_ns = self
             .last_frame_ns
             .saturating_add(self.limit.as_nanos() as u64);
         if now_ns >= deadline_ns {
             return Poll::Ready((now_ns - self.last_frame_ns) / 1_000_000);
         }
-        let left = Duration::from_nanos(deadline_ns - now_ns);
-        let sleep = self
-            .sleep
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(left)));
-        if sleep.as_mut().poll(cx).is_ready() {
-            // Armed for an earlier frame: re-arm for the latest one (and register the waker).
-            sleep.as_mut().reset(tokio::time::Instant::now() + left);
-            if sleep.as_mut().poll(cx).is_ready() {
-                cx.waker().wake_by_ref();
+        // Unarmed, or armed for an earlier frame: (re-)arm for the latest one and register the
+        // waker.
+        let at = tokio::time::Instant::now() + Duration::from_nanos(deadline_ns - now_ns);
+        let sleep = match &mut self.sleep {
+            Some(sleep) => {
+                sleep.as_mut().reset(at);
+                sleep
             }
+            None => self.sleep.insert(Box::pin(tokio::time::sleep_until(at))),
+        };
+        if sleep.as_mut().poll(cx).is_ready() {
+            cx.waker().wake_by_ref();
         }
         Poll::Pending
     }
@@ -247,7 +256,9 @@ impl Body for ProxyBody {
             Some(s) => s,
             None => match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Pending => {
-                    let now = this.clock_ns();
+                    let clock = this.finish.as_ref().map(|f| f.shared.clock);
+                    let last = this.idle.last_frame_ns;
+                    let now = || clock.map_or(last, |c| c.now_ns());
                     return match this.idle.poll_expired(now, cx) {
                         Poll::Pending => Poll::Pending,
                         Poll::Ready(silent_ms) => {
