@@ -91,6 +91,11 @@ struct Args {
     /// two on a small shared machine and cheaper (REFERENCE.md §7).
     #[arg(long, default_value_t = 1)]
     workers: usize,
+    /// Run the engine's threads under SCHED_FIFO at this priority (1–99; 0 = the default
+    /// SCHED_OTHER). Emulated fleets use 1 so a busy machine does not make steps late; a refusal
+    /// (no CAP_SYS_NICE) is reported in the readiness line and the engine runs on.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=99))]
+    sched_fifo_priority: u8,
 }
 
 fn config(a: &Args) -> Result<ServerConfig, String> {
@@ -157,6 +162,12 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
+    // Before the runtime: its workers and the engine thread inherit the policy.
+    let scheduling = server::sched::request_fifo(args.sched_fifo_priority);
+    if let server::sched::Scheduling::Refused { .. } = &scheduling {
+        eprintln!("engine: scheduling {}", scheduling.describe());
+    }
+    let cfg = ServerConfig { scheduling, ..cfg };
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.workers.max(1))
         .enable_all()

@@ -90,3 +90,62 @@ fn events_off_prints_nulls_and_bad_flags_fail() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("speed"));
 }
+
+/// The thread's scheduling policy, from /proc (field 41 of `stat`: 0 other, 1 fifo).
+fn policy_of(pid: u32, tid: &str) -> u32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).expect("stat");
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    rest.split(' ')
+        .nth(38)
+        .expect("policy")
+        .parse()
+        .expect("number")
+}
+
+#[test]
+fn scheduling_is_reported_and_in_effect() {
+    let (_g, v) = spawn(&["--port", "0"]);
+    assert_eq!(v["scheduling"], "other");
+
+    let (g, v) = spawn(&["--port", "0", "--sched-fifo-priority", "1"]);
+    let addr = v["listening"].as_str().expect("listening").to_owned();
+    let scheduling = v["scheduling"].as_str().expect("scheduling");
+    let metrics = get(&addr, "/metrics");
+    if scheduling == "fifo:1" {
+        assert!(
+            metrics.contains("kvroute_engine_sched_fifo_priority{"),
+            "{metrics}"
+        );
+        assert!(
+            metrics
+                .lines()
+                .any(|l| l.starts_with("kvroute_engine_sched_fifo_priority{") && l.ends_with(" 1")),
+            "{metrics}"
+        );
+        // Every thread of the process runs under SCHED_FIFO (the engine thread included).
+        let pid = g.0.id();
+        let tasks: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .expect("tasks")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(tasks.len() >= 2, "{tasks:?}");
+        for tid in &tasks {
+            assert_eq!(policy_of(pid, tid), 1, "thread {tid} of {tasks:?}");
+        }
+    } else {
+        // No CAP_SYS_NICE: the refusal is reported, never hidden, and the engine serves.
+        assert!(
+            scheduling.starts_with("other (fifo:1 refused: "),
+            "{scheduling}"
+        );
+        assert!(get(&addr, "/health").starts_with("HTTP/1.1 200"));
+    }
+
+    let out = Command::new(env!("CARGO_BIN_EXE_engine"))
+        .args(["--port", "0", "--sched-fifo-priority", "100"])
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sched-fifo-priority"));
+}

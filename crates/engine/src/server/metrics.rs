@@ -111,6 +111,8 @@ pub struct MetricsState {
     pub finished_length: u64,
     /// Requests aborted (client gone).
     pub aborted: u64,
+    /// `SCHED_FIFO` priority of the engine's threads; 0 under `SCHED_OTHER` (see `sched`).
+    pub sched_fifo_priority: u8,
 }
 
 impl Default for MetricsState {
@@ -132,6 +134,7 @@ impl Default for MetricsState {
             finished_stop: 0,
             finished_length: 0,
             aborted: 0,
+            sched_fifo_priority: 0,
         }
     }
 }
@@ -272,6 +275,13 @@ pub fn render(m: &MetricsState, model_name: &str, block_size: u32, num_gpu_block
         &l,
         "How far each step's emission fell behind its modelled time.",
     );
+    gauge(
+        &mut out,
+        "kvroute_engine_sched_fifo_priority",
+        &l,
+        "SCHED_FIFO priority of the engine's threads (0: SCHED_OTHER).",
+        f64::from(m.sched_fifo_priority),
+    );
     out
 }
 
@@ -303,10 +313,15 @@ mod tests {
         assert!(s.contains("kvroute_engine_lateness_seconds_bucket{engine=\"0\",model_name=\"kvroute/emulated-8b\",le=\"+Inf\"} 2"));
     }
 
+    fn find_value(samples: &[prom_text::Sample], name: &str) -> f64 {
+        samples.iter().find(|x| x.name == name).unwrap().value
+    }
+
     #[test]
     fn exposition_reads_back_whole() {
         let mut m = MetricsState {
             kv_usage: 0.25,
+            sched_fifo_priority: 1,
             ..MetricsState::default()
         };
         m.ttft.observe(0.03);
@@ -321,7 +336,8 @@ mod tests {
                 other => panic!("`{line}` is not exposition text: {other:?}"),
             }
         }
-        assert_eq!(typed, 16, "one TYPE per family");
+        assert_eq!(typed, 17, "one TYPE per family");
+        assert_eq!(find_value(&samples, "kvroute_engine_sched_fifo_priority"), 1.0);
         let find = |name: &str| samples.iter().find(|x| x.name == name).unwrap();
         let usage = find("vllm:kv_cache_usage_perc");
         assert_eq!(usage.value, 0.25);

@@ -8,6 +8,7 @@ pub mod api;
 pub mod engine_loop;
 pub mod events;
 pub mod metrics;
+pub mod sched;
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -53,6 +54,9 @@ pub struct ServerConfig {
     pub kv_events: Option<KvEventsConfig>,
     /// Largest accepted request body, bytes.
     pub max_body_bytes: usize,
+    /// How the process's threads are scheduled (the binary asks before it builds the runtime;
+    /// see [`sched`]); reported in the readiness line and `/metrics`.
+    pub scheduling: sched::Scheduling,
 }
 
 impl Default for ServerConfig {
@@ -66,6 +70,7 @@ impl Default for ServerConfig {
             enable_prompt_tokens_details: false,
             kv_events: None,
             max_body_bytes: 32 << 20,
+            scheduling: sched::Scheduling::Other,
         }
     }
 }
@@ -92,6 +97,7 @@ pub struct Server {
     addr: SocketAddr,
     kv_events: Option<String>,
     kv_replay: Option<String>,
+    scheduling: sched::Scheduling,
     shutdown_tx: watch::Sender<bool>,
     cmd: std::sync::mpsc::Sender<Command>,
     metrics: Arc<Mutex<MetricsState>>,
@@ -138,10 +144,11 @@ impl Server {
         // Written by hand to keep the documented key order (serde_json sorts object keys).
         let opt = |v: &Option<String>| serde_json::to_string(v).expect("string or null");
         format!(
-            "{{\"listening\":{},\"kv_events\":{},\"kv_replay\":{}}}",
+            "{{\"listening\":{},\"kv_events\":{},\"kv_replay\":{},\"scheduling\":{}}}",
             serde_json::to_string(&self.addr.to_string()).expect("string"),
             opt(&self.kv_events),
-            opt(&self.kv_replay)
+            opt(&self.kv_replay),
+            serde_json::to_string(&self.scheduling.describe()).expect("string")
         )
     }
 
@@ -211,12 +218,22 @@ pub async fn start(cfg: ServerConfig) -> Result<Server, StartError> {
     };
 
     let clock = Clock::start();
-    let metrics = Arc::new(Mutex::new(MetricsState::default()));
+    let metrics = Arc::new(Mutex::new(MetricsState {
+        sched_fifo_priority: cfg.scheduling.fifo_priority(),
+        ..MetricsState::default()
+    }));
     let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
     let thread_metrics = metrics.clone();
+    let thread_scheduling = cfg.scheduling.clone();
     let engine_thread = std::thread::Builder::new()
         .name("engine-core".into())
-        .spawn(move || engine_loop::run(engine, cmd_rx, clock, thread_metrics, events_tx))
+        .spawn(move || {
+            // One level above the HTTP workers: a step deadline preempts token streaming.
+            if let sched::Scheduling::Fifo(p) = thread_scheduling {
+                let _ = sched::request_fifo(p.saturating_add(1).min(99));
+            }
+            engine_loop::run(engine, cmd_rx, clock, thread_metrics, events_tx)
+        })
         .map_err(|e| StartError::Config(format!("cannot spawn the engine thread: {e}")))?;
 
     let state = Arc::new(AppState {
@@ -258,6 +275,7 @@ pub async fn start(cfg: ServerConfig) -> Result<Server, StartError> {
         addr: local,
         kv_events,
         kv_replay,
+        scheduling: cfg.scheduling.clone(),
         shutdown_tx,
         cmd: cmd_tx,
         metrics,
