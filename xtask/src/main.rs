@@ -46,6 +46,18 @@ enum Cmd {
         /// The sweep directory, e.g. measurements/pressure-grid-quick.
         dir: PathBuf,
     },
+    /// Live vs virtual: the same sweep's two directories compared cell by cell and effect by
+    /// effect at effect-sized bounds (`analysis::crosscheck`); writes crosscheck.md / .json into
+    /// the live directory and fails when they do not agree.
+    Crosscheck {
+        /// The live sweep directory.
+        live: PathBuf,
+        /// The virtual sweep directory (run with the live sweep's `--calibration`).
+        virtual_dir: PathBuf,
+        /// The policy the effects are margins over.
+        #[arg(long, default_value = "session-affinity")]
+        baseline: String,
+    },
     /// Copy a sweep's summaries, meta and gzip-compressed rows into docs/measurements/.
     Publish(publish::PublishArgs),
     /// Render the figures from published measurements (`figures::render_all`).
@@ -78,6 +90,11 @@ fn main() {
         Cmd::ProxyBench { args, no_build } => bins(no_build).and_then(|_| proxy_bench::run(&args)),
         Cmd::Fault(args) => bins(args.no_build).and_then(|b| fault::fault(&args, &b).map(|_| ())),
         Cmd::Report { dir } => report::write(&dir),
+        Cmd::Crosscheck {
+            live,
+            virtual_dir,
+            baseline,
+        } => report::crosscheck(&live, &virtual_dir, &baseline),
         Cmd::Publish(args) => to_workspace_root().and_then(|()| publish::run(&args).map(|_| ())),
         Cmd::Ci => ci(),
     };

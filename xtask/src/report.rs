@@ -27,3 +27,29 @@ pub fn write(dir: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+/// `cargo xtask crosscheck LIVE VIRTUAL`: prints the cross-check, writes it into `live`, and
+/// fails when the two do not agree at the effect-sized bounds.
+pub fn crosscheck(live: &Path, virt: &Path, baseline: &str) -> Result<()> {
+    use analysis::crosscheck::{Tolerance, crosscheck_dirs, render_markdown};
+    let c = crosscheck_dirs(live, virt, baseline, Tolerance::EFFECT_SIZED, live).map_err(|e| {
+        anyhow!(
+            "cross-checking {} against {}: {e}",
+            live.display(),
+            virt.display()
+        )
+    })?;
+    println!("{}", render_markdown(&c));
+    eprintln!(
+        "xtask: cross-check written to {}",
+        live.join("crosscheck.md").display()
+    );
+    if c.passes() {
+        Ok(())
+    } else {
+        Err(anyhow!(
+            "live and virtual do not agree (see {})",
+            live.join("crosscheck.md").display()
+        ))
+    }
+}

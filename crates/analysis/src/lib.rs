@@ -7,6 +7,7 @@
 //! `report.json` schema.
 
 pub mod compare;
+pub mod crosscheck;
 pub mod dir_report;
 pub mod drift;
 pub mod error;
