@@ -149,6 +149,11 @@ pub struct SweepArgs {
     /// default directory `<sweep>[-quick]-virtual`.
     #[arg(long = "virtual")]
     pub virtual_time: bool,
+    /// With `--virtual`: judge by this live calibration (its SLO, TTL, node cap, bytes per token
+    /// and capacity) instead of a virtual one, so the two sweeps can be cross-checked
+    /// (`cargo xtask crosscheck`). The fleet flags must be the live sweep's.
+    #[arg(long, requires = "virtual_time")]
+    pub live_calibration: Option<PathBuf>,
     /// The fleet.
     #[command(flatten)]
     pub fleet: FleetArgs,
@@ -204,6 +209,7 @@ impl SweepArgs {
             git_rev: env::git_rev(),
             versions: env::versions(),
             trace: self.trace.settings(self.quick),
+            live_calibration: self.live_calibration.clone(),
         }
     }
 

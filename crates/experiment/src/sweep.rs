@@ -86,6 +86,9 @@ pub struct SweepSettings {
     pub versions: serde_json::Value,
     /// The trace the `trace` sweep replays (`None` for every other sweep).
     pub trace: Option<crate::trace_sweep::TraceSettings>,
+    /// Virtual sweeps only: judge by this live calibration (SLO, routing values, capacity) instead
+    /// of the virtual one, so a live and a virtual sweep can be cross-checked cell by cell.
+    pub live_calibration: Option<PathBuf>,
 }
 
 impl SweepSettings {
@@ -120,6 +123,7 @@ impl SweepSettings {
             git_rev: None,
             versions: serde_json::Value::Null,
             trace: None,
+            live_calibration: None,
         }
     }
 

@@ -526,22 +526,51 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
         measure_s: s.measure_s,
         work: dir.join("_calibration"),
     };
-    let mut cal = calibrate(
-        &base,
-        &reference,
-        used,
-        s.fleet.key(),
-        s.git_rev.clone(),
-        s.versions.clone(),
-    )?;
-    if s.needs_capacity() {
-        cal.capacity = Some(find_capacity(
-            s,
-            &base,
-            &cal,
-            &dir.join("calibration-runs"),
-        )?);
-    }
+    let cal = match &s.live_calibration {
+        // A cross-check judges both sides by one calibration: the live one, read as is.
+        Some(path) => {
+            let c = Calibration::read(path)?;
+            if c.fleet != s.fleet.key() {
+                bail!(
+                    "{} was calibrated for another fleet ({:?}); give the virtual sweep the live sweep's fleet flags",
+                    path.display(),
+                    c.fleet
+                );
+            }
+            if c.used_replicas != used {
+                bail!(
+                    "{} uses replicas {:?}, the simulated fleet {:?}",
+                    path.display(),
+                    c.used_replicas,
+                    used
+                );
+            }
+            c.routing()?;
+            if s.needs_capacity() {
+                s.check_capacity(&c, path)?;
+            }
+            c
+        }
+        None => {
+            let mut cal = calibrate(
+                &base,
+                &reference,
+                used,
+                s.fleet.key(),
+                s.git_rev.clone(),
+                s.versions.clone(),
+            )?;
+            if s.needs_capacity() {
+                cal.capacity = Some(find_capacity(
+                    s,
+                    &base,
+                    &cal,
+                    &dir.join("calibration-runs"),
+                )?);
+            }
+            cal
+        }
+    };
     cal.write(&dir.join("calibration.json"))?;
     let routing = cal.routing()?;
     let points = s.sweep_points(&cal)?;
@@ -552,6 +581,10 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
             record["virtual"] = serde_json::json!(true);
             record["speed"] = serde_json::json!(s.fleet.speed);
             record["repetitions"] = serde_json::json!(REPETITIONS);
+            record["calibration_source"] = match &s.live_calibration {
+                Some(p) => serde_json::json!(format!("live: {}", p.display())),
+                None => serde_json::json!("virtual"),
+            };
             record
         })?
         .as_bytes(),

@@ -337,7 +337,10 @@ mod tests {
             }
         }
         assert_eq!(typed, 17, "one TYPE per family");
-        assert_eq!(find_value(&samples, "kvroute_engine_sched_fifo_priority"), 1.0);
+        assert_eq!(
+            find_value(&samples, "kvroute_engine_sched_fifo_priority"),
+            1.0
+        );
         let find = |name: &str| samples.iter().find(|x| x.name == name).unwrap();
         let usage = find("vllm:kv_cache_usage_perc");
         assert_eq!(usage.value, 0.25);
