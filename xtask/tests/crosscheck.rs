@@ -43,7 +43,7 @@ fn goodput(dir: &Path, slo: &analysis::Slo) -> (f64, usize) {
             r.sent_s
                 .is_some_and(|s| s >= w.measured_start_s && s < w.measured_end_s)
         })
-        .filter(|r| analysis::is_good(r, slo))
+        .filter(|r| analysis::is_good(r, slo, w.clock))
         .count();
     (
         good as f64 / (w.measured_end_s - w.measured_start_s),
