@@ -59,7 +59,8 @@ impl Default for DriftConfig {
 pub struct TrendTest {
     /// Points fitted (buckets, or requests).
     pub n: usize,
-    /// Slope per second of window (req/s per s for goodput, ms per s for TTFT).
+    /// Slope per second of window (req/s per s for goodput, ms per s for TTFT, requests per s for
+    /// the backlog).
     pub slope_per_s: f64,
     /// Slope ÷ its standard error; `None` for a perfect line (unbounded).
     pub t_stat: Option<f64>,
@@ -248,7 +249,7 @@ pub fn check_rows(
     let bucket_mid = |i: usize| window.measured_start_s + (i as f64 + 0.5) * bucket_width_s;
     let goodput = (cfg.buckets >= 3 && window_s > 0.0)
         .then(|| {
-            let width = window_s / cfg.buckets as f64;
+            let width = bucket_width_s;
             let mut good = vec![0u64; cfg.buckets];
             for (t, c) in &measured {
                 if is_good(c, slo, window.clock) {
