@@ -12,11 +12,14 @@
 //! window, and a longer warm-up would not settle it. For an open loop ([`WindowClock::Scheduled`])
 //! the check therefore measures the **backlog** — requests scheduled and not yet finished:
 //! queued in the driver (scheduled, not sent) or in flight (sent, unfinished) — as its mean over
-//! each time bucket, and tests its growth with the same trend test (flagged, and rising). A
-//! drifting rep whose backlog grows is [`DriftClass::Overloaded`]: a result, recorded with its
-//! goodput and attainment and marked so, not set aside. A drifting rep with a flat or falling
-//! backlog, or a drifting closed loop (its users wait for replies, so it has no backlog to grow),
-//! is [`DriftClass::Warming`]: re-run with a longer warm-up, or set aside. The rule is
+//! each time bucket, and tests its growth with the same trend test (flagged, and rising). A rep
+//! whose backlog grows is [`DriftClass::Overloaded`] — whether or not its goodput or TTFT trend
+//! too: deep in overload goodput sits flat at what the fleet serves, and the TTFT of the requests
+//! that still succeed can be too scattered to trend, while the queue grows all the same. It is a
+//! result, recorded with its goodput and attainment and marked so, not set aside. A drifting rep
+//! with a flat or falling backlog, or a drifting closed loop (its users wait for replies, so it
+//! has no backlog to grow), is [`DriftClass::Warming`]: re-run with a longer warm-up, or set
+//! aside. The rule is
 //! [`CLASSIFICATION_RULE`]. Below `min_requests` measured requests the check is not run
 //! (reported as skipped): a slope over a handful of requests says nothing.
 
@@ -72,7 +75,7 @@ pub struct TrendTest {
 
 /// The rule that tells a warming repetition from an overloaded one, as `meta.json`'s `drift`
 /// records it beside the evidence.
-pub const CLASSIFICATION_RULE: &str = "drifting = goodput per bucket or the TTFT the SLO judges trends across the measured window (OLS slope, |t| > t_threshold and fitted change > min_relative_change of the mean); overloaded = drifting, open loop, and the backlog (requests scheduled and not yet finished: queued in the driver or in flight; its mean over each bucket) rises by the same test; warming = drifting otherwise (a flat or falling backlog, or a closed loop, which has no backlog to grow); an overloaded rep is a result, recorded with its goodput and attainment and marked, a warming one is re-run with a longer warm-up or set aside";
+pub const CLASSIFICATION_RULE: &str = "drifting = goodput per bucket or the TTFT the SLO judges trends across the measured window (OLS slope, |t| > t_threshold and fitted change > min_relative_change of the mean); overloaded = open loop and the backlog (requests scheduled and not yet finished: queued in the driver or in flight; its mean over each bucket) rises by the same test, drifting or not; warming = drifting without a rising backlog (a flat or falling one, or a closed loop, which has no backlog to grow); an overloaded rep is a result, recorded with its goodput and attainment and marked, a warming one is re-run with a longer warm-up or set aside";
 
 /// What the drift check concluded about a repetition.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,8 +86,8 @@ pub enum DriftClass {
     Settled,
     /// A series trends and no backlog grows: not yet settled; re-run longer or set aside.
     Warming,
-    /// A series trends and the open-loop backlog grows through the window: the policy cannot
-    /// sustain the offered load. A result, marked, not set aside.
+    /// The open-loop backlog grows through the window (whether or not a series trends): the
+    /// policy cannot sustain the offered load. A result, marked, not set aside.
     Overloaded,
     /// Too few measured requests to run the check.
     Skipped,
@@ -118,7 +121,7 @@ pub struct DriftVerdict {
     pub skipped: Option<String>,
     /// The thresholds applied.
     pub config: DriftConfig,
-    /// Drifting with a growing open-loop backlog ([`DriftClass::Overloaded`]).
+    /// A growing open-loop backlog ([`DriftClass::Overloaded`]).
     #[serde(default)]
     pub overloaded: bool,
     /// The verdict: settled, warming, overloaded or skipped.
@@ -138,7 +141,7 @@ pub struct DriftVerdict {
 }
 
 impl DriftVerdict {
-    /// A series trends (warming or overloaded).
+    /// Not settled: warming or overloaded.
     pub fn drifting(&self) -> bool {
         self.warming || self.overloaded
     }
@@ -289,9 +292,9 @@ pub fn check_rows(
         .as_ref()
         .is_some_and(|b| b.flagged && b.slope_per_s > 0.0);
     let class = match (drifting, grows) {
-        (false, _) => DriftClass::Settled,
+        (_, true) => DriftClass::Overloaded,
         (true, false) => DriftClass::Warming,
-        (true, true) => DriftClass::Overloaded,
+        (false, false) => DriftClass::Settled,
     };
     let reason = match (class, &backlog) {
         (DriftClass::Overloaded, Some(b)) => Some(format!(
@@ -300,7 +303,11 @@ pub fn check_rows(
             backlog_mean.unwrap_or(0.0),
             b.t_stat
                 .map_or_else(|| "unbounded".to_string(), |v| format!("{v:.1}")),
-            reasons.join("; ")
+            if reasons.is_empty() {
+                "goodput and TTFT do not trend".to_string()
+            } else {
+                reasons.join("; ")
+            }
         )),
         (DriftClass::Warming, _) => Some(format!("warming: {}", reasons.join("; "))),
         _ => None,

@@ -198,7 +198,7 @@ fn an_open_loop_whose_backlog_grows_is_overloaded_not_warming() {
         "{reason}"
     );
     assert!(reason.contains("TTFT trends up"), "{reason}");
-    assert!(v.rule.contains("overloaded = drifting, open loop"));
+    assert!(v.rule.contains("overloaded = open loop and the backlog"));
     // By the send time the same rows look steady: every turn is served in 100 ms once sent,
     // at the rate the fleet sustains. The wait in the driver is what the scheduled clock sees.
     let by_send = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
@@ -230,4 +230,30 @@ fn an_open_loop_warming_up_with_a_flat_or_falling_backlog_is_warming() {
     let closed = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
     assert_eq!(closed.class, DriftClass::Warming);
     assert!(closed.backlog.is_none());
+}
+
+#[test]
+fn a_growing_backlog_is_overloaded_even_when_goodput_and_ttft_do_not_trend() {
+    // Sent on time, first token in 100 ms, but each request streams longer than the one before:
+    // requests pile up in flight while goodput and TTFT stay flat.
+    let rows: Vec<ClientRow> = (0..440)
+        .map(|i| {
+            let sent = i as f64 * 0.25;
+            let mut r = row(i, sent, 100.0, sent < WINDOW.warmup_s);
+            let e2el_ms = 1000.0 + 200.0 * sent;
+            r.e2el_ms = Some(e2el_ms);
+            r.last_s = Some(sent + e2el_ms / 1e3);
+            r
+        })
+        .collect();
+    let v = check_rows(&rows, &SLO, &OPEN, &DriftConfig::default());
+    assert!(!v.goodput.as_ref().unwrap().flagged && !v.ttft.as_ref().unwrap().flagged);
+    assert_eq!(v.class, DriftClass::Overloaded, "{v:?}");
+    assert!(v.overloaded && !v.warming && v.drifting());
+    let reason = v.reason.unwrap();
+    assert!(
+        reason.starts_with("overloaded: the backlog grows")
+            && reason.ends_with("goodput and TTFT do not trend"),
+        "{reason}"
+    );
 }
