@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
+use analysis::DriftClass;
 use experiment::virtual_sweep;
 
 use crate::sweep::SweepArgs;
@@ -54,6 +55,7 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
     let next = AtomicUsize::new(0);
     let errors: Mutex<Vec<String>> = Mutex::new(Vec::new());
     let set_aside = AtomicUsize::new(0);
+    let overloaded = AtomicUsize::new(0);
     std::thread::scope(|s| {
         for _ in 0..threads.min(total.max(1)) {
             s.spawn(|| {
@@ -64,10 +66,13 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(job) = jobs.get(i) else { return };
                     match virtual_sweep::run_cell(&prepared.cells, job) {
-                        Ok(true) => {}
-                        Ok(false) => {
+                        Ok(DriftClass::Warming) => {
                             set_aside.fetch_add(1, Ordering::Relaxed);
                         }
+                        Ok(DriftClass::Overloaded) => {
+                            overloaded.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(_) => {}
                         Err(e) => errors
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
@@ -92,10 +97,11 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
         );
     }
     eprintln!(
-        "xtask sweep {} --virtual: {total} cells in {:.1} s on {threads} threads ({} set aside by the drift check)",
+        "xtask sweep {} --virtual: {total} cells in {:.1} s on {threads} threads ({} set aside by the drift check as warming; {} overloaded: a growing backlog, counted and marked)",
         args.name.as_str(),
         started.elapsed().as_secs_f64(),
-        set_aside.load(Ordering::Relaxed)
+        set_aside.load(Ordering::Relaxed),
+        overloaded.load(Ordering::Relaxed)
     );
     if !args.no_report {
         report::write(&dir)?;

@@ -262,5 +262,13 @@ fn the_load_sweep_runs_at_fractions_of_the_capacity() {
         let rule = run["window"]["rule"].as_str().unwrap();
         assert!(rule.contains("settled with at"), "{point}: {rule}");
         assert_eq!(meta["window"]["warmup_s"], run["window"]["warmup_s"]);
+        // An open loop: measured by scheduled time, its drift verdict classified.
+        assert_eq!(meta["window"]["clock"], "scheduled", "{point}");
+        let class = meta["drift"]["class"].as_str().unwrap();
+        assert!(
+            ["settled", "warming", "overloaded", "skipped"].contains(&class),
+            "{point}: {class}"
+        );
+        assert_eq!(meta["accepted"], class != "warming", "{point}");
     }
 }

@@ -166,6 +166,10 @@ pub struct Margin {
     pub relative: Option<f64>,
     /// Separates, within spread, too few reps, or deterministic (virtual).
     pub verdict: Verdict,
+    /// Either side rests on an overloaded repetition (its backlog grew through the window): the
+    /// comparison stands, marked. Absent when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub overloaded: bool,
 }
 
 /// The margin of `a` over `b`, judged on `basis` ([`Verdict::judge`]).
@@ -177,6 +181,7 @@ pub fn margin(policy: &str, a: &Spread, baseline: &str, b: &Spread, basis: Basis
         margin_rps,
         relative: (b.median != 0.0).then(|| margin_rps / b.median),
         verdict: Verdict::judge(a, b, basis),
+        overloaded: false,
     }
 }
 

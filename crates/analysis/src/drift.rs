@@ -1,19 +1,35 @@
-//! Drift check: is a repetition still warming up? Two trend tests over the measured window —
-//! goodput per time bucket, and TTFT of each request against its send time — each an OLS slope
-//! with its t-statistic. A series is flagged when |t| exceeds `t_threshold` (default 3) AND the
-//! fitted change across the whole window exceeds `min_relative_change` (default 10 %) of the
-//! series mean: the first guards against noise, the second against trends too small to matter
-//! (long windows make tiny slopes "significant"). Either flagged series marks the rep `warming`.
-//! Below `min_requests` measured requests the check is not run (reported as skipped): a slope
-//! over a handful of requests says nothing.
+//! Drift check: has a repetition settled, is it still warming up, or is it overloaded? Two trend
+//! tests over the measured window — goodput per time bucket, and the TTFT the SLO judges of each
+//! request against the time that places it in the window (the window's clock: scheduled time for
+//! an open loop, send time for a closed one) — each an OLS slope with its t-statistic. A series
+//! is flagged when |t| exceeds `t_threshold` (default 3) AND the fitted change across the whole
+//! window exceeds `min_relative_change` (default 10 %) of the series mean: the first guards
+//! against noise, the second against trends too small to matter (long windows make tiny slopes
+//! "significant"). Either flagged series marks the rep as drifting.
+//!
+//! A drifting repetition is not always warming (DESIGN.md §3.9): near and above capacity, a
+//! policy that cannot sustain the offered load builds a backlog that grows through the whole
+//! window, and a longer warm-up would not settle it. For an open loop ([`WindowClock::Scheduled`])
+//! the check therefore measures the **backlog** — requests scheduled and not yet finished:
+//! queued in the driver (scheduled, not sent) or in flight (sent, unfinished) — as its mean over
+//! each time bucket, and tests its growth with the same trend test (flagged, and rising). A rep
+//! whose backlog grows is [`DriftClass::Overloaded`] — whether or not its goodput or TTFT trend
+//! too: deep in overload goodput sits flat at what the fleet serves, and the TTFT of the requests
+//! that still succeed can be too scattered to trend, while the queue grows all the same. It is a
+//! result, recorded with its goodput and attainment and marked so, not set aside. A drifting rep
+//! with a flat or falling backlog, or a drifting closed loop (its users wait for replies, so it
+//! has no backlog to grow), is [`DriftClass::Warming`]: re-run with a longer warm-up, or set
+//! aside. The rule is
+//! [`CLASSIFICATION_RULE`]. Below `min_requests` measured requests the check is not run
+//! (reported as skipped): a slope over a handful of requests says nothing.
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
-use crate::meta::{Slo, Window};
-use crate::metrics::is_good;
+use crate::meta::{Slo, Window, WindowClock};
+use crate::metrics::{is_good, slo_ttft_ms, window_time_s};
 use crate::rows::{ClientRow, read_client_csv};
 use crate::stats::ols;
 
@@ -46,7 +62,8 @@ impl Default for DriftConfig {
 pub struct TrendTest {
     /// Points fitted (buckets, or requests).
     pub n: usize,
-    /// Slope per second of window (req/s per s for goodput, ms per s for TTFT).
+    /// Slope per second of window (req/s per s for goodput, ms per s for TTFT, requests per s for
+    /// the backlog).
     pub slope_per_s: f64,
     /// Slope ÷ its standard error; `None` for a perfect line (unbounded).
     pub t_stat: Option<f64>,
@@ -56,21 +73,115 @@ pub struct TrendTest {
     pub flagged: bool,
 }
 
+/// The rule that tells a warming repetition from an overloaded one, as `meta.json`'s `drift`
+/// records it beside the evidence.
+pub const CLASSIFICATION_RULE: &str = "drifting = goodput per bucket or the TTFT the SLO judges trends across the measured window (OLS slope, |t| > t_threshold and fitted change > min_relative_change of the mean); overloaded = open loop and the backlog (requests scheduled and not yet finished: queued in the driver or in flight; its mean over each bucket) rises by the same test, drifting or not; warming = drifting without a rising backlog (a flat or falling one, or a closed loop, which has no backlog to grow); an overloaded rep is a result, recorded with its goodput and attainment and marked, a warming one is re-run with a longer warm-up or set aside";
+
+/// What the drift check concluded about a repetition.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DriftClass {
+    /// No series trends: the repetition says something about its cell.
+    #[default]
+    Settled,
+    /// A series trends and no backlog grows: not yet settled; re-run longer or set aside.
+    Warming,
+    /// The open-loop backlog grows through the window (whether or not a series trends): the
+    /// policy cannot sustain the offered load. A result, marked, not set aside.
+    Overloaded,
+    /// Too few measured requests to run the check.
+    Skipped,
+}
+
+impl DriftClass {
+    /// The class as `meta.json` and the report write it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DriftClass::Settled => "settled",
+            DriftClass::Warming => "warming",
+            DriftClass::Overloaded => "overloaded",
+            DriftClass::Skipped => "skipped",
+        }
+    }
+}
+
 /// Outcome of the drift check on one repetition.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DriftVerdict {
-    /// Still warming: at least one series flagged.
+    /// Still warming: a series flagged and no growing backlog ([`DriftClass::Warming`]).
     pub warming: bool,
     /// Goodput per bucket vs time; `None` with fewer than 3 buckets.
     pub goodput: Option<TrendTest>,
-    /// TTFT vs send time; `None` with fewer than 3 successful requests.
+    /// TTFT (as the SLO judges it) vs the window's time; `None` with fewer than 3 successful
+    /// requests.
     pub ttft: Option<TrendTest>,
-    /// Human-readable reason when warming, for `set_aside_reason`.
+    /// Human-readable reason when warming or overloaded, for `set_aside_reason` and the report.
     pub reason: Option<String>,
     /// Why the check was not run (too few measured requests); `None` when it ran.
     pub skipped: Option<String>,
     /// The thresholds applied.
     pub config: DriftConfig,
+    /// A growing open-loop backlog ([`DriftClass::Overloaded`]).
+    #[serde(default)]
+    pub overloaded: bool,
+    /// The verdict: settled, warming, overloaded or skipped.
+    #[serde(default)]
+    pub class: DriftClass,
+    /// Mean backlog per bucket (requests scheduled and not yet finished) vs time, in requests
+    /// per s of window; `None` for a closed loop (no backlog to measure) or with fewer than 3
+    /// buckets. Its `flagged` with a positive slope is "grows".
+    #[serde(default)]
+    pub backlog: Option<TrendTest>,
+    /// Mean backlog over the window, requests; `None` when not measured.
+    #[serde(default)]
+    pub backlog_mean: Option<f64>,
+    /// [`CLASSIFICATION_RULE`].
+    #[serde(default)]
+    pub rule: String,
+}
+
+impl DriftVerdict {
+    /// Not settled: warming or overloaded.
+    pub fn drifting(&self) -> bool {
+        self.warming || self.overloaded
+    }
+}
+
+/// When a request of `row` stopped counting as backlog: its end (send + end-to-end latency, else
+/// its last byte); `None` when it never ended (it is backlog to the end).
+fn finished_s(row: &ClientRow) -> Option<f64> {
+    match (row.sent_s, row.e2el_ms) {
+        (Some(sent), Some(e2el)) => Some(sent + e2el / 1e3),
+        _ => row.last_s,
+    }
+}
+
+/// The mean backlog over each of `buckets` equal buckets of `window`: Σ over requests of the time
+/// each spent between its scheduled time (else its send time) and its end inside the bucket ÷ the
+/// bucket's length. Every row counts, warm-up ones included (one still queued or in flight in the
+/// window is backlog there).
+pub fn backlog_per_bucket(client: &[ClientRow], window: &Window, buckets: usize) -> Vec<f64> {
+    let window_s = window.measured_s();
+    if buckets == 0 || window_s <= 0.0 {
+        return Vec::new();
+    }
+    let width = window_s / buckets as f64;
+    let mut busy_s = vec![0.0f64; buckets];
+    for c in client {
+        let Some(start) = c.scheduled_s.or(c.sent_s) else {
+            continue;
+        };
+        let end = finished_s(c).unwrap_or(f64::INFINITY).max(start);
+        for (i, b) in busy_s.iter_mut().enumerate() {
+            let lo = window.measured_start_s + i as f64 * width;
+            let hi = lo + width;
+            let overlap = end.min(hi) - start.max(lo);
+            if overlap > 0.0 {
+                *b += overlap;
+            }
+        }
+    }
+    busy_s.into_iter().map(|b| b / width).collect()
 }
 
 fn trend(x: &[f64], y: &[f64], window_s: f64, cfg: &DriftConfig) -> Option<TrendTest> {
@@ -102,8 +213,9 @@ fn describe(name: &str, t: &TrendTest) -> String {
     )
 }
 
-/// Drift check over client rows: the measured requests are those not in warm-up and sent inside
-/// `window` (as in goodput).
+/// Drift check over client rows: the measured requests are those not in warm-up and inside
+/// `window` by its clock (as in goodput); the backlog is measured for an open loop
+/// ([`WindowClock::Scheduled`]) and classifies a drifting rep ([`CLASSIFICATION_RULE`]).
 pub fn check_rows(
     client: &[ClientRow],
     slo: &Slo,
@@ -114,7 +226,7 @@ pub fn check_rows(
     let measured: Vec<(f64, &ClientRow)> = client
         .iter()
         .filter(|c| !c.warmup)
-        .filter_map(|c| c.sent_s.or(c.scheduled_s).map(|t| (t, c)))
+        .filter_map(|c| window_time_s(c, window.clock).map(|t| (t, c)))
         .filter(|(t, _)| window.contains(*t))
         .collect();
     if measured.len() < cfg.min_requests {
@@ -129,21 +241,26 @@ pub fn check_rows(
                 cfg.min_requests
             )),
             config: *cfg,
+            overloaded: false,
+            class: DriftClass::Skipped,
+            backlog: None,
+            backlog_mean: None,
+            rule: CLASSIFICATION_RULE.to_string(),
         };
     }
+    let bucket_width_s = window_s / cfg.buckets.max(1) as f64;
+    let bucket_mid = |i: usize| window.measured_start_s + (i as f64 + 0.5) * bucket_width_s;
     let goodput = (cfg.buckets >= 3 && window_s > 0.0)
         .then(|| {
-            let width = window_s / cfg.buckets as f64;
+            let width = bucket_width_s;
             let mut good = vec![0u64; cfg.buckets];
             for (t, c) in &measured {
-                if is_good(c, slo) {
+                if is_good(c, slo, window.clock) {
                     let i = ((t - window.measured_start_s) / width) as usize;
                     good[i.min(cfg.buckets - 1)] += 1;
                 }
             }
-            let x: Vec<f64> = (0..cfg.buckets)
-                .map(|i| window.measured_start_s + (i as f64 + 0.5) * width)
-                .collect();
+            let x: Vec<f64> = (0..cfg.buckets).map(bucket_mid).collect();
             let y: Vec<f64> = good.iter().map(|&g| g as f64 / width).collect();
             trend(&x, &y, window_s, cfg)
         })
@@ -151,9 +268,18 @@ pub fn check_rows(
     let (x, y): (Vec<f64>, Vec<f64>) = measured
         .iter()
         .filter(|(_, c)| c.error.is_none() && (200..300).contains(&c.status))
-        .filter_map(|(t, c)| c.ttft_ms.map(|v| (*t, v)))
+        .filter_map(|(t, c)| slo_ttft_ms(c, window.clock).map(|v| (*t, v)))
         .unzip();
     let ttft = trend(&x, &y, window_s, cfg);
+    // The backlog of an open loop: a closed loop's users wait for their replies, so its backlog
+    // is bounded by its users and says nothing about overload.
+    let (backlog, backlog_mean) = if window.clock == WindowClock::Scheduled && cfg.buckets >= 3 {
+        let y = backlog_per_bucket(client, window, cfg.buckets);
+        let x: Vec<f64> = (0..cfg.buckets).map(bucket_mid).collect();
+        (trend(&x, &y, window_s, cfg), crate::stats::mean(&y))
+    } else {
+        (None, None)
+    };
     let mut reasons = Vec::new();
     if let Some(t) = goodput.as_ref().filter(|t| t.flagged) {
         reasons.push(describe("goodput", t));
@@ -161,14 +287,50 @@ pub fn check_rows(
     if let Some(t) = ttft.as_ref().filter(|t| t.flagged) {
         reasons.push(describe("TTFT", t));
     }
+    let drifting = !reasons.is_empty();
+    let grows = backlog
+        .as_ref()
+        .is_some_and(|b| b.flagged && b.slope_per_s > 0.0);
+    let class = match (drifting, grows) {
+        (_, true) => DriftClass::Overloaded,
+        (true, false) => DriftClass::Warming,
+        (false, false) => DriftClass::Settled,
+    };
+    let reason = match (class, &backlog) {
+        (DriftClass::Overloaded, Some(b)) => Some(format!(
+            "overloaded: the backlog grows {:.2} requests/s across the window (mean {:.1}, t = {}); {}",
+            b.slope_per_s,
+            backlog_mean.unwrap_or(0.0),
+            b.t_stat
+                .map_or_else(|| "unbounded".to_string(), |v| format!("{v:.1}")),
+            if reasons.is_empty() {
+                "goodput and TTFT do not trend".to_string()
+            } else {
+                reasons.join("; ")
+            }
+        )),
+        (DriftClass::Warming, _) => Some(format!("warming: {}", reasons.join("; "))),
+        _ => None,
+    };
     DriftVerdict {
-        warming: !reasons.is_empty(),
+        warming: class == DriftClass::Warming,
         goodput,
         ttft,
-        reason: (!reasons.is_empty()).then(|| format!("warming: {}", reasons.join("; "))),
+        reason,
         skipped: None,
         config: *cfg,
+        overloaded: class == DriftClass::Overloaded,
+        class,
+        backlog,
+        backlog_mean,
+        rule: CLASSIFICATION_RULE.to_string(),
     }
+}
+
+/// The drift class the sweep recorded in a repetition's `meta.json` (`drift.class`); `None` when
+/// it recorded none (no check ran, or a file written before the classification existed).
+pub fn recorded_class(meta: &crate::meta::Meta) -> Option<DriftClass> {
+    serde_json::from_value(meta.drift.get("class")?.clone()).ok()
 }
 
 /// Drift check on a just-finished repetition directory, before its `meta.json` is written: reads

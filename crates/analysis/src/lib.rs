@@ -23,10 +23,10 @@ pub mod stats;
 
 pub use compare::{Margin, Refusal, Verdict, check_comparable};
 pub use dir_report::{DirReport, report_dir, write_report_dir};
-pub use drift::{DriftConfig, DriftVerdict, check_rep_dir, check_rows};
+pub use drift::{DriftClass, DriftConfig, DriftVerdict, check_rep_dir, check_rows};
 pub use error::{AnalysisError, Result};
 pub use load::{RepData, SweepData, load_rep, load_sweep};
-pub use meta::{Meta, Slo, Window, read_meta};
+pub use meta::{Meta, Slo, Window, WindowClock, read_meta};
 pub use metrics::{MetricsConfig, is_good};
 pub use output::{OutputFile, write_atomic};
 pub use report::{Report, ReportConfig, analyze, analyze_dir};

@@ -39,14 +39,25 @@ fn median(s: &Option<Spread>) -> Option<f64> {
 
 fn margin_cell(m: Option<&Margin>) -> String {
     match m {
-        Some(m) => format!(
-            "{:+.3} ({}) {}",
-            m.margin_rps,
-            m.relative
-                .map_or_else(|| DASH.to_string(), |r| format!("{:+.1}%", r * 100.0)),
-            m.verdict.as_str()
-        ),
+        Some(m) => {
+            format!(
+                "{:+.3} ({}) {}",
+                m.margin_rps,
+                m.relative
+                    .map_or_else(|| DASH.to_string(), |r| format!("{:+.1}%", r * 100.0)),
+                m.verdict.as_str()
+            ) + if m.overloaded { " · overloaded" } else { "" }
+        }
         None => DASH.to_string(),
+    }
+}
+
+/// A cell's policy name, marked when it rests on an overloaded repetition.
+fn policy_label(c: &Cell) -> String {
+    if c.overloaded.is_empty() {
+        c.policy.clone()
+    } else {
+        format!("{} (overloaded)", c.policy)
     }
 }
 
@@ -83,7 +94,7 @@ fn point_table(out: &mut String, p: &Point) {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
-            c.policy,
+            policy_label(c),
             c.reps_used.len(),
             spread(&c.goodput_rps, 3),
             pct(median(&c.slo_attainment)),
@@ -161,7 +172,14 @@ fn notes(out: &mut String, c: &Cell) {
             c.reps_used.len()
         );
     }
-    let mut noted = !c.set_aside.is_empty();
+    for o in &c.overloaded {
+        let _ = writeln!(
+            out,
+            "- {}: rep-{} is overloaded ({}); it is counted — its goodput and attainment are what the policy delivers at this load — and marked.",
+            c.policy, o.rep, o.reason
+        );
+    }
+    let mut noted = !c.set_aside.is_empty() || !c.overloaded.is_empty();
     for d in c.drift.iter().filter(|d| d.verdict.warming) {
         noted = true;
         let _ = writeln!(
@@ -201,7 +219,7 @@ fn slo_table(out: &mut String, p: &Point) {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} / {} / {} | {} / {} | {} / {} / {} |",
-            c.policy,
+            policy_label(c),
             pct_spread(&c.slo_attainment),
             pct_spread(&c.busiest_replica_attainment),
             num(median(&c.ttft_p50_ms), 1),
@@ -336,14 +354,30 @@ fn summary(out: &mut String, report: &Report) {
             p.runner_up.as_ref().map_or(DASH, |w| w.policy.as_str()),
             p.winner_verdict.map_or(DASH, |v| v.as_str()),
             margin_cell(p.margin(PREFIX_AFFINITY, SESSION_AFFINITY)),
-            if p.below_pressure {
-                "below pressure"
-            } else {
-                "under pressure"
-            },
+            pressure_label(p),
         );
     }
     out.push('\n');
+}
+
+/// The summary's pressure column: below or under pressure, and which policies were overloaded.
+fn pressure_label(p: &Point) -> String {
+    let base = if p.below_pressure {
+        "below pressure"
+    } else {
+        "under pressure"
+    };
+    let over: Vec<&str> = p
+        .cells
+        .iter()
+        .filter(|c| !c.overloaded.is_empty())
+        .map(|c| c.policy.as_str())
+        .collect();
+    if over.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base}; overloaded: {}", over.join(", "))
+    }
 }
 
 /// The report as Markdown.
@@ -352,10 +386,17 @@ pub fn render(report: &Report) -> String {
     let _ = writeln!(out, "# Sweep `{}`\n", report.sweep);
     let _ = writeln!(
         out,
-        "Goodput = requests meeting the SLO (TTFT and per-request ITL p50 below their bounds, no error) sent in the measured window ÷ window length. Each figure is the median of repetitions with [min–max]; two policies *separate* when their ranges do not overlap, otherwise the difference is *within spread* (*too few reps* when either side rests on fewer than two repetitions).\n"
+        "Goodput = requests meeting the SLO (TTFT and per-request ITL p50 below their bounds, no error) in the measured window ÷ window length; an open loop's requests are placed in the window by their scheduled time and their TTFT counts from it (a turn that waited in the driver counts its wait), a closed loop's by their send time. Each figure is the median of repetitions with [min–max]; two policies *separate* when their ranges do not overlap, otherwise the difference is *within spread* (*too few reps* when either side rests on fewer than two repetitions).\n"
     );
     if report.points.iter().any(|p| p.virtual_time) {
         out.push_str("**Virtual time.** The simulator is deterministic given its seeds: a virtual repetition's [min–max] is the spread of its seeds, not measured noise, so a virtual difference is reported as *deterministic (virtual)*, never as separating or within spread.\n\n");
+    }
+    if report
+        .points
+        .iter()
+        .any(|p| p.cells.iter().any(|c| !c.overloaded.is_empty()))
+    {
+        out.push_str("**Overloaded** marks a cell with a repetition whose drift is a backlog (requests scheduled and not yet finished) growing through the window: the policy cannot sustain the offered load there. Such a repetition is counted, not set aside — its goodput and attainment are the result — and every comparison resting on it is marked.\n\n");
     }
     summary(&mut out, report);
     for p in &report.points {

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-pub use schema::{Meta, Slo, Window};
+pub use schema::{Meta, Slo, Window, WindowClock};
 
 use crate::error::{AnalysisError, Result};
 

@@ -10,7 +10,7 @@ use ahash::AHashMap as HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::load::RepData;
-use crate::meta::Slo;
+use crate::meta::{Slo, WindowClock};
 use crate::rows::{ClientRow, RouterRow};
 use crate::stats::{mean, median, quantile};
 
@@ -44,11 +44,41 @@ impl Default for MetricsConfig {
 /// Branch names counted as a spill (the policy declined its match).
 pub const SPILL_BRANCHES: &[&str] = &["spill-load", "spill-residency"];
 
-/// Whether a request meets the SLO: no error, a 2xx status, TTFT below the bound and per-request
-/// ITL p50 below the bound. A request with at most one output token has no gaps, so no ITL to
-/// violate; any other request without a measured ITL fails.
-pub fn is_good(row: &ClientRow, slo: &Slo) -> bool {
-    slo_miss(row, slo) == SloMiss::default()
+/// The time that places `row` in a window measured on `clock`: the scheduled time for an open
+/// loop, the send time for a closed one (each falling back on the other when the row lacks it;
+/// a row with neither was never sent, and is in no window).
+pub fn window_time_s(row: &ClientRow, clock: WindowClock) -> Option<f64> {
+    match clock {
+        WindowClock::Scheduled => row.scheduled_s.or(row.sent_s),
+        WindowClock::Sent => row.sent_s.or(row.scheduled_s),
+    }
+}
+
+/// How long `row` waited in the driver between its scheduled and its send time, ms (0 when
+/// either is missing, or it was sent on time).
+pub fn queued_ms(row: &ClientRow) -> f64 {
+    match (row.scheduled_s, row.sent_s) {
+        (Some(scheduled), Some(sent)) => ((sent - scheduled) * 1e3).max(0.0),
+        _ => 0.0,
+    }
+}
+
+/// The TTFT the SLO judges, ms: on [`WindowClock::Scheduled`] (open loop) from the scheduled
+/// time — the row's TTFT plus the time it waited in the driver ([`queued_ms`]), so a turn held
+/// back because the fleet was saturated counts against the SLO; on [`WindowClock::Sent`] the
+/// row's own TTFT (from the send).
+pub fn slo_ttft_ms(row: &ClientRow, clock: WindowClock) -> Option<f64> {
+    match clock {
+        WindowClock::Scheduled => row.ttft_ms.map(|t| t + queued_ms(row)),
+        WindowClock::Sent => row.ttft_ms,
+    }
+}
+
+/// Whether a request meets the SLO: no error, a 2xx status, TTFT ([`slo_ttft_ms`] on `clock`)
+/// below the bound and per-request ITL p50 below the bound. A request with at most one output
+/// token has no gaps, so no ITL to violate; any other request without a measured ITL fails.
+pub fn is_good(row: &ClientRow, slo: &Slo, clock: WindowClock) -> bool {
+    slo_miss(row, slo, clock) == SloMiss::default()
 }
 
 /// Which bounds a request missed. An error (or non-2xx status) is reported alone: its TTFT and
@@ -64,15 +94,16 @@ pub struct SloMiss {
     pub itl: bool,
 }
 
-/// The bounds `row` missed under `slo` ([`is_good`] is "missed none").
-pub fn slo_miss(row: &ClientRow, slo: &Slo) -> SloMiss {
+/// The bounds `row` missed under `slo`, its TTFT judged on `clock` ([`is_good`] is "missed
+/// none").
+pub fn slo_miss(row: &ClientRow, slo: &Slo, clock: WindowClock) -> SloMiss {
     if row.error.is_some() || !(200..300).contains(&row.status) {
         return SloMiss {
             error: true,
             ..SloMiss::default()
         };
     }
-    let ttft_ok = row.ttft_ms.is_some_and(|t| t < slo.ttft_ms);
+    let ttft_ok = slo_ttft_ms(row, clock).is_some_and(|t| t < slo.ttft_ms);
     let itl_ok = match row.itl_p50_ms {
         Some(itl) => itl < slo.itl_ms,
         None => row.output_tokens.is_some_and(|n| n <= 1),
@@ -97,12 +128,14 @@ pub struct GoodputBucket {
     pub goodput_rps: f64,
 }
 
-/// Goodput per `bucket_s` bucket of send time over [`start_s`, `end_s`), warm-up flag ignored
-/// (the caller picks the span): the timeline of a fault run, or a drift plot. Empty when the
-/// span or the bucket is not positive.
+/// Goodput per `bucket_s` bucket over [`start_s`, `end_s`) of the time `clock` places rows by
+/// ([`window_time_s`]; the SLO judged on the same clock), warm-up flag ignored (the caller picks
+/// the span): the timeline of a fault run, or a drift plot. Empty when the span or the bucket is
+/// not positive.
 pub fn goodput_series(
     client: &[ClientRow],
     slo: &Slo,
+    clock: WindowClock,
     start_s: f64,
     end_s: f64,
     bucket_s: f64,
@@ -120,7 +153,7 @@ pub fn goodput_series(
         })
         .collect();
     for c in client {
-        let Some(t) = c.sent_s.or(c.scheduled_s) else {
+        let Some(t) = window_time_s(c, clock) else {
             continue;
         };
         if t < start_s || t >= end_s {
@@ -128,7 +161,7 @@ pub fn goodput_series(
         }
         let b = &mut out[(((t - start_s) / bucket_s) as usize).min(n - 1)];
         b.requests += 1;
-        b.good += u64::from(is_good(c, slo));
+        b.good += u64::from(is_good(c, slo, clock));
     }
     for b in &mut out {
         b.goodput_rps = b.good as f64 / bucket_s;
@@ -150,6 +183,8 @@ pub struct Request<'a> {
     pub good: bool,
     /// The bounds it missed (all false when `good`).
     pub miss: SloMiss,
+    /// The TTFT the SLO judged ([`slo_ttft_ms`] on the window's clock), ms.
+    pub ttft_ms: Option<f64>,
     /// Succeeded (no error, 2xx).
     pub ok: bool,
     /// Engine-reported prompt tokens (client row, else router row).
@@ -161,8 +196,10 @@ pub struct Request<'a> {
     pub since_last_served_s: Option<f64>,
 }
 
-/// The measured requests of a repetition: not warm-up, sent inside the measured window (send
-/// time, else scheduled time; requests with neither were never sent and are left out).
+/// The measured requests of a repetition: not warm-up, and inside the measured window by the
+/// time its clock names ([`window_time_s`]: the scheduled time for an open loop, the send time
+/// for a closed one; requests with neither were never sent and are left out), each judged
+/// against the SLO on that clock ([`slo_miss`]).
 pub fn measured_requests<'a>(rep: &'a RepData, slo: &Slo) -> Vec<Request<'a>> {
     let window = rep.meta.window;
     let by_id: HashMap<&str, &RouterRow> = rep
@@ -182,11 +219,7 @@ pub fn measured_requests<'a>(rep: &'a RepData, slo: &Slo) -> Vec<Request<'a>> {
     rep.client
         .iter()
         .filter(|c| !c.warmup)
-        .filter(|c| {
-            c.sent_s
-                .or(c.scheduled_s)
-                .is_some_and(|t| window.contains(t))
-        })
+        .filter(|c| window_time_s(c, window.clock).is_some_and(|t| window.contains(t)))
         .map(|c| {
             let router = by_id.get(c.request_id.as_str()).copied();
             let ok = c.error.is_none() && (200..300).contains(&c.status);
@@ -195,13 +228,14 @@ pub fn measured_requests<'a>(rep: &'a RepData, slo: &Slo) -> Vec<Request<'a>> {
                 .cached_tokens
                 .or(router.and_then(|r| r.cached_tokens))
                 .or((ok && cached_reported && prompt_tokens.is_some()).then_some(0));
-            let miss = slo_miss(c, slo);
+            let miss = slo_miss(c, slo, window.clock);
             Request {
                 client: c,
                 router,
                 first_turn: c.turn == first_turn,
                 good: miss == SloMiss::default(),
                 miss,
+                ttft_ms: slo_ttft_ms(c, window.clock),
                 ok,
                 prompt_tokens,
                 engine_cached_tokens,
@@ -242,7 +276,8 @@ pub struct Latency {
     pub errors: u64,
     /// good / requests.
     pub slo_attainment: Option<f64>,
-    /// TTFT p50 over successful requests, ms.
+    /// TTFT p50 over successful requests, ms (the TTFT the SLO judges: from the scheduled time
+    /// for an open loop, [`slo_ttft_ms`]; so are p90 and p99).
     pub ttft_p50_ms: Option<f64>,
     /// TTFT p90 over successful requests, ms.
     pub ttft_p90_ms: Option<f64>,
@@ -263,7 +298,7 @@ pub fn latency(reqs: &[Request<'_>]) -> Latency {
     let ttft: Vec<f64> = reqs
         .iter()
         .filter(|r| r.ok)
-        .filter_map(|r| r.client.ttft_ms)
+        .filter_map(|r| r.ttft_ms)
         .collect();
     let itl: Vec<f64> = reqs
         .iter()
@@ -884,7 +919,8 @@ mod tests {
             Window {
                 warmup_s: 0.0,
                 measured_start_s: 0.0,
-                measured_end_s: 100.0
+                measured_end_s: 100.0,
+                clock: WindowClock::Sent,
             }
         );
         RepData {
@@ -904,50 +940,99 @@ mod tests {
             .map(|i| client(&format!("r{i}"), "s", 1, f64::from(i) * 0.5))
             .collect();
         rows[5].error = Some("timeout: 30 s".into());
-        let s = goodput_series(&rows, &SLO, 0.0, 5.0, 2.0);
+        let s = goodput_series(&rows, &SLO, WindowClock::Sent, 0.0, 5.0, 2.0);
         // buckets [0,2) [2,4) [4,5): sends at 0..1.5, 2..3.5 (2.5 failed), 4..4.5
         let got: Vec<(u64, u64)> = s.iter().map(|b| (b.requests, b.good)).collect();
         assert_eq!(got, [(4, 4), (4, 3), (2, 2)]);
         assert_eq!(s[1].goodput_rps, 1.5);
-        assert!(goodput_series(&rows, &SLO, 0.0, 5.0, 0.0).is_empty());
+        assert!(goodput_series(&rows, &SLO, WindowClock::Sent, 0.0, 5.0, 0.0).is_empty());
+    }
+
+    /// A repetition with a 5 s warm-up and a window to 100 s; `clock` as `meta.json` writes it
+    /// (`None`: absent, as a closed loop's and every file before the field).
+    fn rep_on(client: Vec<ClientRow>, clock: Option<&str>) -> RepData {
+        let mut window = serde_json::json!(
+            {"warmup_s": 5.0, "measured_start_s": 5.0, "measured_end_s": 100.0}
+        );
+        if let Some(c) = clock {
+            window["clock"] = c.into();
+        }
+        let mut r = rep(client, None);
+        r.meta.window = serde_json::from_value(window).unwrap();
+        r
+    }
+
+    #[test]
+    fn an_open_loop_counts_turns_by_their_scheduled_time_and_their_wait_against_the_slo() {
+        let queued = |id: &str, scheduled_s: f64, sent_s: f64| {
+            let mut c = client(id, id, 1, sent_s);
+            c.scheduled_s = Some(scheduled_s);
+            c.send_lag_ms = Some((sent_s - scheduled_s) * 1e3);
+            c
+        };
+        let rows = vec![
+            // scheduled in the warm-up, held back by its conversation's previous turn past it
+            queued("early", 4.0, 6.0),
+            // on time: 100 ms TTFT either way
+            queued("on-time", 10.0, 10.0),
+            // waited 1.5 s in the driver: TTFT 1,600 ms from its scheduled time
+            queued("waited", 20.0, 21.5),
+            // scheduled in the window, sent only after it ended
+            queued("late", 99.5, 101.0),
+        ];
+        let open = rep_on(rows.clone(), Some("scheduled"));
+        let reqs = measured_requests(&open, &SLO);
+        let ids: Vec<&str> = reqs.iter().map(|r| r.client.request_id.as_str()).collect();
+        assert_eq!(ids, ["on-time", "waited", "late"]);
+        let lat = latency(&reqs);
+        assert_eq!((lat.requests, lat.good, lat.missed_ttft), (3, 1, 2));
+        assert_eq!(lat.ttft_p50_ms, Some(1600.0));
+        assert_eq!(lat.ttft_p99_ms.map(|t| t.round()), Some(1600.0));
+        // A closed loop (and any meta.json without a clock) places rows by their send time and
+        // judges the TTFT from the send, as before.
+        let closed = rep_on(rows, None);
+        let reqs = measured_requests(&closed, &SLO);
+        let ids: Vec<&str> = reqs.iter().map(|r| r.client.request_id.as_str()).collect();
+        assert_eq!(ids, ["early", "on-time", "waited"]);
+        assert_eq!(latency(&reqs).good, 3);
     }
 
     #[test]
     fn good_means_strictly_below_both_bounds_without_error() {
         let ok = client("a", "s", 1, 1.0);
-        assert!(is_good(&ok, &SLO));
+        assert!(is_good(&ok, &SLO, WindowClock::Sent));
         let at_bound = ClientRow {
             ttft_ms: Some(990.0),
             ..ok.clone()
         };
-        assert!(!is_good(&at_bound, &SLO));
+        assert!(!is_good(&at_bound, &SLO, WindowClock::Sent));
         let slow_itl = ClientRow {
             itl_p50_ms: Some(24.0),
             ..ok.clone()
         };
-        assert!(!is_good(&slow_itl, &SLO));
+        assert!(!is_good(&slow_itl, &SLO, WindowClock::Sent));
         let failed = ClientRow {
             error: Some("stream: reset".into()),
             ..ok.clone()
         };
-        assert!(!is_good(&failed, &SLO));
+        assert!(!is_good(&failed, &SLO, WindowClock::Sent));
         let http_500 = ClientRow {
             status: 500,
             ..ok.clone()
         };
-        assert!(!is_good(&http_500, &SLO));
+        assert!(!is_good(&http_500, &SLO, WindowClock::Sent));
         // one output token: no gaps, so no ITL to miss; several tokens without ITL: not measured
         let one = ClientRow {
             itl_p50_ms: None,
             output_tokens: Some(1),
             ..ok.clone()
         };
-        assert!(is_good(&one, &SLO));
+        assert!(is_good(&one, &SLO, WindowClock::Sent));
         let unmeasured = ClientRow {
             itl_p50_ms: None,
             ..ok
         };
-        assert!(!is_good(&unmeasured, &SLO));
+        assert!(!is_good(&unmeasured, &SLO, WindowClock::Sent));
     }
 
     #[test]
@@ -1152,6 +1237,7 @@ mod props {
                     first_turn: false,
                     good: true,
                     miss: SloMiss::default(),
+                    ttft_ms: c.ttft_ms,
                     ok: true,
                     prompt_tokens: c.prompt_tokens,
                     engine_cached_tokens: c.cached_tokens,

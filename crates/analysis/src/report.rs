@@ -9,7 +9,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::compare::{Basis, Margin, Refusal, Verdict, check_comparable, margin};
-use crate::drift::{DriftConfig, DriftVerdict, check_rows};
+use crate::drift::{DriftClass, DriftConfig, DriftVerdict, check_rows, recorded_class};
 use crate::error::Result;
 use crate::load::{IncompleteRep, RepData, SweepData, discover, load_point};
 use crate::meta::Slo;
@@ -69,6 +69,17 @@ pub struct SetAside {
     pub reason: String,
 }
 
+/// A used repetition that is overloaded (DESIGN.md §3.9): its drift is a backlog growing through
+/// the window, so it is counted — its goodput and attainment are what the policy delivers at
+/// this load — and marked.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OverloadedRep {
+    /// `k` of `rep-<k>`.
+    pub rep: u32,
+    /// The sweep's recorded reason, else this report's drift check's.
+    pub reason: String,
+}
+
 /// The report's own drift check on a used repetition.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RepDrift {
@@ -117,6 +128,10 @@ pub struct Cell {
     pub reps_used: Vec<u32>,
     /// Repetitions the sweep set aside (`accepted: false`).
     pub set_aside: Vec<SetAside>,
+    /// Used repetitions that are overloaded (recorded so by the sweep, or so classified by this
+    /// report's drift check): counted, and marked wherever the cell is shown. Absent when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overloaded: Vec<OverloadedRep>,
     /// This report's drift check on each used repetition (the sweep's own check decided
     /// `accepted`; a `warming` verdict here on an accepted rep is worth a look).
     pub drift: Vec<RepDrift>,
@@ -327,12 +342,27 @@ fn build_cell(policy: &str, reps: &[&RepData], cfg: &ReportConfig) -> (Cell, Ove
     let mut pooled: Vec<Request<'_>> = Vec::new();
     let mut drift = Vec::new();
     let mut capacity = None;
+    let mut overloaded = Vec::new();
     for r in &used {
         let reqs = measured_requests(r, &r.meta.slo);
         metrics.push(rep_metrics(r, &reqs, &cfg.metrics));
+        let verdict = check_rows(&r.client, &r.meta.slo, &r.meta.window, &cfg.drift);
+        let recorded = recorded_class(&r.meta) == Some(DriftClass::Overloaded);
+        if recorded || verdict.overloaded {
+            let from_meta = recorded
+                .then(|| r.meta.drift.get("reason").and_then(|v| v.as_str()))
+                .flatten();
+            overloaded.push(OverloadedRep {
+                rep: r.rep,
+                reason: from_meta
+                    .map(str::to_string)
+                    .or_else(|| verdict.reason.clone())
+                    .unwrap_or_else(|| "overloaded".into()),
+            });
+        }
         drift.push(RepDrift {
             rep: r.rep,
-            verdict: check_rows(&r.client, &r.meta.slo, &r.meta.window, &cfg.drift),
+            verdict,
         });
         capacity = capacity.or(r.meta.capacity_tokens());
         pooled.extend(reqs);
@@ -352,6 +382,7 @@ fn build_cell(policy: &str, reps: &[&RepData], cfg: &ReportConfig) -> (Cell, Ove
         policy: policy.to_string(),
         reps_used: used.iter().map(|r| r.rep).collect(),
         set_aside,
+        overloaded,
         drift,
         goodput_rps: spread_of(&metrics, |m| Some(m.goodput_rps)),
         slo_attainment: spread_of(&metrics, |m| m.latency.slo_attainment),
@@ -412,11 +443,18 @@ fn build_point(
         .filter_map(|c| c.goodput_rps.map(|g| (c.policy.as_str(), g)))
         .collect();
     let basis = Basis::of(reps.iter().map(|r| r.meta.virtual_time));
+    let is_overloaded = |policy: &str| {
+        cells
+            .iter()
+            .any(|c| c.policy == policy && !c.overloaded.is_empty())
+    };
     let mut margins = Vec::new();
     for (a, ga) in &with_goodput {
         for (b, gb) in &with_goodput {
             if a != b {
-                margins.push(margin(a, ga, b, gb, basis));
+                let mut m = margin(a, ga, b, gb, basis);
+                m.overloaded = is_overloaded(a) || is_overloaded(b);
+                margins.push(m);
             }
         }
     }
@@ -690,6 +728,52 @@ mod tests {
         // A live report's JSON carries no `virtual_time` (published reports stay as they are).
         let json = serde_json::to_value(&live).unwrap();
         assert!(json["points"][0].get("virtual_time").is_none());
+    }
+
+    #[test]
+    fn an_overloaded_repetition_is_counted_and_marked_wherever_it_is_shown() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/analysis/sweep-basic");
+        let cfg = ReportConfig::default();
+        let mut data = crate::load::load_sweep(&dir).unwrap();
+        let plain = analyze(&data, &cfg);
+        let why = "overloaded: the backlog grows 0.67 requests/s across the window (mean 12.0, t = 40.0); warming: TTFT trends up by 300% across the window (t = 25.0)";
+        for r in data
+            .reps
+            .iter_mut()
+            .filter(|r| r.point == "ws1-s0" && r.policy == "round-robin" && r.rep == 2)
+        {
+            r.meta.drift = serde_json::json!({"class": "overloaded", "reason": why});
+        }
+        let marked = analyze(&data, &cfg);
+        let (p0, p1) = (&plain.points[0], &marked.points[0]);
+        assert_eq!(p1.point, "ws1-s0");
+        let rr = |p: &Point| p.cells.iter().find(|c| c.policy == "round-robin").cloned();
+        let (before, after) = (rr(p0).unwrap(), rr(p1).unwrap());
+        // Counted: the same repetitions and figures; only the mark is new.
+        assert_eq!(before.reps_used, after.reps_used);
+        assert_eq!(before.goodput_rps, after.goodput_rps);
+        assert!(before.overloaded.is_empty());
+        assert_eq!(after.overloaded.len(), 1);
+        assert_eq!(
+            (after.overloaded[0].rep, after.overloaded[0].reason.as_str()),
+            (2, why)
+        );
+        // Every comparison resting on round-robin is marked; the others are not.
+        for m in &p1.margins {
+            let touches = m.policy == "round-robin" || m.baseline == "round-robin";
+            assert_eq!(m.overloaded, touches, "{m:?}");
+        }
+        assert!(p0.margins.iter().all(|m| !m.overloaded));
+        let md = crate::markdown::render(&marked);
+        assert!(md.contains("| round-robin (overloaded) |"), "{md}");
+        assert!(md.contains("· overloaded"));
+        assert!(
+            md.contains("under pressure; overloaded: round-robin")
+                || md.contains("below pressure; overloaded: round-robin")
+        );
+        assert!(md.contains(&format!("- round-robin: rep-2 is overloaded ({why})")));
+        assert!(!crate::markdown::render(&plain).contains("overloaded"));
     }
 
     #[test]

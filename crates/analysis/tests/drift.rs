@@ -2,7 +2,9 @@
 
 mod common;
 
-use analysis::{ClientRow, DriftConfig, Slo, Window, check_rep_dir, check_rows};
+use analysis::{
+    ClientRow, DriftClass, DriftConfig, Slo, Window, WindowClock, check_rep_dir, check_rows,
+};
 
 const SLO: Slo = Slo {
     ttft_ms: 990.0,
@@ -12,6 +14,13 @@ const WINDOW: Window = Window {
     warmup_s: 10.0,
     measured_start_s: 10.0,
     measured_end_s: 110.0,
+    clock: WindowClock::Sent,
+};
+
+/// The same window, of an open loop: rows placed by their scheduled time.
+const OPEN: Window = Window {
+    clock: WindowClock::Scheduled,
+    ..WINDOW
 };
 
 /// Deterministic noise in [-1, 1) (xorshift64*, fixed seed): no RNG crate, same on every machine.
@@ -142,8 +151,109 @@ fn too_few_requests_skip_the_check() {
         warmup_s: 2.0,
         measured_start_s: 2.0,
         measured_end_s: 6.0,
+        clock: WindowClock::Sent,
     };
     let v = check_rep_dir(&dir, &SLO, &window, &DriftConfig::default()).unwrap();
     assert!(!v.warming);
     assert!(v.skipped.unwrap().starts_with("9 measured requests"));
+}
+
+/// An open loop offered 4 requests a second that the fleet serves at 3⅓ (one at a time, 300 ms
+/// each): each conversation's next turn waits in the driver until the fleet has finished the
+/// one before, so turns are sent ever later after their scheduled time, and the backlog of
+/// requests scheduled and not yet finished grows through the window.
+fn overloaded_cell() -> Vec<ClientRow> {
+    let mut free_s = 0.0f64;
+    (0..440)
+        .map(|i| {
+            let scheduled = i as f64 * 0.25;
+            let sent = scheduled.max(free_s);
+            free_s = sent + 0.3;
+            let mut r = row(i, sent, 100.0, sent < WINDOW.warmup_s);
+            r.scheduled_s = Some(scheduled);
+            r.send_lag_ms = Some((sent - scheduled) * 1e3);
+            r.e2el_ms = Some(300.0);
+            r.last_s = Some(sent + 0.3);
+            r
+        })
+        .collect()
+}
+
+#[test]
+fn an_open_loop_whose_backlog_grows_is_overloaded_not_warming() {
+    let rows = overloaded_cell();
+    let v = check_rows(&rows, &SLO, &OPEN, &DriftConfig::default());
+    assert_eq!(v.class, DriftClass::Overloaded, "{v:?}");
+    assert!(v.overloaded && !v.warming && v.drifting());
+    let b = v.backlog.as_ref().unwrap();
+    // 4 offered − 3⅓ served: the backlog grows by ⅔ request per second.
+    assert!(
+        b.flagged && (b.slope_per_s - 2.0 / 3.0).abs() < 0.05,
+        "{b:?}"
+    );
+    assert!(b.t_stat.is_none_or(|t| t > 3.0), "{b:?}");
+    let reason = v.reason.as_deref().unwrap();
+    assert!(
+        reason.starts_with("overloaded: the backlog grows 0.6"),
+        "{reason}"
+    );
+    assert!(reason.contains("TTFT trends up"), "{reason}");
+    assert!(v.rule.contains("overloaded = open loop and the backlog"));
+    // By the send time the same rows look steady: every turn is served in 100 ms once sent,
+    // at the rate the fleet sustains. The wait in the driver is what the scheduled clock sees.
+    let by_send = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
+    assert_eq!(by_send.class, DriftClass::Settled, "{by_send:?}");
+    assert!(by_send.backlog.is_none());
+}
+
+#[test]
+fn an_open_loop_warming_up_with_a_flat_or_falling_backlog_is_warming() {
+    // The warming cell above, open loop and sent on time: its backlog (4/s × latency) falls as
+    // the cache fills.
+    let rows = cell(|t| (1600.0 - 24.0 * t).max(400.0), 7, 80.0);
+    let v = check_rows(&rows, &SLO, &OPEN, &DriftConfig::default());
+    assert_eq!(v.class, DriftClass::Warming, "{v:?}");
+    assert!(v.warming && !v.overloaded);
+    let b = v.backlog.as_ref().unwrap();
+    assert!(b.slope_per_s < 0.0, "{b:?}");
+    assert!(v.reason.as_deref().unwrap().starts_with("warming: "));
+    // A steady open loop is settled, its flat backlog measured beside it.
+    let steady = check_rows(
+        &cell(|_| 400.0, 11, 120.0),
+        &SLO,
+        &OPEN,
+        &DriftConfig::default(),
+    );
+    assert_eq!(steady.class, DriftClass::Settled, "{steady:?}");
+    assert!(!steady.backlog.unwrap().flagged);
+    // A closed loop has no backlog to grow: drifting is warming.
+    let closed = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
+    assert_eq!(closed.class, DriftClass::Warming);
+    assert!(closed.backlog.is_none());
+}
+
+#[test]
+fn a_growing_backlog_is_overloaded_even_when_goodput_and_ttft_do_not_trend() {
+    // Sent on time, first token in 100 ms, but each request streams longer than the one before:
+    // requests pile up in flight while goodput and TTFT stay flat.
+    let rows: Vec<ClientRow> = (0..440)
+        .map(|i| {
+            let sent = i as f64 * 0.25;
+            let mut r = row(i, sent, 100.0, sent < WINDOW.warmup_s);
+            let e2el_ms = 1000.0 + 200.0 * sent;
+            r.e2el_ms = Some(e2el_ms);
+            r.last_s = Some(sent + e2el_ms / 1e3);
+            r
+        })
+        .collect();
+    let v = check_rows(&rows, &SLO, &OPEN, &DriftConfig::default());
+    assert!(!v.goodput.as_ref().unwrap().flagged && !v.ttft.as_ref().unwrap().flagged);
+    assert_eq!(v.class, DriftClass::Overloaded, "{v:?}");
+    assert!(v.overloaded && !v.warming && v.drifting());
+    let reason = v.reason.unwrap();
+    assert!(
+        reason.starts_with("overloaded: the backlog grows")
+            && reason.ends_with("goodput and TTFT do not trend"),
+        "{reason}"
+    );
 }

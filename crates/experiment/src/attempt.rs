@@ -141,10 +141,10 @@ pub fn run_attempt(
         .iter()
         .filter(|r| {
             !r.warmup
-                && r.sent_s
-                    .is_some_and(|t| t >= window.measured_start_s && t < window.measured_end_s)
+                && analysis::metrics::window_time_s(r, window.clock)
+                    .is_some_and(|t| window.contains(t))
         })
-        .filter(|r| analysis::is_good(r, &a.slo))
+        .filter(|r| analysis::is_good(r, &a.slo, window.clock))
         .count();
     Ok(AttemptResult {
         window,

@@ -12,11 +12,15 @@
 //! - [`search`]: the rate search, a pure function over a measuring callback — coarse geometric
 //!   steps from a stated start, then geometric bisection to a stated resolution. A rate *meets*
 //!   when a policy's settled step served ≥ [`ATTAINMENT_TARGET`] of its measured requests within
-//!   the SLO **and** delivered ≥ that share of the requests offered in its window (see
-//!   [`StepMeasurement::delivered_share`]). A step the drift check calls unsettled is re-run with
-//!   its warm-up doubled; one still unsettled after [`SearchConfig::max_lengthenings`] re-runs
-//!   counts as not meeting the SLO (the fleet did not hold that rate steady), and is recorded so —
-//!   never silently used.
+//!   the SLO. The step is an open loop, so its measured requests are those *scheduled* in the
+//!   window and each TTFT counts from the scheduled time (docs/CONTRACTS.md, "Which requests are
+//!   measured"): a turn that queued in the driver behind its conversation's previous turn —
+//!   the backlog of overload — is measured, and misses by its wait. A step the drift check calls
+//!   overloaded (its backlog grows through the window) does not meet and is not re-run: a longer
+//!   warm-up would not settle it. A step the drift check calls warming is re-run with its warm-up
+//!   doubled; one still unsettled after [`SearchConfig::max_lengthenings`] re-runs counts as not
+//!   meeting the SLO (the fleet did not hold that rate steady), and is recorded so — never
+//!   silently used.
 //! - [`cell_window`]: a sweep cell's warm-up from the settling time the search measured at the
 //!   nearest rate, and its measured window sized for the drift check's minimum requests.
 //! - [`find_live`]: the procedure that measures a step on the live fleet (one open-loop cell of
@@ -107,15 +111,10 @@ pub struct StepRequest {
 /// What one step measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepMeasurement {
-    /// Share of measured requests meeting the SLO; `None` when none were measured.
+    /// Share of measured requests meeting the SLO; `None` when none were measured. Measured by
+    /// the open loop's rule: the requests scheduled in the window, each TTFT from its scheduled
+    /// time, so turns that queued in the driver while the fleet fell behind count (as misses).
     pub attainment: Option<f64>,
-    /// Requests sent in the measured window ÷ requests the plan scheduled in it; `None` when none
-    /// were scheduled. The driver sends a conversation's turn only after its previous turn ended,
-    /// so when the fleet falls behind, turns queue in the driver and leave the window unsent —
-    /// unmeasured, so the attainment alone would not see them. Below [`ATTAINMENT_TARGET`] the
-    /// step cannot have served that share of its offered requests within the SLO, whatever its
-    /// attainment: the backlog of unsent requests that marks overload (DESIGN.md §3.9).
-    pub delivered_share: Option<f64>,
     /// Requests meeting the SLO ÷ measured window, requests per second of model time.
     pub goodput_rps: f64,
     /// Requests in the measured window.
@@ -125,6 +124,10 @@ pub struct StepMeasurement {
     pub settled: bool,
     /// Why not settled (drift, too few requests for the check, evidence).
     pub unsettled_reason: Option<String>,
+    /// The drift check found the step overloaded (its backlog grows through the window): it
+    /// does not meet, and a longer warm-up would not settle it, so it is not re-run.
+    #[serde(default)]
+    pub overloaded: bool,
     /// Warm-up of the step, wall s.
     pub warmup_s: f64,
     /// Measured window of the step, wall s.
@@ -147,7 +150,7 @@ pub struct CurvePoint {
     /// What the step measured (its fields stand at this level in `calibration.json`).
     #[serde(flatten)]
     pub step: StepMeasurement,
-    /// Settled, attainment ≥ the target and delivered share ≥ the target.
+    /// Settled and attainment ≥ the target.
     pub meets_target: bool,
 }
 
@@ -243,9 +246,8 @@ impl Searcher<'_> {
                     policy: policy.clone(),
                     lengthening,
                 })?;
-                let meets_target = m.settled
-                    && m.attainment.is_some_and(|a| a >= ATTAINMENT_TARGET)
-                    && m.delivered_share.is_some_and(|d| d >= ATTAINMENT_TARGET);
+                let meets_target =
+                    m.settled && m.attainment.is_some_and(|a| a >= ATTAINMENT_TARGET);
                 self.curve.push(CurvePoint {
                     rate_rps,
                     policy: policy.clone(),
@@ -258,7 +260,8 @@ impl Searcher<'_> {
                     self.last_meeting = Some(policy.clone());
                     return Ok(Some(policy));
                 }
-                if m.settled {
+                // An overloaded step is a result (it does not meet); only a warming one is re-run.
+                if m.settled || m.overloaded {
                     break;
                 }
             }
@@ -273,13 +276,10 @@ impl Searcher<'_> {
             .filter(|p| p.rate_rps == rate_rps)
             .map(|p| {
                 format!(
-                    "{} attainment {}, delivered {}{}",
+                    "{} attainment {}{}",
                     p.policy,
                     p.step
                         .attainment
-                        .map_or_else(|| "none".into(), |a| format!("{:.1}%", a * 100.0)),
-                    p.step
-                        .delivered_share
                         .map_or_else(|| "none".into(), |a| format!("{:.1}%", a * 100.0)),
                     match &p.step.unsettled_reason {
                         Some(why) => format!(" (unsettled: {why})"),
@@ -382,7 +382,7 @@ pub fn search(
         }
     }
     let rule = format!(
-        "capacity = the highest offered open-loop rate (req/s of model time) at which the best of [{}] met the SLO on ≥ {:.0}% of its measured requests, and sent ≥ that share of the requests scheduled in the window (no growing backlog of unsent turns), in a settled step (drift check passed, evidence clean); coarse steps of ×{} from {start} req/s ({}), then geometric bisection until the lowest failing rate ({hi}) was within {:.0}% of it; an unsettled step was re-run with its warm-up doubled up to {} time(s), and a step still unsettled counts as not meeting the SLO",
+        "capacity = the highest offered open-loop rate (req/s of model time) at which the best of [{}] met the SLO on ≥ {:.0}% of its measured requests (the requests scheduled in the window, each TTFT counted from its scheduled time, so turns queued in the driver count), in a settled step (drift check passed, evidence clean); coarse steps of ×{} from {start} req/s ({}), then geometric bisection until the lowest failing rate ({hi}) was within {:.0}% of it; a step the drift check called overloaded (backlog growing through the window) does not meet and was not re-run; a warming step was re-run with its warm-up doubled up to {} time(s), and a step still unsettled counts as not meeting the SLO",
         cfg.policies.join(", "),
         ATTAINMENT_TARGET * 100.0,
         cfg.step_factor,
@@ -520,9 +520,9 @@ pub fn cell_window(
 }
 
 /// What a finished step's repetition directory (with its `meta.json`) measured: the report's
-/// attainment over its measured requests, the delivered share (requests sent in the window ÷
-/// requests scheduled in it, from the rows' `scheduled_s`), goodput in model time, and the drift
-/// check on its rows (`evidence_failed`: the evidence check's complaint, which also leaves the
+/// attainment over its measured requests (by the window's clock: an open loop's scheduled
+/// time), goodput in model time, and the drift check on its rows, whose class marks an
+/// overloaded step (`evidence_failed`: the evidence check's complaint, which also leaves the
 /// step unsettled).
 pub fn step_from_rep(
     dir: &Path,
@@ -549,21 +549,16 @@ pub fn step_from_rep(
         &window,
         &analysis::DriftConfig::default(),
     );
-    let scheduled = rep
-        .client
-        .iter()
-        .filter(|c| c.scheduled_s.is_some_and(|t| window.contains(t)))
-        .count();
     let unsettled_reason = evidence_failed
         .map(|e| format!("evidence: {e}"))
         .or(drift.skipped.clone())
         .or(drift.reason.clone());
     Ok(StepMeasurement {
         attainment: latency.slo_attainment,
-        delivered_share: (scheduled > 0).then(|| latency.requests as f64 / scheduled as f64),
         goodput_rps: latency.good as f64 / window.measured_s() / speed,
         measured_requests: latency.requests,
         settled: unsettled_reason.is_none(),
+        overloaded: drift.overloaded,
         unsettled_reason,
         warmup_s,
         measure_s,
@@ -842,7 +837,7 @@ pub fn find_live(
         let m = step_from_rep(&dir, speed, warmup_s, measure_s, evidence_failed)?;
         steps += 1;
         eprintln!(
-            "  capacity step {steps}: {} req/s, {}{}: attainment {}, delivered {}, goodput {:.2} req/s over {} requests{} — {} elapsed",
+            "  capacity step {steps}: {} req/s, {}{}: attainment {}, goodput {:.2} req/s over {} requests{} — {} elapsed",
             step.rate_rps,
             step.policy,
             if step.lengthening > 0 {
@@ -851,8 +846,6 @@ pub fn find_live(
                 String::new()
             },
             m.attainment
-                .map_or_else(|| "none".into(), |a| format!("{:.1}%", a * 100.0)),
-            m.delivered_share
                 .map_or_else(|| "none".into(), |a| format!("{:.1}%", a * 100.0)),
             m.goodput_rps,
             m.measured_requests,
@@ -889,8 +882,8 @@ mod tests {
     struct Fake<A, U> {
         attainment: A,
         unsettled: U,
-        /// Delivered share by rate.
-        delivered: fn(f64) -> f64,
+        /// Whether the drift check calls a step at this rate overloaded (and so unsettled).
+        overloaded: fn(f64) -> bool,
         calls: Vec<StepRequest>,
     }
 
@@ -898,14 +891,19 @@ mod tests {
         fn measure(&mut self, step: &StepRequest) -> Result<StepMeasurement> {
             self.calls.push(step.clone());
             let a = (self.attainment)(step.rate_rps, &step.policy);
-            let unsettled = (self.unsettled)(step);
+            let overloaded = (self.overloaded)(step.rate_rps);
+            let unsettled = overloaded || (self.unsettled)(step);
             Ok(StepMeasurement {
                 attainment: Some(a),
-                delivered_share: Some((self.delivered)(step.rate_rps)),
                 goodput_rps: a * step.rate_rps,
                 measured_requests: 100,
                 settled: !unsettled,
-                unsettled_reason: unsettled.then(|| "warming: TTFT trends up".to_string()),
+                unsettled_reason: if overloaded {
+                    Some("overloaded: the backlog grows".to_string())
+                } else {
+                    unsettled.then(|| "warming: TTFT trends up".to_string())
+                },
+                overloaded,
                 warmup_s: step_warmup_s(5.0, step.lengthening),
                 measure_s: 8.0,
                 dir: None,
@@ -956,7 +954,7 @@ mod tests {
         let mut fake = Fake {
             attainment: |r: f64, p: &str| if p == "prefix-affinity" { pa(r) } else { sa(r) },
             unsettled: |_: &StepRequest| false,
-            delivered: |_| 1.0,
+            overloaded: |_| false,
             calls: vec![],
         };
         let cap = run(&config(2.0), &mut fake).unwrap();
@@ -998,7 +996,7 @@ mod tests {
         let mut fake = Fake {
             attainment: |r: f64, _: &str| a(r),
             unsettled: |_: &StepRequest| false,
-            delivered: |_| 1.0,
+            overloaded: |_| false,
             calls: vec![],
         };
         let cap = run(&config(20.0), &mut fake).unwrap();
@@ -1020,7 +1018,7 @@ mod tests {
         let mut fake = Fake {
             attainment: |r: f64, _: &str| a(r),
             unsettled: |s: &StepRequest| s.lengthening == 0,
-            delivered: |_| 1.0,
+            overloaded: |_| false,
             calls: vec![],
         };
         let cap = run(&config(2.0), &mut fake).unwrap();
@@ -1037,12 +1035,12 @@ mod tests {
         assert!(second.step.settled && second.meets_target);
         assert_eq!((second.lengthening, second.step.warmup_s), (1, 10.0));
 
-        // A rate whose steps never settle (a backlog growing through every window) counts as
+        // A rate whose steps never settle (still warming after every lengthening) counts as
         // not meeting, even with an attainment above the target.
         let mut fake = Fake {
             attainment: |_: f64, _: &str| 0.95,
             unsettled: |s: &StepRequest| s.rate_rps > 5.0,
-            delivered: |_| 1.0,
+            overloaded: |_| false,
             calls: vec![],
         };
         let cap = run(&config(2.0), &mut fake).unwrap();
@@ -1057,28 +1055,32 @@ mod tests {
     }
 
     #[test]
-    fn a_step_that_leaves_offered_requests_unsent_does_not_meet() {
-        // Every measured request meets the SLO, but above 6 req/s turns queue in the driver
-        // behind their conversation's previous turn: fewer than 90% of the requests scheduled in
-        // the window are sent in it. The capacity stops below that.
+    fn an_overloaded_step_does_not_meet_and_is_not_re_run() {
+        // Above 6 req/s the backlog grows through every window: the drift check calls the step
+        // overloaded. It does not meet, whatever its attainment, and a longer warm-up would not
+        // settle it, so each policy runs once there (a warming step runs 1 + max_lengthenings).
         let mut fake = Fake {
             attainment: |_: f64, _: &str| 0.97,
             unsettled: |_: &StepRequest| false,
-            delivered: |r| if r <= 6.0 { 1.0 } else { 0.7 },
+            overloaded: |r| r > 6.0,
             calls: vec![],
         };
         let cap = run(&config(2.0), &mut fake).unwrap();
         assert!(cap.rate_rps <= 6.0 && cap.failing_rps > 6.0, "{cap:?}");
-        let failing = cap
+        let failing: Vec<&CurvePoint> = cap
             .curve
             .iter()
-            .find(|p| p.rate_rps == cap.failing_rps)
-            .unwrap();
+            .filter(|p| p.rate_rps == cap.failing_rps)
+            .collect();
+        assert_eq!(failing.len(), 2, "one run per policy: {failing:?}");
         assert!(
-            failing.step.settled && failing.step.attainment == Some(0.97) && !failing.meets_target
+            failing
+                .iter()
+                .all(|p| p.step.overloaded && !p.step.settled && !p.meets_target)
         );
-        assert_eq!(failing.step.delivered_share, Some(0.7));
-        assert!(cap.rule.contains("scheduled in the window"), "{}", cap.rule);
+        assert!(failing.iter().all(|p| p.lengthening == 0));
+        assert!(cap.rule.contains("scheduled time"), "{}", cap.rule);
+        assert!(cap.rule.contains("overloaded"), "{}", cap.rule);
     }
 
     #[test]
@@ -1093,7 +1095,7 @@ mod tests {
         let mut fake = Fake {
             attainment: |r: f64, _: &str| (base(r) + noise(r)).clamp(0.0, 1.0),
             unsettled: |_: &StepRequest| false,
-            delivered: |_| 1.0,
+            overloaded: |_| false,
             calls: vec![],
         };
         let cap = run(&config(1.0), &mut fake).unwrap();
@@ -1109,7 +1111,7 @@ mod tests {
         let mut fake = Fake {
             attainment: |_: f64, _: &str| 0.4,
             unsettled: |_: &StepRequest| false,
-            delivered: |_| 1.0,
+            overloaded: |_| false,
             calls: vec![],
         };
         let err = run(&config(8.0), &mut fake).unwrap_err().to_string();
@@ -1118,17 +1120,14 @@ mod tests {
             "{err}"
         );
         assert!(err.contains("0.125 req/s"), "{err}");
-        assert!(
-            err.contains("prefix-affinity attainment 40.0%, delivered 100.0%"),
-            "{err}"
-        );
+        assert!(err.contains("prefix-affinity attainment 40.0%"), "{err}");
         // 1 + 6 rates, both policies each.
         assert_eq!(fake.calls.len(), 14);
         // A fleet that meets everywhere has no capacity within reach: a bound is not a value.
         let mut fake = Fake {
             attainment: |_: f64, _: &str| 1.0,
             unsettled: |_: &StepRequest| false,
-            delivered: |_| 1.0,
+            overloaded: |_| false,
             calls: vec![],
         };
         let err = run(&config(1.0), &mut fake).unwrap_err().to_string();
@@ -1162,11 +1161,11 @@ mod tests {
                     lengthening: 0,
                     step: StepMeasurement {
                         attainment: Some(0.95),
-                        delivered_share: Some(1.0),
                         goodput_rps: rate_rps,
                         measured_requests: 100,
                         settled,
                         unsettled_reason: None,
+                        overloaded: false,
                         warmup_s,
                         measure_s: 8.0,
                         dir: None,

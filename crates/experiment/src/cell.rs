@@ -284,6 +284,7 @@ mod tests {
                 warmup_s: 1.0,
                 measured_start_s: 1.0,
                 measured_end_s: 5.0,
+                clock: schema::WindowClock::Sent,
             },
             git_rev: None,
             versions: serde_json::Value::Null,

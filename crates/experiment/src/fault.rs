@@ -558,6 +558,8 @@ impl<'a> FaultRun<'a> {
                     warmup_s: s.warmup_s,
                     measured_start_s: s.warmup_s,
                     measured_end_s: s.run_s(),
+                    // The fault analysis cuts its windows on the send clock.
+                    clock: schema::WindowClock::Sent,
                 },
                 git_rev: s.git_rev.clone(),
                 versions: s.versions.clone(),

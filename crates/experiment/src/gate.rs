@@ -1,8 +1,12 @@
 //! The gates every measured repetition passes before it is recorded — a live sweep cell and a
 //! fault repetition alike (DESIGN.md §3.10): the evidence check first (a dirty window says
 //! nothing about warming), then the drift test. Failed evidence is re-run up to the caller's
-//! retries, a drifting repetition once; after that the repetition is recorded set aside, with
-//! its reason. The caller runs the attempts, discards the ones re-run, and writes `meta.json`.
+//! retries, a warming repetition once; after that the repetition is recorded set aside, with
+//! its reason. An overloaded repetition (DESIGN.md §3.9: it drifts because its open-loop backlog
+//! grows through the window — the policy cannot sustain the offered load, and a longer warm-up
+//! would not settle it) is a result: recorded at once, accepted, its verdict in `meta.json`'s
+//! `drift` marking it. The caller runs the attempts, discards the ones re-run, and writes
+//! `meta.json`.
 
 use analysis::DriftVerdict;
 
@@ -58,6 +62,10 @@ impl Gates {
                 )),
             };
         }
+        if drift.overloaded {
+            // Not set aside and not re-run: the growing backlog is the measurement.
+            return GateDecision::Record { set_aside: None };
+        }
         if drift.warming {
             let why = drift.reason.clone().unwrap_or_else(|| "warming".into());
             if self.drift_reruns == 0 {
@@ -78,6 +86,7 @@ impl Gates {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use analysis::DriftClass;
 
     fn drift(warming: bool) -> DriftVerdict {
         DriftVerdict {
@@ -87,7 +96,38 @@ mod tests {
             reason: warming.then(|| "warming: TTFT trends down by 20%".to_string()),
             skipped: None,
             config: analysis::DriftConfig::default(),
+            overloaded: false,
+            class: if warming {
+                DriftClass::Warming
+            } else {
+                DriftClass::Settled
+            },
+            backlog: None,
+            backlog_mean: None,
+            rule: analysis::drift::CLASSIFICATION_RULE.to_string(),
         }
+    }
+
+    fn overloaded() -> DriftVerdict {
+        DriftVerdict {
+            warming: false,
+            overloaded: true,
+            class: DriftClass::Overloaded,
+            reason: Some("overloaded: the backlog grows 0.67 requests/s across the window (mean 40.0, t = 55.0); warming: TTFT trends up by 300%".into()),
+            ..drift(false)
+        }
+    }
+
+    #[test]
+    fn an_overloaded_repetition_is_recorded_at_once_not_re_run_or_set_aside() {
+        let mut g = Gates::new(2);
+        assert_eq!(
+            g.judge(Ok(()), &overloaded()),
+            GateDecision::Record { set_aside: None }
+        );
+        // Evidence still comes first: a dirty overloaded attempt is re-run.
+        let mut g = Gates::new(1);
+        assert!(rerun(&g.judge(Err("lateness".into()), &overloaded())).starts_with("evidence"));
     }
 
     fn rerun(d: &GateDecision) -> &str {

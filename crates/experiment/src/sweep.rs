@@ -535,9 +535,9 @@ impl<'a> LiveSweep<'a> {
 
     /// Runs one repetition of `policy` at `point` into its directory until it is recorded:
     /// a failed attempt is discarded and re-run once; the gates ([`Gates`]) re-run failed
-    /// evidence up to `evidence_retries` times, a drifting one once; then it is accepted or set
-    /// aside with its reason, and
-    /// `meta.json` is written last. Returns the outcome for the progress line. On an interrupt
+    /// evidence up to `evidence_retries` times, a warming one once; then it is accepted or set
+    /// aside with its reason (an overloaded one is accepted at once, marked by its recorded
+    /// drift verdict), and `meta.json` is written last. Returns the outcome for the progress line. On an interrupt
     /// the half cell is removed and nothing is recorded.
     pub fn run_cell(
         &mut self,
@@ -696,13 +696,17 @@ impl<'a> LiveSweep<'a> {
             cell::write_meta(&dir, &meta)?;
             return Ok(match set_aside {
                 None => format!(
-                    "accepted, goodput {:.2} req/s over {:.1} s{}",
+                    "accepted, goodput {:.2} req/s over {:.1} s{}{}",
                     result.goodput_rps,
                     result.window.measured_end_s - result.window.measured_start_s,
                     if attempt > 1 {
                         format!(" (attempt {attempt})")
                     } else {
                         String::new()
+                    },
+                    match (drift.overloaded, &drift.reason) {
+                        (true, Some(why)) => format!("; marked {why}"),
+                        _ => String::new(),
                     }
                 ),
                 Some(why) => format!("set aside: {why}"),
@@ -748,11 +752,11 @@ mod tests {
                 let a = if step.rate_rps <= 4.0 { 0.95 } else { 0.5 };
                 Ok(StepMeasurement {
                     attainment: Some(a),
-                    delivered_share: Some(1.0),
                     goodput_rps: a * step.rate_rps,
                     measured_requests: 100,
                     settled: true,
                     unsettled_reason: None,
+                    overloaded: false,
                     warmup_s: step_warmup_s(5.0, step.lengthening),
                     measure_s: 8.0,
                     dir: None,

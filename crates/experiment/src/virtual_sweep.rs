@@ -19,7 +19,8 @@
 //! differ only where a seed decides (a policy's tie-breaks). The report calls their differences
 //! *deterministic (virtual)* and draws no spread verdict from them (`analysis::compare::Basis`).
 //! Each repetition's rows pass the live drift check before its `meta.json` (`"virtual": true`) is
-//! written; a drifting repetition is set aside at once, since re-running a deterministic cell
+//! written; a warming repetition is set aside at once (an overloaded one is accepted, marked by
+//! its verdict, as live), since re-running a deterministic cell
 //! would only repeat it.
 
 use std::path::{Path, PathBuf};
@@ -411,8 +412,9 @@ pub fn cell_config(
 }
 
 /// Simulates one repetition into `job.dir` (cleared first), checks drift on its rows, writes
-/// `meta.json` last. Returns whether the repetition was accepted.
-pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
+/// `meta.json` last. Returns the drift check's class: a `warming` repetition is set aside, any
+/// other accepted (an `overloaded` one marked so by its recorded verdict).
+pub fn run_cell(s: &CellSettings, job: &Job) -> Result<analysis::DriftClass> {
     let mut cfg = cell_config(s, &job.policy, job.rep, job.warmup_s, job.run_s);
     cell::clear(&job.dir)?;
     let meta = sim::CellMeta {
@@ -465,7 +467,7 @@ pub fn run_cell(s: &CellSettings, job: &Job) -> Result<bool> {
         }
     }
     sim::write_meta(&job.dir, &meta_json).map_err(|e| anyhow!("{e}"))?;
-    Ok(accepted)
+    Ok(drift.class)
 }
 
 /// Refuses settings the simulator cannot model (before anything is written).

@@ -13,5 +13,5 @@ pub mod meta;
 pub mod rows;
 pub mod stats;
 
-pub use meta::{ATTAINMENT_TARGET, Meta, Slo, Window, WindowError};
+pub use meta::{ATTAINMENT_TARGET, Meta, Slo, Window, WindowClock, WindowError};
 pub use rows::{CLIENT_COLUMNS, ROUTER_COLUMNS};

@@ -37,6 +37,30 @@ impl Default for Slo {
     }
 }
 
+/// Which time of a client row places it in the measured window, and which time its TTFT is
+/// judged from (docs/CONTRACTS.md, "Which requests are measured").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WindowClock {
+    /// The send time (`sent_s`), TTFT from the send: a closed loop, whose users wait for each
+    /// reply, so the load they offer already answers to the latency they meet. The default for a
+    /// `meta.json` that does not say: every file written before the field existed was measured so.
+    #[default]
+    Sent,
+    /// The plan's time (`scheduled_s`), TTFT from it: an open loop (or a trace replay), whose
+    /// offered load is the schedule. A turn that waited in the driver because its conversation's
+    /// previous turn was still running (the fleet was saturated) counts in the window it was
+    /// scheduled in, and the wait counts against its TTFT.
+    Scheduled,
+}
+
+impl WindowClock {
+    /// [`WindowClock::Sent`] (the default, left out of `meta.json`).
+    pub fn is_sent(&self) -> bool {
+        *self == WindowClock::Sent
+    }
+}
+
 /// The measured window of a repetition, on the driver's clock (the clock of `client.csv`'s `_s`
 /// columns).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -47,6 +71,11 @@ pub struct Window {
     pub measured_start_s: f64,
     /// End of the measured window, s.
     pub measured_end_s: f64,
+    /// Which time of a row the window is defined by ([`WindowClock`]); absent reads as `sent`,
+    /// and `sent` is not written (so files written before the field existed read back to
+    /// their own bytes).
+    #[serde(default, skip_serializing_if = "WindowClock::is_sent")]
+    pub clock: WindowClock,
 }
 
 /// Why a run has no measured window.
@@ -90,10 +119,12 @@ impl Window {
     /// cells alike.
     ///
     /// Starts at the end of the warm-up. Open loop (`closed_users` `None`): ends where the
-    /// schedule ends, `planned_end_s`. Closed loop with `users` users: ends at the send time of
+    /// schedule ends, `planned_end_s`, and rows are placed by their scheduled time
+    /// ([`WindowClock::Scheduled`]). Closed loop with `users` users: ends at the send time of
     /// the request that leaves fewer than `users` unsent — past it some user must have run out of
     /// work, so the offered concurrency is no longer the point's; the tail is drain, not load.
-    /// `planned_end_s` caps it (the window asked for).
+    /// `planned_end_s` caps it (the window asked for); rows are placed by their send time
+    /// ([`WindowClock::Sent`]).
     pub fn measured(
         sent_s: &[f64],
         warmup_s: f64,
@@ -122,6 +153,11 @@ impl Window {
             warmup_s,
             measured_start_s: warmup_s,
             measured_end_s: end_s,
+            clock: if closed_users.is_some() {
+                WindowClock::Sent
+            } else {
+                WindowClock::Scheduled
+            },
         })
     }
 
@@ -130,7 +166,8 @@ impl Window {
         self.measured_end_s - self.measured_start_s
     }
 
-    /// Whether a send time falls in the measured window (start inclusive, end exclusive).
+    /// Whether a time (of the window's [`WindowClock`]) falls in the measured window (start
+    /// inclusive, end exclusive).
     pub fn contains(&self, t_s: f64) -> bool {
         t_s >= self.measured_start_s && t_s < self.measured_end_s
     }
@@ -311,6 +348,7 @@ mod tests {
                 warmup_s: 1.0,
                 measured_start_s: 1.0,
                 measured_end_s: 5.0,
+                clock: WindowClock::Sent,
             },
             git_rev: None,
             versions: serde_json::Value::Null,
@@ -404,9 +442,18 @@ mod tests {
         let sent: Vec<f64> = (0..20).map(f64::from).collect();
         let open = Window::measured(&sent, 2.0, 10.0, None).unwrap();
         assert_eq!((open.measured_start_s, open.measured_end_s), (2.0, 10.0));
+        // An open loop is measured by the plan's time, a closed one by the send time; only the
+        // former is written (absent reads as `sent`).
+        assert_eq!(open.clock, WindowClock::Scheduled);
+        let json = serde_json::to_value(open).unwrap();
+        assert_eq!(json["clock"], "scheduled");
+        let back: Window = serde_json::from_value(json).unwrap();
+        assert_eq!(back, open);
         // 20 sends by 4 users: the 17th send (t = 16) leaves 3 unsent.
         let closed = Window::measured(&sent, 2.0, 100.0, Some(4)).unwrap();
         assert_eq!(closed.measured_end_s, 16.0);
+        assert_eq!(closed.clock, WindowClock::Sent);
+        assert!(serde_json::to_value(closed).unwrap().get("clock").is_none());
         let capped = Window::measured(&sent, 2.0, 12.0, Some(4)).unwrap();
         assert_eq!(capped.measured_end_s, 12.0);
         assert!(matches!(

@@ -44,10 +44,9 @@ fn stats(dir: &Path, slo: &Slo, users: Option<usize>) -> Stats {
     let good = client
         .iter()
         .filter(|r| {
-            r.sent_s
-                .is_some_and(|s| s >= window.measured_start_s && s < window.measured_end_s)
+            analysis::metrics::window_time_s(r, window.clock).is_some_and(|t| window.contains(t))
         })
-        .filter(|r| analysis::is_good(r, slo))
+        .filter(|r| analysis::is_good(r, slo, window.clock))
         .count();
     let mut replicas: Vec<u32> = router.iter().filter_map(|r| r.replica).collect();
     replicas.sort_unstable();

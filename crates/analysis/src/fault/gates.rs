@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::FaultEvents;
 use crate::drift::{DriftConfig, DriftVerdict, check_rows};
 use crate::load::RepData;
-use crate::meta::Window;
+use crate::meta::{Window, WindowClock};
 
 /// The rule that places a fault repetition's drift window, as `meta.json` and the summary
 /// state it.
@@ -27,6 +27,9 @@ pub fn drift_window(events: &FaultEvents) -> Window {
         warmup_s: events.warmup_s,
         measured_start_s: events.warmup_s,
         measured_end_s: events.driver().fault_s.max(events.warmup_s),
+        // The fault analysis places rows by their send time throughout (its windows are cut at
+        // events on the driver's send clock).
+        clock: WindowClock::Sent,
     }
 }
 

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::{FaultEvents, FaultKind, Instants, PROBE_PREFIX, fmt_opt};
-use crate::meta::Slo;
+use crate::meta::{Slo, WindowClock};
 use crate::metrics::{GoodputBucket, SPILL_BRANCHES, goodput_series};
 use crate::rows::{ClientRow, RouterRow};
 use crate::stats::{mean, quantile};
@@ -249,7 +249,8 @@ pub fn analyse_rep(
         ),
     ];
 
-    let goodput = goodput_series(client, slo, 0.0, end_d, 1.0);
+    // By send time, as every window of the fault analysis.
+    let goodput = goodput_series(client, slo, WindowClock::Sent, 0.0, end_d, 1.0);
     let mean_in = |a: f64, b: f64| {
         let v: Vec<f64> = goodput
             .iter()

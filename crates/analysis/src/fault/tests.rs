@@ -394,6 +394,7 @@ fn drift_is_tested_before_the_fault_and_not_across_it() {
         warmup_s: 1.0,
         measured_start_s: 1.0,
         measured_end_s: 20.0,
+        clock: schema::WindowClock::Sent,
     };
     assert!(
         check_rows(&rows, &slo(), &whole, &cfg).warming,
