@@ -8,6 +8,7 @@
 //! | release | batch | events |
 //! | --- | --- | --- |
 //! | vLLM @ b4e69e0, SGLang @ 006d053 | `[ts, events]` | positional, `["BlockStored", hashes, parent, token_ids, block_size, lora_id]`, `["BlockRemoved", hashes]` |
+//! | vLLM 0.11.0 | `[ts, events, data_parallel_rank]` | positional, as above plus a trailing `medium` |
 //! | vLLM 0.33.0 | `[ts, events, data_parallel_rank]` | maps tagged `type`; `lora_id`, `medium`, `lora_name` always, `extra_keys`, `group_idx`, … when set |
 //! | SGLang 0.5.23 | `[ts, events, attn_dp_rank]` | maps tagged `type`; `medium`, `cache_salt`, `session_id`, `lora_name` when set |
 //!

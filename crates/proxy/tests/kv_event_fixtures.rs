@@ -153,6 +153,22 @@ fn vllm_all_blocks_cleared_from_data_parallel_rank_one() {
 }
 
 #[test]
+fn vllm_0_11_0_positional_events_with_the_medium_and_a_cpu_tier_skipped() {
+    let b = decode("vllm-0.11.0-array.bin", EventFormat::Vllm);
+    assert_eq!(b.data_parallel_rank, Some(0));
+    assert_eq!(
+        b.events,
+        vec![
+            stored(&H[..2], None, 0, 32),
+            stored(&H[2..], Some(H[1]), 32, 48),
+            removed(&H[2..]),
+            KvEvent::AllCleared,
+        ]
+    );
+    assert_eq!((b.other_tier_events, b.unknown_events), (1, 0));
+}
+
+#[test]
 fn vllm_b4e69e0_positional_events_without_trailing_fields() {
     let b = decode("vllm-b4e69e0-array.bin", EventFormat::Vllm);
     assert_eq!(
