@@ -36,6 +36,11 @@ struct Args {
     /// KV event replay (ROUTER) endpoints, one per replica in the same order (gap repair).
     #[arg(long, value_delimiter = ',')]
     kv_replay: Vec<String>,
+    /// Which engine publishes the KV events: `vllm` (default) or `sglang`. It says where a
+    /// `BlockStored` carries the storing request's `cache_salt` (vLLM: block 0's `extra_keys`;
+    /// SGLang: its own field); blocks are keyed from the events' token ids either way.
+    #[arg(long, default_value = "vllm", value_parser = ["vllm", "sglang"])]
+    kv_events_format: String,
     /// Where to write router.csv.
     #[arg(long)]
     rows: Option<PathBuf>,
@@ -232,6 +237,7 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     cfg.health_fails_to_down = a.health_fails_to_down;
     cfg.health_oks_to_up = a.health_oks_to_up;
     cfg.max_in_flight_per_replica = a.max_in_flight_per_replica;
+    cfg.kv_events_format = a.kv_events_format.parse()?;
     Ok(cfg)
 }
 

@@ -180,6 +180,12 @@ fn bad_flags_are_refused_with_a_message() {
         vec![
             "--replicas",
             "http://127.0.0.1:1",
+            "--kv-events-format",
+            "trtllm",
+        ],
+        vec![
+            "--replicas",
+            "http://127.0.0.1:1",
             "--admin-host",
             "0.0.0.0",
         ],
@@ -212,6 +218,9 @@ fn replicas_come_from_a_config_file() {
             "0",
             "--policy",
             "round-robin",
+            // An SGLang fleet's events format is accepted (no replica publishes here).
+            "--kv-events-format",
+            "sglang",
             "--health-interval-ms",
             "60000",
         ])

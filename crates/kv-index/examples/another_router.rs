@@ -96,6 +96,7 @@ fn event_fed_mode() -> Result<(), Box<dyn std::error::Error>> {
             parent_block_hash: None,
             token_ids: tokens[..48].to_vec(),
             block_size: 16,
+            cache_salt: None,
         },
         10_000,
     )?;
@@ -106,6 +107,7 @@ fn event_fed_mode() -> Result<(), Box<dyn std::error::Error>> {
             parent_block_hash: Some(0xa3),
             token_ids: tokens[48..64].to_vec(),
             block_size: 16,
+            cache_salt: None,
         },
         10_000,
     )?;
@@ -133,6 +135,7 @@ fn event_fed_mode() -> Result<(), Box<dyn std::error::Error>> {
             parent_block_hash: Some(0xb1),
             token_ids: vec![7; 16],
             block_size: 16,
+            cache_salt: None,
         },
         6_000_000,
     );

@@ -10,12 +10,38 @@
 //! pins them).
 
 use crate::BlockKey;
+use std::borrow::Cow;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Domain constant for byte-block keys ("kvroute-bytes").
 const BYTE_DOMAIN: u64 = 0x6b76_726f_7574_6542;
 /// Domain constant for token-block keys ("kvroute-tokens").
 const TOKEN_DOMAIN: u64 = 0x6b76_726f_7574_6554;
+
+/// Separates a request's `cache_salt` from the salt it extends (0xff never occurs in UTF-8, so
+/// no model name can end where a salted one continues).
+const CACHE_SALT_SEPARATOR: &[u8] = b"\xffcache_salt\xff";
+
+/// The salt of block 0 for a request with `cache_salt`: `salt` itself when there is none (or it
+/// is empty), else `salt ‖ 0xff "cache_salt" 0xff ‖ cache_salt`.
+///
+/// This mirrors the engines: vLLM adds `("cache_salt", salt)` to the extra keys of block 0 only
+/// when the salt is non-empty (`generate_block_hash_extra_keys` in `vllm/v1/core/kv_cache_utils.py`,
+/// 0.33.0), and every later hash chains from block 0, so a salted prompt shares no block with
+/// the same tokens unsalted; SGLang keys its radix tree by (tokens, cache_salt). Unsalted keys are
+/// unchanged (the golden values below hold).
+pub fn cache_salted<'a>(salt: &'a [u8], cache_salt: Option<&[u8]>) -> Cow<'a, [u8]> {
+    match cache_salt {
+        Some(c) if !c.is_empty() => {
+            let mut s = Vec::with_capacity(salt.len() + CACHE_SALT_SEPARATOR.len() + c.len());
+            s.extend_from_slice(salt);
+            s.extend_from_slice(CACHE_SALT_SEPARATOR);
+            s.extend_from_slice(c);
+            Cow::Owned(s)
+        }
+        _ => Cow::Borrowed(salt),
+    }
+}
 
 /// The seed of block 0 for byte keying under `salt`.
 pub fn byte_salt_seed(salt: &[u8]) -> u64 {
@@ -141,6 +167,20 @@ mod tests {
             byte_block_keys(b"a", &bytes, 64),
             token_block_keys(b"a", &tokens, 16)
         );
+    }
+
+    #[test]
+    fn a_cache_salt_separates_the_whole_chain_and_an_empty_one_is_none() {
+        let tokens: Vec<u32> = (0..48).collect();
+        let plain = token_block_keys(b"m", &tokens, 16);
+        let salted = token_block_keys(&cache_salted(b"m", Some(b"tenant-a")), &tokens, 16);
+        assert!(plain.iter().zip(&salted).all(|(p, s)| p != s));
+        assert_ne!(
+            salted,
+            token_block_keys(&cache_salted(b"m", Some(b"tenant-b")), &tokens, 16)
+        );
+        assert_eq!(&*cache_salted(b"m", Some(b"")), b"m");
+        assert_eq!(&*cache_salted(b"m", None), b"m");
     }
 
     #[test]

@@ -30,7 +30,7 @@
 //! - Removing entries (`forget`, `removed`, `cleared`, `remove_replica`) frees every node left
 //!   with no entries at all and no children, cascading to its parent.
 
-use crate::hash::{chain_token_keys, token_salt_seed};
+use crate::hash::{cache_salted, chain_token_keys, token_salt_seed};
 use crate::{BlockKey, KvEvent, ReplicaId};
 use std::collections::HashMap;
 use std::fmt;
@@ -633,12 +633,14 @@ impl PrefixIndex {
                 parent_block_hash,
                 token_ids,
                 block_size,
-            } => self.stored(
+                cache_salt,
+            } => self.stored_salted(
                 replica,
                 *parent_block_hash,
                 block_hashes,
                 token_ids,
                 *block_size,
+                cache_salt.as_deref().map(str::as_bytes),
                 now_us,
             ),
             KvEvent::Removed { block_hashes } => {
@@ -653,7 +655,8 @@ impl PrefixIndex {
     }
 
     /// The engine of `replica` stored `block_hashes` (its hashes) holding `token_ids`, chained
-    /// after `parent` (its hash of the preceding block, `None` at block 0).
+    /// after `parent` (its hash of the preceding block, `None` at block 0), for a request without
+    /// a `cache_salt` (see [`KvEvent::Stored`] for one with).
     ///
     /// Own keys are re-derived from the tokens (salted like the router's exact keys), the engine
     /// hashes are remembered only to resolve later removals, and the whole chain, ancestors
@@ -666,6 +669,33 @@ impl PrefixIndex {
         block_hashes: &[u64],
         token_ids: &[u32],
         block_size: u32,
+        now_us: u64,
+    ) -> Result<(), IndexError> {
+        self.stored_salted(
+            replica,
+            parent,
+            block_hashes,
+            token_ids,
+            block_size,
+            None,
+            now_us,
+        )
+    }
+
+    /// [`Self::stored`] for a request salted `cache_salt`: it seeds block 0 (see
+    /// [`crate::hash::cache_salted`]) and is ignored when `parent` is given, whose key already
+    /// carries it.
+    // One argument per field of `KvEvent::Stored` plus who and when: grouping them would only
+    // rebuild the event.
+    #[allow(clippy::too_many_arguments)]
+    fn stored_salted(
+        &mut self,
+        replica: ReplicaId,
+        parent: Option<u64>,
+        block_hashes: &[u64],
+        token_ids: &[u32],
+        block_size: u32,
+        cache_salt: Option<&[u8]>,
         now_us: u64,
     ) -> Result<(), IndexError> {
         if block_size != self.cfg.tokens_per_block {
@@ -711,7 +741,8 @@ impl PrefixIndex {
             keys.extend(path.iter().map(|&i| self.slab.get(i).key));
         }
         let ancestors = keys.len();
-        let seed = parent_key.unwrap_or_else(|| token_salt_seed(&self.cfg.salt));
+        let seed = parent_key
+            .unwrap_or_else(|| token_salt_seed(&cache_salted(&self.cfg.salt, cache_salt)));
         chain_token_keys(seed, token_ids, block_size as usize, &mut keys);
         let map = &mut self.engine[slot as usize];
         for (&h, &own) in block_hashes.iter().zip(&keys[ancestors..]) {

@@ -42,6 +42,11 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         /// Tokens per block on the engine.
         block_size: u32,
+        /// The `cache_salt` of the request that stored the blocks, when it had one. Engines that
+        /// honour it (vLLM, SGLang) keep a salted prefix apart from the same tokens unsalted, so
+        /// the index keys a run that starts at block 0 under [`hash::cache_salted`]; a run with a
+        /// parent inherits the parent's chain and ignores it.
+        cache_salt: Option<String>,
     },
     /// Blocks evicted from the engine's cache (one event per evicted block in vLLM).
     Removed {

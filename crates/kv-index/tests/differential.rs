@@ -557,6 +557,7 @@ fn run<B: Backend>(case: &Case, ops: &[Op]) -> Result<Coverage, String> {
                     parent_block_hash: (from > 0).then(|| w.engine[prompt][from - 1]),
                     token_ids: w.tokens[prompt][from * BLOCK..to * BLOCK].to_vec(),
                     block_size: BLOCK as u32,
+                    cache_salt: None,
                 };
                 let got = sut.index().apply_event(replica, &event, now).is_ok();
                 if got {

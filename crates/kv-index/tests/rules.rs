@@ -1,6 +1,6 @@
 //! One test per rule of the index (see `src/index.rs`).
 
-use kv_index::hash::{byte_block_keys, token_block_keys};
+use kv_index::hash::{byte_block_keys, cache_salted, token_block_keys};
 use kv_index::{IndexConfig, IndexError, KvEvent, Matches, PrefixIndex};
 
 fn keys(seed: u8, blocks: usize) -> Vec<u64> {
@@ -224,6 +224,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvEvent {
         parent_block_hash: parent,
         token_ids: tokens.to_vec(),
         block_size: 4,
+        cache_salt: None,
     }
 }
 
@@ -256,6 +257,35 @@ fn events_map_engine_hashes_to_own_keys_re_derived_from_tokens() {
     assert_eq!(hits(&idx, &own, 1), vec![]);
     assert!(idx.is_empty(), "cleared nodes are reclaimed");
     assert_eq!(idx.stats().engine_hashes, 0);
+}
+
+fn with_salt(mut ev: KvEvent, salt: &str) -> KvEvent {
+    if let KvEvent::Stored { cache_salt, .. } = &mut ev {
+        *cache_salt = Some(salt.to_string());
+    }
+    ev
+}
+
+#[test]
+fn a_salted_run_is_keyed_apart_from_the_same_tokens_unsalted() {
+    let mut idx = exact();
+    let tokens: Vec<u32> = (100..112).collect(); // 3 blocks of 4
+    let plain = token_block_keys(b"model", &tokens, 4);
+    let salted = token_block_keys(&cache_salted(b"model", Some(b"tenant-a")), &tokens, 4);
+    // Replica 1 stored the salted chain in two runs; only block 0's run names the salt, and
+    // a run with a parent inherits the chain whatever salt it names.
+    let run0 = with_salt(stored(&[11], None, &tokens[..4]), "tenant-a");
+    idx.apply_event(1, &run0, 0).unwrap();
+    idx.apply_event(1, &stored(&[12, 13], Some(11), &tokens[4..]), 0)
+        .unwrap();
+    idx.apply_event(0, &stored(&[21, 22, 23], None, &tokens), 0)
+        .unwrap();
+    assert_eq!(hits(&idx, &salted, 1), vec![(1, 3)]);
+    assert_eq!(hits(&idx, &plain, 1), vec![(0, 3)]);
+    // An empty salt is no salt (vLLM tests `if request.cache_salt`).
+    let empty = with_salt(stored(&[31], None, &tokens[..4]), "");
+    idx.apply_event(2, &empty, 0).unwrap();
+    assert_eq!(hits(&idx, &plain, 1), vec![(0, 3), (2, 1)]);
 }
 
 #[test]

@@ -69,6 +69,7 @@ fn make(name: &str, s: &Setup) -> Box<dyn Policy> {
                 parent_block_hash: None,
                 token_ids: s.tokens[i].clone(),
                 block_size: 16,
+                cache_salt: None,
             };
             p.on_kv_event(r, &ev, 0);
         } else {

@@ -655,6 +655,7 @@ fn exact_residency_learns_only_from_events() {
         parent_block_hash: None,
         token_ids: tokens[..48].to_vec(),
         block_size: 16,
+        cache_salt: None,
     };
     p.on_kv_event(1, &ev, 2);
     let d = p.decide(&req(None, &keys, u64::MAX / 4), &f).unwrap();
@@ -702,6 +703,7 @@ fn exact_residency_speculative_layer_bridges_until_events_arrive() {
         parent_block_hash: None,
         token_ids: tokens[..32].to_vec(),
         block_size: 16,
+        cache_salt: None,
     };
     p.on_kv_event(d.replica, &ev, 1_500_000);
     let later = p.decide(&req(None, &keys, 10_000_000), &f).unwrap();

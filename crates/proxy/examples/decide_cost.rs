@@ -65,6 +65,7 @@ fn shared(policy: &str) -> Shared {
             policies::DEFAULT_BELIEF_BYTES_PER_TOKEN,
         ),
         exact_salt: MODEL.into(),
+        kv_events_format: proxy::events::EventFormat::Vllm,
         max_body_bytes: 8 << 20,
         scrape_kv_usage: false,
         body_read_timeout: std::time::Duration::from_secs(30),
@@ -230,6 +231,7 @@ fn main() {
                             parent_block_hash: None,
                             token_ids: (0..16).map(|t| (n * 16 + t) as u32).collect(),
                             block_size: 16,
+                            cache_salt: None,
                         }
                     })
                     .collect();

@@ -214,6 +214,13 @@ fn metrics(shared: &Shared) -> Response<RouterBody> {
         "counter",
         &|r| r.events.decode_errors.load(Ordering::Relaxed),
     );
+    gauge(
+        &mut out,
+        "kvroute_router_kv_event_other_tier_total",
+        "KV events about a storage tier other than the GPU (skipped).",
+        "counter",
+        &|r| r.events.other_tier_events.load(Ordering::Relaxed),
+    );
     let st = shared.rows.stats();
     let _ = writeln!(
         out,

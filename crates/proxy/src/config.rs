@@ -91,6 +91,9 @@ pub struct RouterConfig {
     /// Per-replica in-flight ceiling: a replica at it gets no new request; when every eligible
     /// replica is at it the router answers 429. `None` = no ceiling.
     pub max_in_flight_per_replica: Option<u32>,
+    /// Which engine publishes the replicas' KV events (`--kv-events-format`, default vLLM): it
+    /// decides where a `BlockStored` carries the request's `cache_salt`.
+    pub kv_events_format: crate::events::EventFormat,
 }
 
 /// Default of [`RouterConfig::workers`]: 2, chosen by measurement (docs/proxy-bench.md,
@@ -190,6 +193,7 @@ impl RouterConfig {
             health_fails_to_down: 3,
             health_oks_to_up: 2,
             max_in_flight_per_replica: None,
+            kv_events_format: crate::events::EventFormat::default(),
         }
     }
 }

@@ -1,9 +1,24 @@
-//! KV event consumer: vLLM's ZMQ/msgpack event stream → [`kv_index::KvEvent`].
+//! KV event consumer: vLLM's and SGLang's ZMQ/msgpack event streams → [`kv_index::KvEvent`].
 //!
-//! Wire format (REFERENCE.md §4): each message is three frames — topic, an 8-byte big-endian
-//! sequence number, and a msgpack batch `[ts, events, data_parallel_rank]`. Events come either as
-//! positional arrays (`["BlockStored", hashes, parent, token_ids, block_size, lora_id, …]`, older
-//! vLLM) or as maps with a `"type"` key (newer vLLM, defaults omitted); both decode here.
+//! Wire format (REFERENCE.md §4; `ZmqEventPublisher` in vLLM's `vllm/distributed/kv_events.py`
+//! and SGLang's `python/sglang/srt/disaggregation/kv_events.py`): each message is three frames —
+//! topic, an 8-byte big-endian sequence number, and a msgpack batch `[ts, events, rank]`. Both
+//! engines declare their structs with msgspec, so the layouts differ by release:
+//!
+//! | release | batch | events |
+//! | --- | --- | --- |
+//! | vLLM @ b4e69e0, SGLang @ 006d053 | `[ts, events]` | positional, `["BlockStored", hashes, parent, token_ids, block_size, lora_id]`, `["BlockRemoved", hashes]` |
+//! | vLLM 0.11.0 | `[ts, events, data_parallel_rank]` | positional, as above plus a trailing `medium` |
+//! | vLLM 0.33.0 | `[ts, events, data_parallel_rank]` | maps tagged `type`; `lora_id`, `medium`, `lora_name` always, `extra_keys`, `group_idx`, … when set |
+//! | SGLang 0.5.23 | `[ts, events, attn_dp_rank]` | maps tagged `type`; `medium`, `cache_salt`, `session_id`, `lora_name` when set |
+//!
+//! Positional arrays stop where the release's fields stop (msgspec omits trailing defaults), so
+//! every field past `block_size` is optional here. Which trailing fields exist, and where a
+//! request's `cache_salt` is found, is engine-specific: [`EventFormat`] says which engine to read
+//! (vLLM: the untagged salt in block 0's `extra_keys`; SGLang: the `cache_salt` field). Engine
+//! hashes are never compared with the router's: SGLang's are its own SHA-256 prefixes and vLLM's
+//! depend on its hash algorithm and seed, so blocks are keyed from the `token_ids` every
+//! `BlockStored` carries and the hashes only link a run to its parent and name removals.
 //!
 //! The stream is never trusted blindly: every sequence gap is counted, then repaired from the
 //! engine's replay socket when one is configured; when replay is unavailable or incomplete, the
@@ -20,6 +35,41 @@ use rmpv::Value;
 /// Sequence number that ends a replay answer.
 pub const REPLAY_END_SEQ: u64 = u64::MAX;
 
+/// Which engine publishes a replica's events: decides where the trailing fields of a
+/// `BlockStored` are (and so a request's `cache_salt`). The router's `--kv-events-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EventFormat {
+    /// vLLM (the default): the salt is the untagged string in block 0's `extra_keys`, after the
+    /// LoRA name when `lora_name` is set (`to_event_extra_keys`, `vllm/v1/core/kv_cache_utils.py`).
+    #[default]
+    Vllm,
+    /// SGLang: the salt is the event's own `cache_salt` field (SGLang 0.5.23).
+    Sglang,
+}
+
+impl EventFormat {
+    /// The flag value: `vllm` or `sglang`.
+    pub fn name(self) -> &'static str {
+        match self {
+            EventFormat::Vllm => "vllm",
+            EventFormat::Sglang => "sglang",
+        }
+    }
+}
+
+impl std::str::FromStr for EventFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "vllm" => Ok(EventFormat::Vllm),
+            "sglang" => Ok(EventFormat::Sglang),
+            other => Err(format!(
+                "unknown KV event format {other:?} (expected vllm or sglang)"
+            )),
+        }
+    }
+}
+
 /// A decoded event batch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EventBatch {
@@ -29,6 +79,13 @@ pub struct EventBatch {
     pub events: Vec<KvEvent>,
     /// Events of kinds this consumer does not know (skipped, counted).
     pub unknown_events: u32,
+    /// Events about another storage tier than the GPU (`medium` other than `"GPU"`, e.g. a CPU
+    /// offload tier): skipped, since a removal from that tier says nothing of the GPU's copy.
+    pub other_tier_events: u32,
+    /// The publisher's data-parallel rank (vLLM `data_parallel_rank`, SGLang `attn_dp_rank`),
+    /// when the batch carries one. Each rank publishes on its own port (endpoint port + rank),
+    /// so one subscription sees one rank.
+    pub data_parallel_rank: Option<i64>,
 }
 
 /// Why a payload could not be decoded.
@@ -42,15 +99,16 @@ pub enum DecodeError {
     Shape(&'static str),
 }
 
-/// Decodes one msgpack batch payload.
-pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
+/// Decodes one msgpack batch payload published by an engine of `format`.
+pub fn decode_batch(payload: &[u8], format: EventFormat) -> Result<EventBatch, DecodeError> {
     let mut rd = payload;
     let v = rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    let (ts, events) = match &v {
-        Value::Array(items) if items.len() >= 2 => (&items[0], &items[1]),
+    let (ts, events, rank) = match &v {
+        Value::Array(items) if items.len() >= 2 => (&items[0], &items[1], items.get(2)),
         Value::Map(_) => (
             map_get(&v, "ts").ok_or(DecodeError::Shape("batch map without ts"))?,
             map_get(&v, "events").ok_or(DecodeError::Shape("batch map without events"))?,
+            map_get(&v, "data_parallel_rank").or_else(|| map_get(&v, "attn_dp_rank")),
         ),
         _ => return Err(DecodeError::Shape("batch is not [ts, events, …]")),
     };
@@ -65,11 +123,14 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
         ts,
         events: Vec::with_capacity(raw_events.len()),
         unknown_events: 0,
+        other_tier_events: 0,
+        data_parallel_rank: rank.and_then(Value::as_i64),
     };
     for ev in raw_events {
-        match decode_event(ev)? {
-            Some(e) => out.events.push(e),
-            None => out.unknown_events += 1,
+        match decode_event(ev, format)? {
+            Decoded::Event(e) => out.events.push(e),
+            Decoded::Unknown => out.unknown_events += 1,
+            Decoded::OtherTier => out.other_tier_events += 1,
         }
     }
     Ok(out)
@@ -85,59 +146,121 @@ fn map_get<'v>(v: &'v Value, key: &str) -> Option<&'v Value> {
     }
 }
 
-/// Decodes one event; `Ok(None)` for a well-formed event of an unknown kind.
-fn decode_event(ev: &Value) -> Result<Option<KvEvent>, DecodeError> {
-    match ev {
+enum Decoded {
+    Event(KvEvent),
+    Unknown,
+    OtherTier,
+}
+
+/// The fields of one event, wherever the encoding put them (absent = `Nil`).
+struct Fields<'v> {
+    tag: &'v str,
+    block_hashes: &'v Value,
+    parent: &'v Value,
+    token_ids: &'v Value,
+    block_size: &'v Value,
+    medium: &'v Value,
+    lora_name: &'v Value,
+    extra_keys: &'v Value,
+    cache_salt: &'v Value,
+}
+
+/// Decodes one event; a well-formed event of an unknown kind or of another tier is skipped.
+fn decode_event(ev: &Value, format: EventFormat) -> Result<Decoded, DecodeError> {
+    const NIL: &Value = &Value::Nil;
+    let f = match ev {
         Value::Array(items) => {
             let tag = items
                 .first()
                 .and_then(Value::as_str)
                 .ok_or(DecodeError::Shape("event without tag"))?;
-            let at = |i: usize| items.get(i).unwrap_or(&Value::Nil);
-            Ok(match tag {
-                "BlockStored" => Some(stored(at(1), at(2), at(3), at(4))?),
-                "BlockRemoved" => Some(KvEvent::Removed {
-                    block_hashes: hashes(at(1))?,
-                }),
-                "AllBlocksCleared" => Some(KvEvent::AllCleared),
-                _ => None,
-            })
+            let at = |i: usize| items.get(i).unwrap_or(NIL);
+            match tag {
+                // Positional BlockStored: [tag, hashes, parent, token_ids, block_size, lora_id,
+                // then the engine's trailing fields in declaration order].
+                "BlockStored" => {
+                    let (medium, lora_name, extra_keys, cache_salt) = match format {
+                        // vLLM: medium, lora_name, extra_keys, group_idx, …
+                        EventFormat::Vllm => (at(6), at(7), at(8), NIL),
+                        // SGLang: medium, cache_salt, session_id, lora_name.
+                        EventFormat::Sglang => (at(6), at(9), NIL, at(7)),
+                    };
+                    Fields {
+                        tag,
+                        block_hashes: at(1),
+                        parent: at(2),
+                        token_ids: at(3),
+                        block_size: at(4),
+                        medium,
+                        lora_name,
+                        extra_keys,
+                        cache_salt,
+                    }
+                }
+                // Positional BlockRemoved: [tag, hashes, medium, …] in both engines.
+                _ => Fields {
+                    tag,
+                    block_hashes: at(1),
+                    parent: NIL,
+                    token_ids: NIL,
+                    block_size: NIL,
+                    medium: at(2),
+                    lora_name: NIL,
+                    extra_keys: NIL,
+                    cache_salt: NIL,
+                },
+            }
         }
         Value::Map(_) => {
             let tag = map_get(ev, "type")
                 .and_then(Value::as_str)
                 .ok_or(DecodeError::Shape("event map without type"))?;
-            let f = |k: &str| map_get(ev, k).unwrap_or(&Value::Nil);
-            Ok(match tag {
-                "BlockStored" => Some(stored(
-                    f("block_hashes"),
-                    f("parent_block_hash"),
-                    f("token_ids"),
-                    f("block_size"),
-                )?),
-                "BlockRemoved" => Some(KvEvent::Removed {
-                    block_hashes: hashes(f("block_hashes"))?,
-                }),
-                "AllBlocksCleared" => Some(KvEvent::AllCleared),
-                _ => None,
-            })
+            let k = |key: &str| map_get(ev, key).unwrap_or(NIL);
+            Fields {
+                tag,
+                block_hashes: k("block_hashes"),
+                parent: k("parent_block_hash"),
+                token_ids: k("token_ids"),
+                block_size: k("block_size"),
+                medium: k("medium"),
+                lora_name: k("lora_name"),
+                extra_keys: match format {
+                    EventFormat::Vllm => k("extra_keys"),
+                    EventFormat::Sglang => NIL,
+                },
+                cache_salt: match format {
+                    EventFormat::Vllm => NIL,
+                    EventFormat::Sglang => k("cache_salt"),
+                },
+            }
         }
-        _ => Err(DecodeError::Shape("event is neither array nor map")),
+        _ => return Err(DecodeError::Shape("event is neither array nor map")),
+    };
+    if !matches!(f.tag, "BlockStored" | "BlockRemoved" | "AllBlocksCleared") {
+        return Ok(Decoded::Unknown);
     }
+    match f.medium {
+        Value::Nil => {}
+        m if m.as_str() == Some("GPU") => {}
+        Value::String(_) => return Ok(Decoded::OtherTier),
+        _ => return Err(DecodeError::Shape("medium is not a string")),
+    }
+    Ok(Decoded::Event(match f.tag {
+        "BlockStored" => stored(&f)?,
+        "BlockRemoved" => KvEvent::Removed {
+            block_hashes: hashes(f.block_hashes)?,
+        },
+        _ => KvEvent::AllCleared,
+    }))
 }
 
-fn stored(
-    block_hashes: &Value,
-    parent: &Value,
-    token_ids: &Value,
-    block_size: &Value,
-) -> Result<KvEvent, DecodeError> {
-    let block_hashes = hashes(block_hashes)?;
-    let parent_block_hash = match parent {
+fn stored(f: &Fields<'_>) -> Result<KvEvent, DecodeError> {
+    let block_hashes = hashes(f.block_hashes)?;
+    let parent_block_hash = match f.parent {
         Value::Nil => None,
         v => Some(hash(v)?),
     };
-    let Value::Array(toks) = token_ids else {
+    let Value::Array(toks) = f.token_ids else {
         return Err(DecodeError::Shape("token_ids is not an array"));
     };
     let token_ids = toks
@@ -148,7 +271,7 @@ fn stored(
                 .ok_or(DecodeError::Shape("token id is not a u32"))
         })
         .collect::<Result<Vec<u32>, _>>()?;
-    let block_size = match block_size {
+    let block_size = match f.block_size {
         Value::Nil => 16,
         v => v
             .as_u64()
@@ -156,12 +279,47 @@ fn stored(
             .filter(|&b| b > 0)
             .ok_or(DecodeError::Shape("bad block_size"))?,
     };
+    // The salt only matters where a chain starts (block 0); later runs inherit their parent's.
+    let cache_salt = match (parent_block_hash, f.cache_salt) {
+        (Some(_), _) => None,
+        (None, Value::Nil) => vllm_extra_keys_salt(f.extra_keys, f.lora_name)?,
+        (None, Value::String(s)) => s.as_str().map(str::to_string),
+        (None, _) => return Err(DecodeError::Shape("cache_salt is not a string")),
+    };
     Ok(KvEvent::Stored {
         block_hashes,
         parent_block_hash,
         token_ids,
         block_size,
+        cache_salt,
     })
+}
+
+/// The `cache_salt` in vLLM's `extra_keys` of a run that starts at block 0: block 0's entry
+/// lists, untagged and in order, the LoRA name (when `lora_name` is set), `[mm_identifier,
+/// offset]` pairs, the salt, and prompt-embedding digests (bytes) — so the salt is the first bare
+/// string after the LoRA name (`generate_block_hash_extra_keys` and `to_event_extra_keys` in
+/// `vllm/v1/core/kv_cache_utils.py`, 0.33.0).
+fn vllm_extra_keys_salt(
+    extra_keys: &Value,
+    lora_name: &Value,
+) -> Result<Option<String>, DecodeError> {
+    let block0 = match extra_keys {
+        Value::Nil => return Ok(None),
+        Value::Array(per_block) => per_block.first().unwrap_or(&Value::Nil),
+        _ => return Err(DecodeError::Shape("extra_keys is not an array")),
+    };
+    let keys = match block0 {
+        Value::Nil => return Ok(None),
+        Value::Array(keys) => keys,
+        _ => return Err(DecodeError::Shape("extra_keys entry is not an array")),
+    };
+    let skip = usize::from(!lora_name.is_nil());
+    Ok(keys
+        .iter()
+        .filter_map(Value::as_str)
+        .nth(skip)
+        .map(str::to_string))
 }
 
 fn hashes(v: &Value) -> Result<Vec<u64>, DecodeError> {
@@ -171,9 +329,10 @@ fn hashes(v: &Value) -> Result<Vec<u64>, DecodeError> {
     }
 }
 
-/// An engine block hash as a u64: integers as their 64-bit pattern (vLLM may send them signed);
-/// byte strings (sha256-style hashes) folded from their first eight bytes, big-endian — engine
-/// hashes only need to be stable, since keys are re-derived from token ids.
+/// An engine block hash as a u64: integers as their 64-bit pattern (SGLang sends signed int64,
+/// vLLM unsigned); byte strings (vLLM with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: the 32-byte
+/// SHA-256) folded from their first eight bytes, big-endian — engine hashes only need to be
+/// stable within one replica, since keys are re-derived from token ids.
 fn hash(v: &Value) -> Result<u64, DecodeError> {
     if let Some(u) = v.as_u64() {
         return Ok(u);
@@ -205,6 +364,8 @@ pub struct EventStats {
     pub decode_errors: AtomicU64,
     /// Events of unknown kinds, skipped.
     pub unknown_events: AtomicU64,
+    /// Events about a storage tier other than the GPU, skipped.
+    pub other_tier_events: AtomicU64,
 }
 
 /// Where the consumer's decisions go: applied events, in order.
@@ -276,6 +437,8 @@ pub struct EventEndpoints {
     pub publisher: String,
     /// ROUTER replay endpoint, when known.
     pub replay: Option<String>,
+    /// Which engine publishes them.
+    pub format: EventFormat,
 }
 
 /// How long a replay request may take before the gap is declared unrepairable.
@@ -322,7 +485,9 @@ pub async fn run_subscriber(
                     sink.apply(&[KvEvent::AllCleared]);
                     if to > 0 {
                         let repaired = match &ep.replay {
-                            Some(replay) => replay_range(replay, 0, to, &*sink, &stats).await,
+                            Some(replay) => {
+                                replay_range(replay, 0, to, ep.format, &*sink, &stats).await
+                            }
                             None => false,
                         };
                         if !repaired {
@@ -334,7 +499,9 @@ pub async fn run_subscriber(
                 SeqVerdict::Gap { from, to } => {
                     stats.gaps.fetch_add(1, Ordering::Relaxed);
                     let repaired = match &ep.replay {
-                        Some(replay) => replay_range(replay, from, to, &*sink, &stats).await,
+                        Some(replay) => {
+                            replay_range(replay, from, to, ep.format, &*sink, &stats).await
+                        }
                         None => false,
                     };
                     if !repaired {
@@ -343,11 +510,14 @@ pub async fn run_subscriber(
                     }
                 }
             }
-            match decode_batch(payload) {
+            match decode_batch(payload, ep.format) {
                 Ok(batch) => {
                     stats
                         .unknown_events
                         .fetch_add(u64::from(batch.unknown_events), Ordering::Relaxed);
+                    stats
+                        .other_tier_events
+                        .fetch_add(u64::from(batch.other_tier_events), Ordering::Relaxed);
                     sink.apply(&batch.events);
                     stats.batches.fetch_add(1, Ordering::Relaxed);
                 }
@@ -369,6 +539,7 @@ async fn replay_range(
     endpoint: &str,
     from: u64,
     to: u64,
+    format: EventFormat,
     sink: &dyn EventSink,
     stats: &EventStats,
 ) -> bool {
@@ -385,7 +556,7 @@ async fn replay_range(
         if seq != next {
             return false;
         }
-        match decode_batch(&payload) {
+        match decode_batch(&payload, format) {
             Ok(b) => decoded.push(b),
             Err(_) => return false,
         }
@@ -404,9 +575,9 @@ async fn replay_range(
     true
 }
 
-/// One replay round trip over a DEALER socket, framed as vLLM's ROUTER expects: an empty
-/// delimiter then the 8-byte start sequence; answers are `[seq, payload]` (after an optional
-/// empty delimiter), ending with [`REPLAY_END_SEQ`].
+/// One replay round trip over a DEALER socket, framed as the engines' ROUTER expects: an empty
+/// delimiter then the 8-byte start sequence (`_service_replay` reads `[identity, "", start]`).
+/// Answers come as [`parse_replay_frames`] reads them, until [`REPLAY_END_SEQ`] or `to - 1`.
 async fn fetch_replay(
     endpoint: &str,
     from: u64,
@@ -424,23 +595,34 @@ async fn fetch_replay(
     let mut out = Vec::new();
     loop {
         let frames = dealer.recv().await?.into_vec();
-        let frames: Vec<&bytes::Bytes> = frames.iter().skip_while(|f| f.is_empty()).collect();
-        let Some(seq) = frames
-            .first()
-            .and_then(|f| <[u8; 8]>::try_from(f.as_ref()).ok())
-        else {
+        let Some((seq, payload)) = parse_replay_frames(&frames) else {
             return Err(zeromq::ZmqError::NoMessage);
         };
-        let seq = u64::from_be_bytes(seq);
         if seq == REPLAY_END_SEQ {
             return Ok(out);
         }
-        let payload = frames.get(1).map(|p| p.to_vec()).unwrap_or_default();
-        out.push((seq, payload));
+        out.push((seq, payload.to_vec()));
         if seq + 1 >= to {
             return Ok(out);
         }
     }
+}
+
+/// One replay answer as a DEALER receives it: the empty delimiter, then `[topic, seq, payload]`
+/// (vLLM 0.33.0 and SGLang 0.5.23 send the topic, empty on the end marker) or `[seq, payload]`
+/// (vLLM @ b4e69e0). Exactly one delimiter is stripped, because the topic itself may be empty.
+pub fn parse_replay_frames(frames: &[bytes::Bytes]) -> Option<(u64, &[u8])> {
+    let rest = match frames.split_first() {
+        Some((delim, rest)) if delim.is_empty() => rest,
+        _ => frames,
+    };
+    let (seq, payload) = match rest {
+        [_topic, seq, payload] => (seq, payload),
+        [seq, payload] => (seq, payload),
+        _ => return None,
+    };
+    let seq: [u8; 8] = seq.as_ref().try_into().ok()?;
+    Some((u64::from_be_bytes(seq), payload.as_ref()))
 }
 
 /// Msgpack encoders for tests and tools that need to publish vLLM-shaped events (the engine
@@ -471,6 +653,7 @@ pub mod encode {
                     parent_block_hash,
                     token_ids,
                     block_size,
+                    ..
                 },
                 Encoding::Array,
             ) => Value::Array(vec![
@@ -488,6 +671,7 @@ pub mod encode {
                     parent_block_hash,
                     token_ids,
                     block_size,
+                    ..
                 },
                 Encoding::Map,
             ) => {
@@ -545,12 +729,14 @@ mod tests {
                 parent_block_hash: None,
                 token_ids: (0..32).collect(),
                 block_size: 16,
+                cache_salt: None,
             },
             KvEvent::Stored {
                 block_hashes: vec![3],
                 parent_block_hash: Some(u64::MAX),
                 token_ids: (32..48).collect(),
                 block_size: 16,
+                cache_salt: None,
             },
             KvEvent::Removed {
                 block_hashes: vec![3],
@@ -562,7 +748,7 @@ mod tests {
     #[test]
     fn both_encodings_round_trip() {
         for enc in [Encoding::Array, Encoding::Map] {
-            let b = decode_batch(&batch(1.25, &sample(), enc)).unwrap();
+            let b = decode_batch(&batch(1.25, &sample(), enc), EventFormat::Vllm).unwrap();
             assert_eq!(b.events, sample(), "{enc:?}");
             assert_eq!(b.ts, 1.25);
             assert_eq!(b.unknown_events, 0);
@@ -586,7 +772,7 @@ mod tests {
         ]);
         let mut buf = Vec::new();
         rmpv::encode::write_value(&mut buf, &v).unwrap();
-        let b = decode_batch(&buf).unwrap();
+        let b = decode_batch(&buf, EventFormat::Vllm).unwrap();
         assert_eq!(
             b.events,
             vec![KvEvent::Removed {
@@ -596,13 +782,95 @@ mod tests {
         assert_eq!(b.unknown_events, 1);
     }
 
+    fn stored_map(extra: Vec<(&str, Value)>) -> Value {
+        let mut m = vec![
+            (Value::from("type"), Value::from("BlockStored")),
+            (
+                Value::from("block_hashes"),
+                Value::Array(vec![Value::from(1)]),
+            ),
+            (Value::from("parent_block_hash"), Value::Nil),
+            (
+                Value::from("token_ids"),
+                Value::Array((0..16).map(Value::from).collect()),
+            ),
+            (Value::from("block_size"), Value::from(16)),
+        ];
+        m.extend(extra.into_iter().map(|(k, v)| (Value::from(k), v)));
+        Value::Map(m)
+    }
+
+    fn one_event(ev: Value, format: EventFormat) -> EventBatch {
+        let v = Value::Array(vec![Value::from(0.0), Value::Array(vec![ev])]);
+        let mut buf = Vec::new();
+        rmpv::encode::write_value(&mut buf, &v).unwrap();
+        decode_batch(&buf, format).unwrap()
+    }
+
+    fn salt_of(b: &EventBatch) -> Option<&str> {
+        match &b.events[..] {
+            [KvEvent::Stored { cache_salt, .. }] => cache_salt.as_deref(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn vllm_salt_comes_after_the_lora_name_and_ignores_mm_pairs_and_digests() {
+        let keys = |k: Vec<Value>| Value::Array(vec![Value::Array(k), Value::Nil]);
+        let with_lora = stored_map(vec![
+            ("lora_name", Value::from("adapter")),
+            (
+                "extra_keys",
+                keys(vec![
+                    Value::from("adapter"),
+                    Value::Array(vec![Value::from("mm-hash"), Value::from(0)]),
+                    Value::from("tenant"),
+                    Value::Binary(vec![1, 2]),
+                ]),
+            ),
+        ]);
+        assert_eq!(
+            salt_of(&one_event(with_lora, EventFormat::Vllm)),
+            Some("tenant")
+        );
+        // Without a salt, a LoRA name alone is not one.
+        let lora_only = stored_map(vec![
+            ("lora_name", Value::from("adapter")),
+            ("extra_keys", keys(vec![Value::from("adapter")])),
+        ]);
+        assert_eq!(salt_of(&one_event(lora_only, EventFormat::Vllm)), None);
+    }
+
+    #[test]
+    fn events_of_another_tier_are_skipped_and_counted() {
+        for (medium, format) in [
+            ("CPU", EventFormat::Vllm),
+            ("CPU_PINNED", EventFormat::Sglang),
+        ] {
+            let b = one_event(stored_map(vec![("medium", Value::from(medium))]), format);
+            assert!(b.events.is_empty(), "{medium}");
+            assert_eq!(b.other_tier_events, 1);
+            let removed = Value::Array(vec![
+                Value::from("BlockRemoved"),
+                Value::Array(vec![Value::from(1)]),
+                Value::from(medium),
+            ]);
+            assert_eq!(one_event(removed, format).other_tier_events, 1);
+        }
+        let gpu = one_event(
+            stored_map(vec![("medium", Value::from("GPU"))]),
+            EventFormat::Vllm,
+        );
+        assert_eq!((gpu.events.len(), gpu.other_tier_events), (1, 0));
+    }
+
     #[test]
     fn malformed_payloads_are_errors_not_panics() {
-        assert!(decode_batch(b"").is_err());
-        assert!(decode_batch(&[0xc1]).is_err());
+        assert!(decode_batch(b"", EventFormat::Vllm).is_err());
+        assert!(decode_batch(&[0xc1], EventFormat::Vllm).is_err());
         let mut buf = Vec::new();
         rmpv::encode::write_value(&mut buf, &Value::from(5)).unwrap();
-        assert!(decode_batch(&buf).is_err());
+        assert!(decode_batch(&buf, EventFormat::Vllm).is_err());
         let bad = Value::Array(vec![
             Value::from(0.0),
             Value::Array(vec![Value::Array(vec![
@@ -612,7 +880,7 @@ mod tests {
         ]);
         buf.clear();
         rmpv::encode::write_value(&mut buf, &bad).unwrap();
-        assert!(decode_batch(&buf).is_err());
+        assert!(decode_batch(&buf, EventFormat::Vllm).is_err());
     }
 
     #[test]

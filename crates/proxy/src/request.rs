@@ -118,6 +118,17 @@ struct RawBody<'a> {
     user: Option<Cow<'a, str>>,
     #[serde(default)]
     stream: Option<bool>,
+    #[serde(borrow, default)]
+    cache_salt: Option<SaltField<'a>>,
+}
+
+/// `cache_salt` as the engines accept it: one string (vLLM, SGLang), or for SGLang's batch
+/// requests a list, one per prompt — which one routing key cannot honour, so it is ignored.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum SaltField<'a> {
+    One(#[serde(borrow)] Cow<'a, str>),
+    Other(serde::de::IgnoredAny),
 }
 
 /// The routed view of a request body, borrowing from the body bytes where it can.
@@ -135,6 +146,9 @@ pub struct ParsedRequest<'a> {
     pub user: Option<Cow<'a, str>>,
     /// `stream`.
     pub stream: bool,
+    /// `cache_salt`, when one string: the engines keep a salted prompt's cache apart from the
+    /// same prompt unsalted, so routing keys it apart too ([`Self::key_salt`]).
+    pub cache_salt: Option<Cow<'a, str>>,
 }
 
 /// Parses a request body for `endpoint`, checking the fields the API requires.
@@ -155,6 +169,10 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, Parse
         messages: raw.messages,
         user: raw.user,
         stream: raw.stream.unwrap_or(false),
+        cache_salt: match raw.cache_salt {
+            Some(SaltField::One(s)) => Some(s),
+            _ => None,
+        },
     })
 }
 
@@ -162,6 +180,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest<'_>, Parse
 const BATCH_SEPARATOR: u8 = 0xFF;
 
 impl ParsedRequest<'_> {
+    /// The block-0 salt of this request's keys: `base` (the model) extended by its
+    /// `cache_salt`, as [`kv_index::hash::cache_salted`] defines it — the same salt the
+    /// exact-residency index gives a salted engine event.
+    pub fn key_salt<'s>(&self, base: &'s [u8]) -> Cow<'s, [u8]> {
+        kv_index::hash::cache_salted(base, self.cache_salt.as_deref().map(str::as_bytes))
+    }
+
     /// Renders the prompt into the canonical byte string of DESIGN.md §3.1, appending to `out`.
     ///
     /// Completions: the prompt text as UTF-8; token prompts as little-endian `u32`s; batch
@@ -371,6 +396,26 @@ mod tests {
             parse(Endpoint::Completions, br#"{"prompt":5}"#),
             Err(ParseError::Json(_))
         ));
+    }
+
+    #[test]
+    fn cache_salt_is_kept_when_one_string_and_salts_the_keys() {
+        let salted = parse(
+            Endpoint::Completions,
+            br#"{"prompt":"p","cache_salt":"tenant-a"}"#,
+        )
+        .unwrap();
+        assert_eq!(salted.cache_salt.as_deref(), Some("tenant-a"));
+        assert_ne!(&*salted.key_salt(b"m"), b"m");
+        let plain = parse(Endpoint::Completions, br#"{"prompt":"p"}"#).unwrap();
+        assert_eq!(&*plain.key_salt(b"m"), b"m");
+        // SGLang's per-prompt list for a batch is accepted, not routed on.
+        let batch = parse(
+            Endpoint::Completions,
+            br#"{"prompt":["a","b"],"cache_salt":["x","y"]}"#,
+        )
+        .unwrap();
+        assert_eq!(batch.cache_salt, None);
     }
 
     #[test]

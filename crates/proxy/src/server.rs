@@ -164,6 +164,7 @@ impl Router {
                 cfg.bytes_per_token,
             ),
             exact_salt: cfg.policy.salt.clone(),
+            kv_events_format: cfg.kv_events_format,
             scrape_kv_usage: cfg.policy.residency_branch,
             max_body_bytes: cfg.max_body_bytes,
             body_read_timeout: Duration::from_millis(cfg.body_read_timeout_ms),

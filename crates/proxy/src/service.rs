@@ -519,7 +519,7 @@ async fn proxy_llm(
             let mut rendered = Vec::with_capacity(body.len());
             parsed.render_into(&mut rendered);
             kv_index::hash::byte_block_keys_into(
-                model.as_bytes(),
+                &parsed.key_salt(model.as_bytes()),
                 &rendered,
                 shared.settings.block_bytes,
                 &mut keys,
@@ -551,7 +551,7 @@ async fn proxy_llm(
             };
             if let Some(t) = tokens {
                 kv_index::hash::token_block_keys_into(
-                    shared.settings.exact_salt.as_bytes(),
+                    &parsed.key_salt(shared.settings.exact_salt.as_bytes()),
                     &t,
                     block_tokens as usize,
                     &mut keys,

@@ -261,6 +261,8 @@ pub struct Settings {
     pub belief_tokens_per_block: f64,
     /// Block-0 salt of exact keys (the policy's `salt`).
     pub exact_salt: String,
+    /// Which engine publishes the replicas' KV events.
+    pub kv_events_format: crate::events::EventFormat,
     /// Request body limit.
     pub max_body_bytes: usize,
     /// Scrape each replica's KV-cache usage with the health checks (the residency branch).
@@ -499,6 +501,7 @@ pub async fn start_replica_tasks(shared: &Arc<Shared>, r: &Arc<Replica>) {
     let ep = EventEndpoints {
         publisher,
         replay: r.kv_replay.clone(),
+        format: shared.settings.kv_events_format,
     };
     let sink = Arc::new(ReplicaEventSink {
         shared: Arc::downgrade(shared),

@@ -343,6 +343,7 @@ async fn exact_residency_follows_kv_events_and_distrusts_gaps() {
         parent_block_hash: None,
         token_ids: tokens[..64].to_vec(),
         block_size: 16,
+        cache_salt: None,
     };
     let before = get(&metrics_url).await.1;
     let applied = metric(
@@ -1091,6 +1092,7 @@ async fn sequence_gaps_are_repaired_by_replay() {
         parent_block_hash: None,
         token_ids: tokens[..80].to_vec(),
         block_size: 16,
+        cache_salt: None,
     };
     pub_b.lose(seq, batch(1.0, &[stored], Encoding::Map));
     pub_b
@@ -1571,6 +1573,7 @@ async fn a_replica_added_at_run_time_gets_its_events() {
         parent_block_hash: None,
         token_ids: tokens[..48].to_vec(),
         block_size: 16,
+        cache_salt: None,
     };
     pub_b
         .publish(seq, batch(1.0, &[stored], Encoding::Array))

@@ -921,6 +921,7 @@ impl Sim<'_> {
                     parent_block_hash,
                     token_ids,
                     block_size,
+                    cache_salt: None,
                 },
                 engine::KvEvent::BlockRemoved { block_hashes } => {
                     kv_index::KvEvent::Removed { block_hashes }
