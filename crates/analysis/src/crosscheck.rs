@@ -158,6 +158,13 @@ fn comparable(live: &Point, virt: &Point) -> Result<(), String> {
             live.slo.ttft_ms, live.slo.itl_ms, virt.slo.ttft_ms, virt.slo.itl_ms
         ));
     }
+    if live.window_clock != virt.window_clock {
+        return Err(format!(
+            "window clock differs: live {:?}, virtual {:?} (one side was measured by send time, \
+             the other by scheduled time; re-report the older sweep)",
+            live.window_clock, virt.window_clock
+        ));
+    }
     if live.virtual_time || !virt.virtual_time {
         return Err("the first report must be live and the second virtual".into());
     }

@@ -240,6 +240,10 @@ pub struct Point {
     /// carry no spread verdict ([`Verdict::Deterministic`]). Absent (false) for live points.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub virtual_time: bool,
+    /// Which time placed its requests in the window and started their TTFT (the first
+    /// repetition's `window.clock`); absent reads as `sent`, which is not written.
+    #[serde(default, skip_serializing_if = "schema::WindowClock::is_sent")]
+    pub window_clock: schema::WindowClock,
 }
 
 impl Point {
@@ -484,6 +488,7 @@ fn build_point(
         cells,
         margins,
         virtual_time: basis == Basis::Deterministic,
+        window_clock: first.meta.window.clock,
     };
     (point, samples)
 }

@@ -174,3 +174,13 @@ fn opposite_directions_are_named() {
     assert!(!e.same_direction, "{e:?}");
     assert!(!e.agrees);
 }
+
+#[test]
+fn a_point_measured_by_another_clock_is_refused() {
+    let l = live();
+    let mut v = as_virtual(&l);
+    v.points[0].window_clock = schema::WindowClock::Scheduled;
+    let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
+    assert_eq!(c.refused.len(), 1, "{:?}", c.refused);
+    assert!(c.refused[0].reason.contains("window clock differs"));
+}
