@@ -30,8 +30,9 @@ pub use input::{
 pub const GRID_SWEEPS: [&str; 2] = ["pressure-grid", "pressure-grid-quick"];
 /// Sweep directories looked for (in order) for figure 6.
 pub const FAULT_SWEEPS: [&str; 2] = ["fault-kill", "fault-kill-quick"];
-/// Sweep directories looked for (in order) for figure 7.
-pub const LOAD_SWEEPS: [&str; 2] = ["load", "load-quick"];
+/// Sweep directories looked for (in order) for figure 7: a live load sweep first, the virtual
+/// one (`sweep load --virtual`, published as `load-virtual`) when no live one is published.
+pub const LOAD_SWEEPS: [&str; 3] = ["load", "load-quick", "load-virtual"];
 
 /// The figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
