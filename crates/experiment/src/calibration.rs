@@ -1173,7 +1173,6 @@ pub(crate) mod tests {
         for sweep in [
             "pressure-grid-quick",
             "pressure-grid",
-            "pressure-grid-virtual",
             "fault-kill",
         ] {
             let cal = Calibration::read(&root.join(sweep).join("calibration.json")).unwrap();
