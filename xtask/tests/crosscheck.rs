@@ -7,23 +7,8 @@
 //!
 //! It builds the release binaries with cargo first (a no-op when they are fresh).
 
-use std::process::Command;
-
 mod common;
-use common::{Scratch, build_bins, json, workspace_root};
-
-fn xtask(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .current_dir(workspace_root())
-        .args(args)
-        .output()
-        .expect("xtask runs");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::{Scratch, build_bins, json, xtask};
 
 #[test]
 fn live_and_virtual_agree_at_the_size_of_the_effects() {

@@ -8,20 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{Scratch, build_bins, json, workspace_root};
-
-fn xtask(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .current_dir(workspace_root())
-        .args(args)
-        .output()
-        .expect("xtask runs");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::{Scratch, build_bins, json, workspace_root, xtask};
 
 #[test]
 fn tiny_sweep_then_report_then_resume() {
