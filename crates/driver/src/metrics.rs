@@ -5,6 +5,10 @@
 //! - ITL p50 = median over the request's gaps between consecutive content chunks, each gap
 //!   divided by the tokens that chunk carried (1 when the server did not say); the median is
 //!   `schema::stats`'s (type 7), so an even count takes the mean of the two middle values.
+//!   A chunk is what the client could tell apart: events that arrived in the same socket read
+//!   (the same timestamp) are one chunk carrying all their tokens. Counting them as separate
+//!   chunks would add a 0 ms gap for each — when the client is starved of CPU and reads a burst,
+//!   the ITL p50 would fall to 0 and derive an SLO bound of 0.
 //! - TPOT = (last content chunk − first content chunk) ÷ (output tokens − 1).
 //! - E2E = end of the response (or the failure) − send.
 
@@ -49,10 +53,29 @@ pub fn latencies(
 ) -> Latencies {
     let first = chunks.first().map(|c| c.at);
     let last = chunks.last().map(|c| c.at);
-    let mut gaps: Vec<f64> = chunks
-        .windows(2)
-        .map(|w| ms(w[1].at.saturating_sub(w[0].at)) / f64::from(w[1].tokens.max(1)))
-        .collect();
+    let mut gaps: Vec<f64> = Vec::with_capacity(chunks.len());
+    // (arrival, tokens) of the chunk being gathered, and of the one before it.
+    let mut prev: Option<Duration> = None;
+    let mut cur: Option<(Duration, u32)> = None;
+    for c in chunks {
+        match cur {
+            Some((at, tokens)) if at == c.at => {
+                cur = Some((at, tokens.saturating_add(c.tokens.max(1))));
+            }
+            _ => {
+                if let Some((at, tokens)) = cur {
+                    if let Some(p) = prev {
+                        gaps.push(ms(at.saturating_sub(p)) / f64::from(tokens));
+                    }
+                    prev = Some(at);
+                }
+                cur = Some((c.at, c.tokens.max(1)));
+            }
+        }
+    }
+    if let (Some(p), Some((at, tokens))) = (prev, cur) {
+        gaps.push(ms(at.saturating_sub(p)) / f64::from(tokens));
+    }
     let tpot_ms = match (first, last, output_tokens) {
         (Some(f), Some(l), Some(n)) if n > 1 => Some(ms(l.saturating_sub(f)) / (n - 1) as f64),
         _ => None,
@@ -109,5 +132,27 @@ mod tests {
         assert_eq!(l.itl_p50_ms, None);
         assert_eq!(l.tpot_ms, None);
         assert_eq!(l.e2el_ms, None);
+    }
+
+    #[test]
+    fn events_of_one_read_are_one_chunk() {
+        // A starved client reads bursts: 2 events at 10 ms, 3 at 16 ms, 1 at 18 ms. Gaps per
+        // token: 6/3 = 2, 2/1 = 2 — not the 0 ms gaps that separate events of one read give.
+        let burst = [
+            at_ms(10, 1),
+            at_ms(10, 1),
+            at_ms(16, 1),
+            at_ms(16, 1),
+            at_ms(16, 1),
+            at_ms(18, 1),
+        ];
+        let l = latencies(Duration::ZERO, &burst, None, Some(6));
+        assert_eq!(l.itl_p50_ms, Some(2.0));
+        assert_eq!(l.ttft_ms, Some(10.0));
+        // TPOT keeps its definition: (last − first) ÷ (tokens − 1).
+        assert_eq!(l.tpot_ms, Some(8.0 / 5.0));
+        // One read with the whole reply: no gap to measure.
+        let one = [at_ms(4, 1), at_ms(4, 2)];
+        assert_eq!(latencies(Duration::ZERO, &one, None, Some(3)).itl_p50_ms, None);
     }
 }

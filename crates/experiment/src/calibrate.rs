@@ -334,6 +334,14 @@ pub fn calibrate(
     }
     let floors =
         calibration::floors(&replicas, &used).ok_or_else(|| anyhow!("no replica floors"))?;
+    if !(floors.ttft_ms > 0.0 && floors.itl_ms > 0.0) {
+        // A zero floor is below what the client could resolve; 3× it is no SLO.
+        bail!(
+            "the measured floors (TTFT {:.3} ms, ITL {:.3} ms) are not positive: the replicas stream faster than this client resolves; lower --speed or calibrate on a quieter machine",
+            floors.ttft_ms,
+            floors.itl_ms
+        );
+    }
     let slo = calibration::slo_from_floors(floors);
     let capacity_tokens = calibration::capacity_tokens(&replicas, &used);
     if capacity_tokens == 0 {
