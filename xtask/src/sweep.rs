@@ -12,7 +12,7 @@ use experiment::Bins;
 use experiment::cell::{self, CellState};
 use experiment::grid::{PrefixGroups, Sharing, SweepName, WorkloadShape};
 use experiment::progress::Progress;
-use experiment::sweep::{LiveSweep, SweepSettings};
+use experiment::sweep::{CapacityScope, LiveSweep, SweepSettings};
 use fleet::Ingress;
 
 use crate::fleetargs::FleetArgs;
@@ -33,6 +33,26 @@ impl From<IngressArg> for Ingress {
         match arg {
             IngressArg::Router => Ingress::Router,
             IngressArg::Haproxy => Ingress::Haproxy,
+        }
+    }
+}
+
+/// `--capacity`: which capacity `--load` fractions are fractions of (the command-line face of
+/// `experiment::sweep::CapacityScope`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CapacityArg {
+    /// The calibration's, measured at the reference point (ws 1, skew 0): one rate everywhere.
+    Reference,
+    /// Each point's own, searched on its workload: every point at the same fraction of what it
+    /// can serve.
+    PerPoint,
+}
+
+impl From<CapacityArg> for CapacityScope {
+    fn from(arg: CapacityArg) -> CapacityScope {
+        match arg {
+            CapacityArg::Reference => CapacityScope::Reference,
+            CapacityArg::PerPoint => CapacityScope::PerPoint,
         }
     }
 }
@@ -154,6 +174,13 @@ pub struct SweepArgs {
     /// (`cargo xtask crosscheck`). The fleet flags must be the live sweep's.
     #[arg(long, requires = "virtual_time")]
     pub live_calibration: Option<PathBuf>,
+    /// Which capacity `--load` is a fraction of: `per-point` (each point's own capacity, found
+    /// by the capacity search on that point's workload; the default with `--virtual`, where a
+    /// search takes seconds) or `reference` (the calibration's, at ws 1 / skew 0; the live
+    /// default, where each search takes minutes, and with `--live-calibration`, whose rates
+    /// must be the live sweep's).
+    #[arg(long, value_enum)]
+    pub capacity: Option<CapacityArg>,
     /// The fleet.
     #[command(flatten)]
     pub fleet: FleetArgs,
@@ -210,6 +237,15 @@ impl SweepArgs {
             versions: env::versions(),
             trace: self.trace.settings(self.quick),
             live_calibration: self.live_calibration.clone(),
+            capacity_scope: self
+                .capacity
+                // A cross-check (`--live-calibration`) must offer the live sweep's rates.
+                .unwrap_or(if self.virtual_time && self.live_calibration.is_none() {
+                    CapacityArg::PerPoint
+                } else {
+                    CapacityArg::Reference
+                })
+                .into(),
         }
     }
 

@@ -272,3 +272,81 @@ fn the_load_sweep_runs_at_fractions_of_the_capacity() {
         assert_eq!(meta["accepted"], class != "warming", "{point}");
     }
 }
+
+/// `--capacity per-point` (the virtual default): a point whose workload is not the reference
+/// point's runs at its own capacity, searched on its workload and recorded beside it; the
+/// reference point keeps the calibration's. `--capacity reference` runs both at the calibration's.
+#[test]
+fn each_point_runs_at_its_own_capacity() {
+    let s = scratch("per-point");
+    let out = s.0.to_string_lossy().into_owned();
+    let run = |name: &str, scope: &str| {
+        let (ok, stderr) = xtask(&[
+            "sweep",
+            "pressure-grid",
+            "--quick",
+            "--virtual",
+            "--out",
+            &out,
+            "--sweep-dir-name",
+            name,
+            "--points",
+            "ws1-s0-load1.0,ws1-s1.4-load1.0",
+            "--policies",
+            "session-affinity",
+            "--reps",
+            "1",
+            "--replicas",
+            "2",
+            "--num-gpu-blocks",
+            "1024",
+            "--measure-s",
+            "6",
+            "--capacity",
+            scope,
+            "--no-report",
+        ]);
+        assert!(ok, "virtual sweep ({scope}) failed:\n{stderr}");
+        s.0.join(name)
+    };
+    let rate_of = |dir: &Path, point: &str| {
+        let meta = json(&dir.join(point).join("session-affinity/rep-1/meta.json"));
+        let r = &meta["run"];
+        (
+            r["offered_rps"].as_f64().unwrap(),
+            r["capacity_rps"].as_f64().unwrap(),
+            r["capacity_scope"].as_str().unwrap().to_string(),
+        )
+    };
+    let per = run("per-point", "per-point");
+    let reference = json(&per.join("calibration.json"))["capacity"]["rate_rps"]
+        .as_f64()
+        .unwrap();
+    assert_eq!(json(&per.join("sweep.json"))["capacity_scope"], "per-point");
+    let (r0, c0, scope0) = rate_of(&per, "ws1-s0-load1.0");
+    assert_eq!(
+        (r0, c0, scope0.as_str()),
+        (reference, reference, "per-point")
+    );
+    let (r1, c1, _) = rate_of(&per, "ws1-s1.4-load1.0");
+    let own = json(&per.join("ws1-s1.4-load1.0/capacity.json"));
+    assert_eq!(own["capacity"]["rate_rps"].as_f64().unwrap(), c1);
+    assert_eq!(r1, c1, "load 1.0 × the point's own capacity");
+    assert!(
+        own["capacity"]["workload"]
+            .as_str()
+            .unwrap()
+            .contains("-s1.4-"),
+        "searched on the point's own workload: {own}"
+    );
+    // Skew 1.4 sends a hot conversation more turns than it serves one at a time: its own
+    // capacity is below the reference point's, which would overload it.
+    assert!(c1 < reference, "{c1} vs {reference}");
+    let refd = run("reference", "reference");
+    let (r1, c1, scope1) = rate_of(&refd, "ws1-s1.4-load1.0");
+    assert_eq!(
+        (r1, c1, scope1.as_str()),
+        (reference, reference, "reference")
+    );
+    assert!(!refd.join("ws1-s1.4-load1.0/capacity.json").exists());
+}

@@ -664,10 +664,15 @@ pub fn reference_spec(seed: u64, capacity_tokens: u64) -> WorkloadSpec {
 
 /// The step's point name: `ws1-s0-rate<r>`, `-long<k>` for its k-th re-run.
 pub fn step_point(rate_rps: f64, lengthening: u32) -> String {
+    step_point_of("ws1-s0", rate_rps, lengthening)
+}
+
+/// The step's point name for a search at grid point `base`: `<base>-rate<r>[-long<k>]`.
+pub fn step_point_of(base: &str, rate_rps: f64, lengthening: u32) -> String {
     if lengthening == 0 {
-        format!("ws1-s0-rate{rate_rps}")
+        format!("{base}-rate{rate_rps}")
     } else {
-        format!("ws1-s0-rate{rate_rps}-long{lengthening}")
+        format!("{base}-rate{rate_rps}-long{lengthening}")
     }
 }
 

@@ -72,7 +72,7 @@ pub fn publish(src: &Path, to: &Path) -> Result<Published> {
 enum Where {
     /// The sweep directory: summaries (`*.json`, `*.md`, `timeline.csv`).
     Top,
-    /// Below the top (points, policies, `_discarded`): descend; keep `plan.json` and
+    /// Below the top (points, policies, `_discarded`): descend; keep `plan.json`, a point's own `capacity.json` and
     /// `discarded.json`.
     Inner,
     /// A repetition (`rep-<k>`): meta, fault record and rows.
@@ -124,7 +124,10 @@ fn copy_tree(src: &Path, dst: &Path, out: &mut Published, at: Where) -> Result<(
                 out.row_files += 1;
             }
             (Where::Rep, "meta.json" | "fault.json" | "discarded.json")
-            | (Where::Inner, "plan.json" | "discarded.json" | "meta.json" | "fault.json")
+            | (
+                Where::Inner,
+                "plan.json" | "capacity.json" | "discarded.json" | "meta.json" | "fault.json",
+            )
             | (Where::Top, _)
                 if is_summary(&file_name) =>
             {

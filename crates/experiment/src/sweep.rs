@@ -11,18 +11,43 @@ use anyhow::{Context, Result, anyhow, bail};
 use fleet::evidence::EvidenceConfig;
 use fleet::{DriverSettings, Fleet, Ingress, RouterSettings};
 use schema::Meta;
+use serde::{Deserialize, Serialize};
 use workload::{ArrivalSpec, Sizing, WorkloadSpec};
 
 use crate::attempt::{Attempt, bounds, run_attempt};
 use crate::bins::Bins;
 use crate::calibrate::{CalibrateSettings, calibrate};
 use crate::calibration::{Calibration, Routing, requests_per_user};
-use crate::capacity::{self, CapacitySettings, CellWindow};
+use crate::capacity::{self, Capacity, CapacitySettings, CellWindow};
 use crate::cell;
 use crate::fleet_spec::{FleetKind, FleetSpec};
 use crate::gate::{GateDecision, Gates};
 use crate::grid::{self, Arrival, GridParams, LoadAxis, Point, SweepName, WorkloadShape};
 use crate::plan_file::{PlanFile, ensure_labelled_plan};
+
+/// Which capacity a sweep's `--load` fractions are fractions of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CapacityScope {
+    /// The calibration's capacity, measured at the reference point (ws 1, skew 0): every point
+    /// runs at one absolute rate, so a harder point (larger working set, higher skew) shows
+    /// what the fleet serves at the reference point's capacity.
+    Reference,
+    /// Each point's own capacity, found by the same search on that point's workload: every
+    /// point runs at the same fraction of what the best policy can serve there, so every point
+    /// is a comparison under pressure and none is overloaded for every policy.
+    PerPoint,
+}
+
+impl CapacityScope {
+    /// The flag's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CapacityScope::Reference => "reference",
+            CapacityScope::PerPoint => "per-point",
+        }
+    }
+}
 
 /// What a sweep runs with (defaults already applied); the live and the virtual sweep share it.
 #[derive(Debug, Clone)]
@@ -89,6 +114,9 @@ pub struct SweepSettings {
     /// Virtual sweeps only: judge by this live calibration (SLO, routing values, capacity) instead
     /// of the virtual one, so a live and a virtual sweep can be cross-checked cell by cell.
     pub live_calibration: Option<PathBuf>,
+    /// Where `--load` fractions apply: one capacity for every point (the reference point's, in
+    /// the calibration), or each point's own, searched on that point's workload.
+    pub capacity_scope: CapacityScope,
 }
 
 impl SweepSettings {
@@ -124,6 +152,7 @@ impl SweepSettings {
             versions: serde_json::Value::Null,
             trace: None,
             live_calibration: None,
+            capacity_scope: CapacityScope::Reference,
         }
     }
 
@@ -219,6 +248,7 @@ impl SweepSettings {
             "think_model_s": self.think_model_s,
             "load_fractions": self.load_fractions,
             "capacity_rps": cal.capacity.as_ref().map(|c| c.rate_rps),
+            "capacity_scope": self.capacity_scope.as_str(),
             "calibration": cal,
             "trace": self.trace,
         })
@@ -246,16 +276,16 @@ impl SweepSettings {
             // to the µreq/s, without float noise (56.43, not 56.42999999999999)
             "offered_wall_rps": offered_rps.map(|r| (r * self.fleet.effective_speed() * 1e6).round() / 1e6),
             "capacity_rps": point.load_fraction.and(cal.capacity.as_ref().map(|c| c.rate_rps)),
+            "capacity_scope": point.load_fraction.map(|_| self.capacity_scope.as_str()),
             "window": window,
             "think_model_s": self.think_model_s,
         })
     }
 
-    /// The plan of one point (`<sweep>/<point>/plan.bin`), sized by the calibration's capacity and
-    /// floors; the virtual sweep writes the same bytes.
-    pub fn plan_for(&self, point: &Point, cal: &Calibration, sweep_dir: &Path) -> Result<PlanFile> {
-        let speed = self.fleet.effective_speed();
-        let spec = WorkloadSpec {
+    /// The workload of `point`'s cells (its conversations, sized against the calibration's KV
+    /// capacity), without the arrivals.
+    pub fn spec_for(&self, point: &Point, cal: &Calibration) -> WorkloadSpec {
+        WorkloadSpec {
             seed: self.seed,
             sizing: Sizing::WorkingSet {
                 capacity_tokens: cal.capacity_tokens,
@@ -267,7 +297,34 @@ impl SweepSettings {
             prefix_groups: point.prefix_groups,
             sharing: point.sharing,
             ..WorkloadSpec::default()
-        };
+        }
+    }
+
+    /// `point` and the calibration its cells run under when the point has its own capacity
+    /// (`CapacityScope::PerPoint`): `cal` with `capacity` replaced, so the rate (`--load` ×
+    /// the point's capacity), the derived window and `meta.json`'s `run.capacity_rps` all come
+    /// from it. Fails when the sweep's grid no longer has a point of that name.
+    pub fn at_point_capacity(
+        &self,
+        point: &Point,
+        cal: &Calibration,
+        capacity: Capacity,
+    ) -> Result<(Point, Calibration)> {
+        let mut own = cal.clone();
+        own.capacity = Some(capacity);
+        let p = self
+            .sweep_points(&own)?
+            .into_iter()
+            .find(|p| p.name == point.name)
+            .ok_or_else(|| anyhow!("point {} is not in the grid", point.name))?;
+        Ok((p, own))
+    }
+
+    /// The plan of one point (`<sweep>/<point>/plan.bin`), sized by the calibration's capacity and
+    /// floors; the virtual sweep writes the same bytes.
+    pub fn plan_for(&self, point: &Point, cal: &Calibration, sweep_dir: &Path) -> Result<PlanFile> {
+        let speed = self.fleet.effective_speed();
+        let spec = self.spec_for(point, cal);
         let run_s = self.window_for(point, cal)?.run_s();
         let arrival = match point.arrival {
             Arrival::Closed { users } => {
@@ -463,6 +520,13 @@ impl<'a> LiveSweep<'a> {
         should_stop: &dyn Fn() -> bool,
     ) -> Result<LiveSweep<'a>> {
         let s = settings;
+        if s.capacity_scope == CapacityScope::PerPoint && s.needs_capacity() {
+            // Refused, not approximated: a live search per point is several minutes of fleet
+            // time each and is not built; the virtual sweep has it.
+            bail!(
+                "--capacity per-point is virtual-only for now (a live capacity search per point takes minutes each); run the live sweep with --capacity reference, or the virtual one with --virtual"
+            );
+        }
         // The policies first: a bad name is refused before the calibration runs.
         let policies = match s.ingress {
             Ingress::Router => grid::policies(&s.policies, s.quick)?,

@@ -30,7 +30,7 @@ use anyhow::{Context, Result, anyhow, bail};
 
 use fleet::Ingress;
 use schema::Slo;
-use workload::{ArrivalSpec, Message, Plan};
+use workload::{ArrivalSpec, Message, Plan, WorkloadSpec};
 
 use crate::calibration::{
     self, Calibration, FleetKey, REFERENCE_PROMPT_TOKENS, Routing, SLO_FACTOR,
@@ -41,7 +41,7 @@ use crate::capacity::{
 use crate::cell::{self, CellState};
 use crate::fleet_spec::{FleetKind, FleetSpec};
 use crate::grid::{self, Point};
-use crate::sweep::SweepSettings;
+use crate::sweep::{CapacityScope, SweepSettings};
 
 /// What a virtual sweep's repetitions are, as `sweep.json` records it.
 pub const REPETITIONS: &str = "deterministic: no step-time jitter; repetitions differ only by their policy and engine seeds, so the report draws no spread verdict (deterministic (virtual))";
@@ -251,6 +251,23 @@ pub fn find_capacity(
     cal: &Calibration,
     work: &Path,
 ) -> Result<Capacity> {
+    let speed = base.engine.model.speed;
+    let spec = capacity::reference_spec(s.seed, cal.capacity_tokens);
+    let start = capacity::start_estimate(cal, speed, spec.output_tokens)?;
+    find_capacity_of(s, base, cal, work, &spec, "ws1-s0", start)
+}
+
+/// [`find_capacity`] on `spec`'s workload (a grid point's, named `point` in the steps' names),
+/// from `start` (rate, model req/s, and why).
+pub fn find_capacity_of(
+    s: &SweepSettings,
+    base: &sim::SimConfig,
+    cal: &Calibration,
+    work: &Path,
+    spec: &WorkloadSpec,
+    point: &str,
+    start: (f64, String),
+) -> Result<Capacity> {
     let started = std::time::Instant::now();
     let c = CapacitySettings {
         warmup_s: s.warmup_s,
@@ -258,8 +275,7 @@ pub fn find_capacity(
         ..CapacitySettings::defaults(s.quick)
     };
     let speed = base.engine.model.speed;
-    let spec = capacity::reference_spec(s.seed, cal.capacity_tokens);
-    let (start_rps, start_rule) = capacity::start_estimate(cal, speed, spec.output_tokens)?;
+    let (start_rps, start_rule) = start;
     let cfg = SearchConfig {
         start_rps,
         start_rule,
@@ -280,15 +296,15 @@ pub fn find_capacity(
             .measure_s
             .max(capacity::window_for_requests(wall_rate, min_requests));
         let run_s = warmup_s + measure_s;
-        let point = capacity::step_point(step.rate_rps, step.lengthening);
+        let step_point = capacity::step_point_of(point, step.rate_rps, step.lengthening);
         let arrival = ArrivalSpec::Open {
             rate_rps: wall_rate,
             duration_s: run_s,
         };
-        let plan = Plan::build(&spec, &arrival).map_err(|e| anyhow!("{e}"))?;
+        let plan = Plan::build(spec, &arrival).map_err(|e| anyhow!("{e}"))?;
         workload_name = plan.spec.name();
         let book = sim::PromptBook::new(&plan, &base.model, base.router.block_bytes, true)
-            .map_err(|e| anyhow!("prompts of {point}: {e}"))?;
+            .map_err(|e| anyhow!("prompts of {step_point}: {e}"))?;
         let mut cfg = base.clone();
         cfg.policy = policies::PolicySpec::named(&step.policy);
         cfg.policy.seed = s.seed;
@@ -298,11 +314,11 @@ pub fn find_capacity(
             duration_s: Some(run_s),
             timeout_s: s.request_timeout_s,
         };
-        let dir = cell::rep_dir(&sweep_dir, &point, &step.policy, 1);
+        let dir = cell::rep_dir(&sweep_dir, &step_point, &step.policy, 1);
         cell::clear(&dir)?;
         let meta = sim::CellMeta {
             sweep: "calibration-capacity".into(),
-            point,
+            point: step_point,
             rep: 1,
             slo: cal.slo,
             planned_end_s: Some(run_s),
@@ -319,6 +335,142 @@ pub fn find_capacity(
     cap.workload = workload_name;
     cap.search_wall_s = started.elapsed().as_secs_f64();
     Ok(cap)
+}
+
+/// Each `--load` point's own capacity under [`CapacityScope::PerPoint`] (empty otherwise), as
+/// `(point name, capacity)`: the reference search ([`find_capacity_of`]) on the point's workload,
+/// started at the reference capacity (the reference point's own workload takes the
+/// calibration's capacity as it is), with its steps and `capacity.json` in
+/// `<dir>/calibration-runs/<point>/` (reused on a resume when it was searched on the same
+/// workload under the same SLO). Points that differ only in their load fraction share one search
+/// (one workload); each point gets a copy in `<dir>/<point>/capacity.json`, which `publish`
+/// keeps. Searches run on all cores.
+fn point_capacities(
+    s: &SweepSettings,
+    base: &sim::SimConfig,
+    cal: &Calibration,
+    points: &[Point],
+    dir: &Path,
+) -> Result<Vec<(String, Capacity)>> {
+    if s.capacity_scope != CapacityScope::PerPoint || !s.needs_capacity() {
+        return Ok(Vec::new());
+    }
+    let reference = cal
+        .capacity
+        .as_ref()
+        .ok_or_else(|| anyhow!("a per-point capacity search starts from the reference capacity, and the calibration has none"))?;
+    // One search per distinct workload, named after the first point that has it.
+    let mut searches: Vec<(String, WorkloadSpec)> = Vec::new();
+    let mut of_point: Vec<(String, String)> = Vec::new();
+    for p in points.iter().filter(|p| p.load_fraction.is_some()) {
+        let spec = s.spec_for(p, cal);
+        let base_name = p.name.split("-load").next().unwrap_or(&p.name).to_string();
+        if !searches.iter().any(|(_, sp)| sp.name() == spec.name()) {
+            searches.push((base_name.clone(), spec.clone()));
+        }
+        let owner = searches
+            .iter()
+            .find(|(_, sp)| sp.name() == spec.name())
+            .map(|(n, _)| n.clone())
+            .unwrap_or(base_name);
+        of_point.push((p.name.clone(), owner));
+    }
+    // The search's record sits with its steps; each point it serves gets a copy.
+    let record = |name: &str| {
+        dir.join("calibration-runs")
+            .join(name)
+            .join("capacity.json")
+    };
+    let reusable = |name: &str, spec: &WorkloadSpec| -> Option<Capacity> {
+        let text = std::fs::read_to_string(record(name)).ok()?;
+        let c: PointCapacity = serde_json::from_str(&text).ok()?;
+        (c.capacity.workload == spec.name() && c.slo == cal.slo).then_some(c.capacity)
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let start = (
+        reference.rate_rps,
+        format!(
+            "the reference point's capacity ({} req/s, the calibration's)",
+            reference.rate_rps
+        ),
+    );
+    let mut found: Vec<(String, Capacity)> = Vec::new();
+    for chunk in searches.chunks(threads.max(1)) {
+        let results: Vec<Result<(String, Capacity)>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|(name, spec)| {
+                    let start = start.clone();
+                    scope.spawn(move || -> Result<(String, Capacity)> {
+                        // The reference point's own workload: its capacity is the calibration's.
+                        if reference.workload == spec.name() {
+                            return Ok((name.clone(), reference.clone()));
+                        }
+                        if let Some(c) = reusable(name, spec) {
+                            return Ok((name.clone(), c));
+                        }
+                        let work = dir.join("calibration-runs").join(name);
+                        let c = find_capacity_of(s, base, cal, &work, spec, name, start)
+                            .with_context(|| format!("the capacity of point {name}"))?;
+                        cell::write_atomic(
+                            &record(name),
+                            serde_json::to_string_pretty(&PointCapacity {
+                                slo: cal.slo,
+                                capacity: c.clone(),
+                            })?
+                            .as_bytes(),
+                        )?;
+                        Ok((name.clone(), c))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("a capacity search panicked")))
+                })
+                .collect()
+        });
+        for r in results {
+            found.push(r?);
+        }
+    }
+    for (name, c) in &found {
+        eprintln!(
+            "xtask: capacity of {name}: {} req/s (model time; {} steps, {})",
+            c.rate_rps,
+            c.curve.len(),
+            c.rule
+        );
+    }
+    let mut out = Vec::new();
+    for (point, owner) in of_point {
+        let Some((_, c)) = found.iter().find(|(n, _)| *n == owner) else {
+            continue;
+        };
+        std::fs::create_dir_all(dir.join(&point))?;
+        cell::write_atomic(
+            &dir.join(&point).join("capacity.json"),
+            serde_json::to_string_pretty(&PointCapacity {
+                slo: cal.slo,
+                capacity: c.clone(),
+            })?
+            .as_bytes(),
+        )
+        .with_context(|| format!("recording the capacity of {point}"))?;
+        out.push((point, c.clone()));
+    }
+    Ok(out)
+}
+
+/// `capacity.json` of a per-point search: a point's own capacity and the SLO it was judged by.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct PointCapacity {
+    /// The SLO the search's steps were judged by.
+    pub slo: Slo,
+    /// The capacity, its rule and its curve.
+    pub capacity: Capacity,
 }
 
 /// What every repetition of a virtual sweep shares.
@@ -591,9 +743,16 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
         })?
         .as_bytes(),
     )?;
+    let own_capacities = point_capacities(s, &base, &cal, &points, dir)?;
     let mut jobs = Vec::new();
     let mut skipped = 0usize;
     for point in &points {
+        // Under a per-point capacity the point's rate, window and recorded capacity are its own.
+        let (point, cal) = match own_capacities.iter().find(|(n, _)| *n == point.name) {
+            Some((_, c)) => s.at_point_capacity(point, &cal, c.clone())?,
+            None => (point.clone(), cal.clone()),
+        };
+        let point = &point;
         let window = s.window_for(point, &cal)?;
         let plan_file = s.plan_for(point, &cal, dir)?;
         let work = if crate::trace_sweep::settings_of(s)?.is_some() {
