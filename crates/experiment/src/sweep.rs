@@ -211,6 +211,7 @@ impl SweepSettings {
         match (point.arrival, point.load_fraction, &cal.capacity) {
             (Arrival::Open { rate_rps }, Some(_), Some(cap)) => capacity::cell_window(
                 cap,
+                cal.capacity_tokens,
                 rate_rps,
                 self.fleet.effective_speed(),
                 self.warmup_given.then_some(self.warmup_s),
@@ -823,6 +824,7 @@ mod tests {
                     overloaded: false,
                     warmup_s: step_warmup_s(5.0, step.lengthening),
                     measure_s: 8.0,
+                    inflow_tokens_per_s: None,
                     dir: None,
                 })
             })

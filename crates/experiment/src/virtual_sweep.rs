@@ -366,7 +366,7 @@ fn point_capacities(
         let spec = s.spec_for(p, cal);
         let base_name = p.name.split("-load").next().unwrap_or(&p.name).to_string();
         if !searches.iter().any(|(_, sp)| sp.name() == spec.name()) {
-            searches.push((base_name.clone(), spec.clone()));
+            searches.push((base_name.clone(), spec));
         }
         let owner = searches
             .iter()
