@@ -56,6 +56,14 @@ pub const DEFAULT_POLICIES: &[&str] = &["session-affinity", "prefix-affinity"];
 /// the nearest rate: the search's steps settle on a doubling ladder, so the settled warm-up is an
 /// upper estimate by up to 2× already, and 1.5× more covers a cell that settles a little later
 /// than the step did (another policy, another working set).
+///
+/// A floor of 1.5 × the time the cell's load takes to fill the fleet's KV capacity once (the
+/// caches evict nothing until full, so a window holding that turn trends) was tried on the
+/// virtual grid at 1.0× each point's capacity (1 Dec 2026): warm-ups of 34–518 s instead of
+/// 30–120 s, and fewer settled cells (182 of 324 against 210; ws3-s0 went from 27 warming to 18
+/// settled, ws1-s1.4 from 27 settled to 27 warming). At a point's capacity the fleet is at the
+/// edge, and a longer run gives a marginal backlog longer to show; the steps' cache inflow
+/// stays recorded (`StepMeasurement::inflow_tokens_per_s`) as the evidence.
 pub const WARMUP_MARGIN: f64 = 1.5;
 
 /// A measured window holds at least this many times the drift check's minimum requests at the
@@ -454,15 +462,13 @@ pub fn window_for_requests(wall_rate_rps: f64, min_requests: usize) -> f64 {
 /// - warm-up: [`WARMUP_MARGIN`] × the warm-up the capacity search settled with at the lowest
 ///   settled rate at or above `rate_rps` (a higher load settles later, so the rate above is the
 ///   safe side); above every settled rate, the settled warm-up at the highest one (stated as an
-///   extrapolation). At least [`WARMUP_MARGIN`] × the time this load takes to fill the
-///   fleet's `capacity_tokens` once ([`fill_time_s`]): a search step can settle before its
-///   caches fill, a longer cell cannot. `warmup_given` (the sweep's `--warmup-s`) replaces the
-///   derivation.
+///   extrapolation). `warmup_given` (the sweep's `--warmup-s`) replaces the derivation. Not
+///   lengthened to the time the load takes to fill the caches: tried, and at 1.0× a point's
+///   capacity the longer cells drifted more, not less (see `WARMUP_MARGIN`).
 /// - measured window: `measure_s`, lengthened when needed so that the window holds
 ///   [`WINDOW_REQUEST_MARGIN`] × the drift check's `min_requests` at this rate.
 pub fn cell_window(
     cap: &Capacity,
-    capacity_tokens: u64,
     rate_rps: f64,
     speed: f64,
     warmup_given: Option<f64>,
@@ -515,58 +521,17 @@ pub fn cell_window(
             ),
         },
     };
-    let settled_rule = format!(
-        "{WARMUP_MARGIN} × the {} s warm-up the drift check settled with at {} req/s ({how}; this cell {rate_rps} req/s, model time)",
-        from.1, from.0
-    );
-    let by_settling = WARMUP_MARGIN * from.1;
-    let fill = fill_time_s(cap, from.0, rate_rps, capacity_tokens);
-    let (warmup, rule) = match fill {
-        Some((fill_s, inflow)) if WARMUP_MARGIN * fill_s > by_settling => {
-            let w = WARMUP_MARGIN * fill_s;
-            (
-                w,
-                format!(
-                    "warm-up {w:.1} s = {WARMUP_MARGIN} × the {fill_s:.1} s this load takes to fill the fleet's {capacity_tokens} KV tokens once ({inflow:.0} tokens/s wall entering the caches, the least of the settled steps at {} req/s scaled to this rate), longer than {settled_rule}; {measure_rule}",
-                    from.0
-                ),
-            )
-        }
-        _ => (
-            by_settling,
-            format!("warm-up {by_settling:.1} s = {settled_rule}; {measure_rule}"),
-        ),
-    };
+    let warmup = WARMUP_MARGIN * from.1;
     Ok(CellWindow {
         warmup_s: warmup,
         measure_s: measure,
-        rule,
+        rule: format!(
+            "warm-up {warmup:.1} s = {WARMUP_MARGIN} × the {} s warm-up the drift check settled with at {} req/s ({how}; this cell {rate_rps} req/s, model time); {measure_rule}",
+            from.1, from.0
+        ),
         settled_at_rps: Some(from.0),
         settled_warmup_s: Some(from.1),
     })
-}
-
-/// How long a cell at `rate_rps` takes to fill `capacity_tokens` of KV cache once (wall s), and
-/// the inflow that says so (tokens/s wall): the least cache inflow of the search's settled steps
-/// at `step_rps` (the slowest filler, the safe side), scaled by `rate_rps ÷ step_rps`. `None`
-/// when no settled step there reported its tokens. Why it bounds the warm-up: until the caches
-/// are full nothing is evicted, so the hit rate climbs and then falls once eviction starts; a
-/// window that holds that turn trends (measured: a virtual ws3-s0 cell's hit rate rose to 83%
-/// by 30 s and fell to 78% after the caches filled at ≈ 40 s, inside its 30–70 s window).
-pub fn fill_time_s(
-    cap: &Capacity,
-    step_rps: f64,
-    rate_rps: f64,
-    capacity_tokens: u64,
-) -> Option<(f64, f64)> {
-    let least = cap
-        .settled()
-        .filter(|p| p.rate_rps == step_rps)
-        .filter_map(|p| p.step.inflow_tokens_per_s)
-        .filter(|v| *v > 0.0)
-        .min_by(f64::total_cmp)?;
-    let inflow = least * rate_rps / step_rps;
-    (inflow > 0.0 && capacity_tokens > 0).then(|| (capacity_tokens as f64 / inflow, inflow))
 }
 
 /// What a finished step's repetition directory (with its `meta.json`) measured: the report's
@@ -1246,54 +1211,37 @@ mod tests {
             (16.0, 5.0, false),
             (16.0, 10.0, false),
         ]);
-        let w = cell_window(&cap, 0, 5.6, 6.0, None, 8.0, 20).unwrap();
+        let w = cell_window(&cap, 5.6, 6.0, None, 8.0, 20).unwrap();
         assert_eq!(w.settled_at_rps, Some(8.0));
         assert_eq!(w.warmup_s, 15.0);
         assert!(w.rule.contains("1.5 × the 10 s warm-up"), "{}", w.rule);
-        let w = cell_window(&cap, 0, 8.0, 6.0, None, 8.0, 20).unwrap();
+        let w = cell_window(&cap, 8.0, 6.0, None, 8.0, 20).unwrap();
         assert_eq!((w.settled_at_rps, w.warmup_s), (Some(8.0), 15.0));
-        let w = cell_window(&cap, 0, 2.0, 6.0, None, 8.0, 20).unwrap();
+        let w = cell_window(&cap, 2.0, 6.0, None, 8.0, 20).unwrap();
         assert_eq!((w.settled_at_rps, w.warmup_s), (Some(4.0), 7.5));
         // Above every settled rate: the highest settled one, said to be an extrapolation.
-        let w = cell_window(&cap, 0, 13.0, 6.0, None, 8.0, 20).unwrap();
+        let w = cell_window(&cap, 13.0, 6.0, None, 8.0, 20).unwrap();
         assert_eq!((w.settled_at_rps, w.warmup_s), (Some(12.0), 30.0));
         assert!(w.rule.contains("extrapolated"), "{}", w.rule);
         // The measured window holds 2 × 20 requests: at 0.5 req/s × speed 2 = 1 req/s wall,
         // 40 s; at a high rate the given 8 s.
-        let w = cell_window(&cap, 0, 0.5, 2.0, None, 8.0, 20).unwrap();
+        let w = cell_window(&cap, 0.5, 2.0, None, 8.0, 20).unwrap();
         assert_eq!(w.measure_s, 40.0);
         assert!(w.rule.contains("lengthened from 8 s"), "{}", w.rule);
         assert_eq!(
-            cell_window(&cap, 0, 8.0, 6.0, None, 8.0, 20)
+            cell_window(&cap, 8.0, 6.0, None, 8.0, 20)
                 .unwrap()
                 .measure_s,
             8.0
         );
         // --warmup-s replaces the derivation (and says so).
-        let w = cell_window(&cap, 0, 8.0, 6.0, Some(3.0), 8.0, 20).unwrap();
+        let w = cell_window(&cap, 8.0, 6.0, Some(3.0), 8.0, 20).unwrap();
         assert_eq!((w.warmup_s, w.settled_at_rps), (3.0, None));
         assert!(w.rule.contains("--warmup-s"));
         assert_eq!(w.run_s(), 11.0);
-        // A load that fills the caches more slowly than the search settled: the fill time sets
-        // the warm-up. At 8 req/s the settled steps took in 2,000 and 1,000 tokens/s; the least
-        // (1,000), scaled to 4 req/s, fills 60,000 tokens in 120 s → 180 s warm-up.
-        let mut slow = capacity_with(vec![(8.0, 10.0, true), (8.0, 10.0, true)]);
-        slow.curve[0].step.inflow_tokens_per_s = Some(2000.0);
-        slow.curve[1].step.inflow_tokens_per_s = Some(1000.0);
-        assert_eq!(fill_time_s(&slow, 8.0, 4.0, 60_000), Some((120.0, 500.0)));
-        let w = cell_window(&slow, 60_000, 4.0, 6.0, None, 8.0, 20).unwrap();
-        assert_eq!(w.warmup_s, 180.0);
-        assert!(
-            w.rule.contains("to fill the fleet's 60000 KV tokens"),
-            "{}",
-            w.rule
-        );
-        // A small cache fills within the settled warm-up: the settling time stands.
-        let w = cell_window(&slow, 600, 8.0, 6.0, None, 8.0, 20).unwrap();
-        assert_eq!(w.warmup_s, 15.0);
         // Nothing settled: refused.
         let none = capacity_with(vec![(4.0, 5.0, false)]);
-        assert!(cell_window(&none, 0, 4.0, 6.0, None, 8.0, 20).is_err());
+        assert!(cell_window(&none, 4.0, 6.0, None, 8.0, 20).is_err());
     }
 
     #[test]

@@ -211,7 +211,6 @@ impl SweepSettings {
         match (point.arrival, point.load_fraction, &cal.capacity) {
             (Arrival::Open { rate_rps }, Some(_), Some(cap)) => capacity::cell_window(
                 cap,
-                cal.capacity_tokens,
                 rate_rps,
                 self.fleet.effective_speed(),
                 self.warmup_given.then_some(self.warmup_s),
