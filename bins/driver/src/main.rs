@@ -165,6 +165,12 @@ pub struct SendArgs {
     /// Stop sending new requests after S seconds.
     #[arg(long)]
     duration_s: Option<f64>,
+    /// Open loop, one turn at a time per conversation: after --duration-s, do not send a turn
+    /// that has already waited longer than MS past its schedule behind its conversation's
+    /// previous turn; write it as an `abandoned:` row. Give it the SLO's TTFT bound: such a
+    /// turn has missed the SLO whatever happens next, so the run does not drain that backlog.
+    #[arg(long, requires = "duration_s")]
+    abandon_after_ms: Option<f64>,
     /// Progress line on stderr.
     #[arg(long, value_enum, default_value_t = Progress::Auto)]
     progress: Progress,
@@ -187,6 +193,7 @@ impl SendArgs {
             warmup_s: self.warmup_s,
             timeout_s: self.timeout_s,
             duration_s: self.duration_s,
+            abandon_after_s: self.abandon_after_ms.map(|ms| ms / 1e3),
             preflight: !self.no_preflight,
             progress: match self.progress {
                 Progress::Auto => ProgressMode::Auto,

@@ -63,6 +63,13 @@ pub struct RunConfig {
     pub timeout_s: f64,
     /// Stop sending new requests after this many seconds (in-flight ones finish).
     pub duration_s: Option<f64>,
+    /// Open loop, one turn at a time per conversation: once `duration_s` has passed, a turn
+    /// still queued behind its conversation's previous turn that has already waited longer
+    /// than this past its schedule is not sent; it gets a row with an `abandoned:` error. Give
+    /// it the SLO's TTFT bound: such a turn has missed the SLO whatever happens next (its TTFT
+    /// counts from the scheduled time), so the run ends without draining a backlog that
+    /// cannot change a verdict. `None`: every scheduled turn is sent.
+    pub abandon_after_s: Option<f64>,
     /// Check the server with `GET /v1/models` before starting (clear error when unreachable).
     pub preflight: bool,
     /// Progress line on stderr.
@@ -84,6 +91,7 @@ impl RunConfig {
             warmup_s: 0.0,
             timeout_s: 600.0,
             duration_s: None,
+            abandon_after_s: None,
             preflight: true,
             progress: ProgressMode::Auto,
             progress_file: None,
@@ -102,6 +110,16 @@ impl RunConfig {
             && (!d.is_finite() || d <= 0.0)
         {
             return bad(format!("duration must be > 0 s, got {d}"));
+        }
+        if let Some(a) = self.abandon_after_s {
+            if !a.is_finite() || a < 0.0 {
+                return bad(format!("abandon-after must be >= 0 s, got {a}"));
+            }
+            if self.duration_s.is_none() {
+                return bad(
+                    "abandoning queued turns needs a duration (it applies after it)".into(),
+                );
+            }
         }
         if !self.preflight && self.model.is_none() {
             return bad("a model name is required when the preflight is off".into());
@@ -303,6 +321,7 @@ pub(crate) struct Shared<W = Plan> {
     pub(crate) model: String,
     warmup: Duration,
     stop_at: Option<Duration>,
+    abandon_after: Option<Duration>,
     sink: Mutex<Sink>,
 }
 
@@ -328,6 +347,16 @@ impl Named for Plan {
 impl<W> Shared<W> {
     pub(crate) fn stopped(&self, scheduled: Duration) -> bool {
         self.stop_at.is_some_and(|s| scheduled >= s)
+    }
+
+    /// How long a turn scheduled at `scheduled` has waited, when it is to be abandoned: the run
+    /// is past its stop time and the wait exceeds `abandon_after` (see
+    /// [`RunConfig::abandon_after_s`]).
+    fn abandoned_wait(&self, scheduled: Duration) -> Option<Duration> {
+        let (stop, limit) = (self.stop_at?, self.abandon_after?);
+        let now = self.requester.clock_start().elapsed();
+        let wait = now.saturating_sub(scheduled);
+        (now >= stop && wait > limit).then_some(wait)
     }
 }
 
@@ -359,6 +388,47 @@ impl Shared {
 }
 
 impl<W> Shared<W> {
+    /// The row of a turn abandoned after the run's stop time: never sent (no send time, no
+    /// latencies), an `abandoned:` error that says how long it had waited.
+    fn record_abandoned(
+        &self,
+        request_id: &str,
+        session_id: &str,
+        turn: u32,
+        scheduled: Duration,
+        wait: Duration,
+    ) {
+        let limit_ms = self.abandon_after.map_or(0.0, |a| a.as_secs_f64() * 1e3);
+        let row = ClientRow {
+            request_id: request_id.to_owned(),
+            session_id: session_id.to_owned(),
+            turn,
+            scheduled_s: Some(scheduled.as_secs_f64()),
+            sent_s: None,
+            first_token_s: None,
+            last_s: None,
+            ttft_ms: None,
+            itl_p50_ms: None,
+            tpot_ms: None,
+            e2el_ms: None,
+            prompt_tokens: None,
+            output_tokens: None,
+            cached_tokens: None,
+            status: 0,
+            error: format!(
+                "abandoned: not sent; after the run's end it had waited {:.0} ms behind its conversation's previous turn, past the {limit_ms:.0} ms TTFT bound",
+                wait.as_secs_f64() * 1e3
+            ),
+            warmup: 0,
+            send_lag_ms: None,
+            chunks: 0,
+        };
+        let end = scheduled + wait;
+        if let Ok(mut sink) = self.sink.lock() {
+            sink.record(&row, end);
+        }
+    }
+
     pub(crate) fn record(
         &self,
         request_id: &str,
@@ -546,6 +616,19 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
                 if shared.stopped(scheduled) {
                     break;
                 }
+                if let Some(wait) = shared.abandoned_wait(scheduled) {
+                    let session_id = shared.plan.session_id(c as u32);
+                    shared.record_abandoned(
+                        &open_request_id(i),
+                        &session_id,
+                        turn,
+                        scheduled,
+                        wait,
+                    );
+                    // A row like a sent request's, so rows + not sent = planned.
+                    sent += 1;
+                    continue;
+                }
                 sleep_until(start + scheduled).await;
                 shared
                     .fire(&open_request_id(i), c as u32, turn, scheduled)
@@ -653,6 +736,7 @@ pub(crate) async fn prepare_with<W>(
         model,
         warmup: Duration::from_secs_f64(cfg.warmup_s),
         stop_at: cfg.duration_s.map(Duration::from_secs_f64),
+        abandon_after: cfg.abandon_after_s.map(Duration::from_secs_f64),
         sink: Mutex::new(Sink {
             writer: Some(writer),
             write_error: None,

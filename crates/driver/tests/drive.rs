@@ -605,3 +605,59 @@ async fn the_progress_file_ends_on_the_final_count() {
     let text = std::fs::read_to_string(&progress).unwrap();
     assert!(text.starts_with("6/6 done"), "{text}");
 }
+
+/// An exclusive open loop whose one conversation gets every arrival builds a queue of turns in
+/// the driver. After the run's stop time a queued turn that has waited past `abandon_after_s`
+/// is not sent: it is a row with an `abandoned:` error and no send time, so the run does not
+/// drain the backlog; turns that waited less are still sent. Every planned turn is a row.
+#[tokio::test]
+async fn queued_turns_past_the_bound_after_the_end_are_abandoned_not_sent() {
+    let server =
+        ScriptedServer::start(|_| Reply::Stream(StreamScript::uniform(ms(50), ms(2), 4, 50)))
+            .await
+            .unwrap();
+    let plan = Plan::build(
+        &small_spec(1),
+        &ArrivalSpec::Open {
+            rate_rps: 40.0,
+            duration_s: 1.0,
+        },
+    )
+    .unwrap();
+    let out = out_dir("abandon").join("client.csv");
+    let cfg = RunConfig {
+        duration_s: Some(1.0),
+        abandon_after_s: Some(0.1),
+        ..config(server.url(), out.clone())
+    };
+    let summary = run_open(&plan, &cfg).await.unwrap();
+    let rows = read_rows(&out).unwrap();
+    assert_eq!(rows.len() as u64, summary.requests);
+    assert_eq!(
+        summary.requests + summary.not_sent,
+        plan.request_count() as u64
+    );
+    let abandoned: Vec<&ClientRow> = rows
+        .iter()
+        .filter(|r| r.error.starts_with("abandoned:"))
+        .collect();
+    // ~40 arrivals, each response ≥ 56 ms: at most ~18 served in the second, the rest queued.
+    assert!(abandoned.len() >= 10, "{} abandoned", abandoned.len());
+    assert_eq!(
+        summary.errors_by_kind.get("abandoned").copied(),
+        Some(abandoned.len() as u64)
+    );
+    for r in &abandoned {
+        assert!(
+            r.sent_s.is_none() && r.ttft_ms.is_none() && r.e2el_ms.is_none(),
+            "{r:?}"
+        );
+        assert!(r.scheduled_s.unwrap() < 1.0, "{r:?}");
+    }
+    // What was sent after the end had waited at most the bound when it was let go.
+    for r in rows.iter().filter(|r| r.sent_s.is_some_and(|s| s > 1.0)) {
+        assert!(r.send_lag_ms.unwrap() < 100.0 + 50.0, "{r:?}");
+    }
+    let sent: Vec<ClientRow> = rows.into_iter().filter(|r| r.sent_s.is_some()).collect();
+    assert_no_overlap_per_session(&sent);
+}

@@ -235,6 +235,7 @@ pub fn calibrate(
                 duration_s: None,
                 timeout_s: 120.0,
                 model: s.fleet.model.clone(),
+                abandon_after_ms: None,
             },
             &dir.join("driver.log"),
         )?;
@@ -551,6 +552,7 @@ fn reference_run(
                 duration_s: Some(run_s),
                 timeout_s: 120.0,
                 model: s.fleet.model.clone(),
+                abandon_after_ms: None,
             },
             closed_users: Some(s.users as usize),
             planned_end_s: run_s,

@@ -784,6 +784,8 @@ pub fn find_live(
             duration_s: Some(run_s),
             timeout_s,
             model: s.fleet.model.clone(),
+            // A turn still queued past the TTFT bound after the step's end has missed already.
+            abandon_after_ms: Some(cal.slo.ttft_ms),
         };
         let attempt = |fleet: &mut Fleet| {
             cell::clear(&dir)?;

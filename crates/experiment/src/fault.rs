@@ -633,6 +633,8 @@ impl<'a> FaultRun<'a> {
             duration_s: Some(s.run_s()),
             timeout_s: s.request_timeout_s,
             model: s.fleet.model.clone(),
+            // The fault timeline follows every request to its end.
+            abandon_after_ms: None,
         };
         let client_csv = rep_dir.join("client.csv");
         let mut driver = fleet::start_driver(

@@ -635,6 +635,9 @@ impl<'a> LiveSweep<'a> {
             duration_s: Some(run_s),
             timeout_s: s.request_timeout_s,
             model: s.fleet.model.clone(),
+            // Open loop: a turn still queued past the TTFT bound after the window has missed the
+            // SLO already; writing it as abandoned ends an overloaded cell without its drain.
+            abandon_after_ms: (mode == "open").then_some(cal.slo.ttft_ms),
         };
         let mut gates = Gates::new(s.evidence_retries);
         let mut failures = 0u32;

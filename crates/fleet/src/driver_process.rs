@@ -25,10 +25,13 @@ pub struct DriverSettings {
     pub timeout_s: f64,
     /// `--model`.
     pub model: String,
+    /// `--abandon-after-ms` (open loop, with `duration_s`): the SLO's TTFT bound, wall ms, so
+    /// a turn queued past it after the run's end is written as abandoned instead of sent.
+    pub abandon_after_ms: Option<f64>,
 }
 
 /// The driver's command line: `driver_bin MODE --url url --plan plan --out out --model …
-/// --warmup-s … --timeout-s … [--duration-s …]`.
+/// --warmup-s … --timeout-s … [--duration-s … [--abandon-after-ms …]]`.
 pub fn driver_command(
     driver_bin: &Path,
     url: &str,
@@ -48,6 +51,9 @@ pub fn driver_command(
         .args(["--timeout-s", &format!("{}", settings.timeout_s)]);
     if let Some(d) = settings.duration_s {
         cmd.args(["--duration-s", &format!("{d}")]);
+        if let Some(a) = settings.abandon_after_ms {
+            cmd.args(["--abandon-after-ms", &format!("{a}")]);
+        }
     }
     cmd
 }
@@ -184,6 +190,7 @@ mod tests {
             duration_s: Some(4.0),
             timeout_s: 20.0,
             model: "kvroute/emulated-8b".into(),
+            abandon_after_ms: None,
         };
         let cmd = driver_command(
             Path::new("/bin/driver"),
@@ -197,8 +204,16 @@ mod tests {
             args(&cmd).join(" "),
             "open --url http://127.0.0.1:9 --plan p/plan.bin --out c/client.csv --model kvroute/emulated-8b --warmup-s 0.5 --timeout-s 20 --duration-s 4"
         );
+        s.abandon_after_ms = Some(166.5);
+        let cmd = driver_command(Path::new("d"), "u", Path::new("p"), Path::new("o"), &s);
+        assert!(
+            args(&cmd)
+                .join(" ")
+                .ends_with("--duration-s 4 --abandon-after-ms 166.5")
+        );
         s.mode = "closed";
         s.duration_s = None;
+        // Without a duration there is no end to abandon after.
         let cmd = driver_command(Path::new("d"), "u", Path::new("p"), Path::new("o"), &s);
         assert_eq!(
             args(&cmd).join(" "),
