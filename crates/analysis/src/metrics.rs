@@ -82,7 +82,9 @@ pub fn is_good(row: &ClientRow, slo: &Slo, clock: WindowClock) -> bool {
 }
 
 /// Which bounds a request missed. An error (or non-2xx status) is reported alone: its TTFT and
-/// ITL are not judged. A successful request may miss both TTFT and ITL.
+/// ITL are not judged. A successful request may miss both TTFT and ITL. A turn the driver
+/// abandoned (`abandoned:`, never sent: after the run's end it had waited past the TTFT bound
+/// behind its conversation's previous turn) missed the TTFT bound, and counts there.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SloMiss {
     /// Failed: an error or a non-2xx status.
@@ -97,6 +99,12 @@ pub struct SloMiss {
 /// The bounds `row` missed under `slo`, its TTFT judged on `clock` ([`is_good`] is "missed
 /// none").
 pub fn slo_miss(row: &ClientRow, slo: &Slo, clock: WindowClock) -> SloMiss {
+    if row.error.as_deref().is_some_and(is_abandoned) {
+        return SloMiss {
+            ttft: true,
+            ..SloMiss::default()
+        };
+    }
     if row.error.is_some() || !(200..300).contains(&row.status) {
         return SloMiss {
             error: true,
@@ -113,6 +121,12 @@ pub fn slo_miss(row: &ClientRow, slo: &Slo, clock: WindowClock) -> SloMiss {
         ttft: !ttft_ok,
         itl: !itl_ok,
     }
+}
+
+/// Whether a client row's `error` is the driver's `abandoned:` (a turn never sent because it
+/// had already waited past the TTFT bound after the run's end; `driver --abandon-after-ms`).
+pub fn is_abandoned(error: &str) -> bool {
+    error.starts_with("abandoned:")
 }
 
 /// Goodput in one time bucket of a series.
@@ -272,7 +286,7 @@ pub struct Latency {
     pub requests: u64,
     /// Requests meeting the SLO.
     pub good: u64,
-    /// Requests with an error or a non-2xx status.
+    /// Requests with an error or a non-2xx status (an abandoned turn is a TTFT miss, not an error).
     pub errors: u64,
     /// good / requests.
     pub slo_attainment: Option<f64>,
@@ -309,7 +323,7 @@ pub fn latency(reqs: &[Request<'_>]) -> Latency {
     Latency {
         requests: reqs.len() as u64,
         good,
-        errors: reqs.iter().filter(|r| !r.ok).count() as u64,
+        errors: reqs.iter().filter(|r| r.miss.error).count() as u64,
         slo_attainment: (!reqs.is_empty()).then(|| good as f64 / reqs.len() as f64),
         ttft_p50_ms: quantile(&ttft, 0.5),
         ttft_p90_ms: quantile(&ttft, 0.9),
@@ -793,7 +807,8 @@ pub struct RepMetrics {
     pub latency: Latency,
     /// SLO attainment of the requests routed to the busiest replica (most routed requests, by
     /// the router rows); `None` without router rows. A policy that piles load on one replica
-    /// can hold a fair fleet-wide attainment while that replica's users miss.
+    /// can hold a fair fleet-wide attainment while that replica's users miss. Turns the driver
+    /// abandoned reached no replica and are not in it (in an overloaded cell it reads high).
     #[serde(default)]
     pub busiest_replica_attainment: Option<f64>,
     /// Mechanism figures, all / first / later turns.
@@ -806,7 +821,8 @@ pub struct RepMetrics {
     pub branches: BTreeMap<String, u64>,
     /// Whether a router.csv was present.
     pub has_router_rows: bool,
-    /// Measured requests without a router row although the rep has router rows.
+    /// Measured requests without a router row although the rep has router rows (abandoned
+    /// turns, never sent, are not counted).
     pub unjoined_requests: u64,
 }
 
@@ -835,7 +851,11 @@ pub fn rep_metrics(rep: &RepData, reqs: &[Request<'_>], cfg: &MetricsConfig) -> 
         branches: branch_counts(reqs),
         has_router_rows,
         unjoined_requests: if has_router_rows {
-            reqs.iter().filter(|r| r.router.is_none()).count() as u64
+            // An abandoned turn was never sent, so it has no router row by design.
+            reqs.iter()
+                .filter(|r| r.router.is_none())
+                .filter(|r| !r.client.error.as_deref().is_some_and(is_abandoned))
+                .count() as u64
         } else {
             0
         },
@@ -995,6 +1015,35 @@ mod tests {
         let ids: Vec<&str> = reqs.iter().map(|r| r.client.request_id.as_str()).collect();
         assert_eq!(ids, ["early", "on-time", "waited"]);
         assert_eq!(latency(&reqs).good, 3);
+    }
+
+    /// A turn the driver abandoned (never sent: it had waited past the TTFT bound behind its
+    /// conversation's previous turn after the run's end) is measured by its scheduled time and
+    /// missed the TTFT bound — not an error, and outside the TTFT percentiles (it has no TTFT).
+    #[test]
+    fn an_abandoned_turn_is_a_ttft_miss() {
+        let mut abandoned = client("gone", "gone", 2, 0.0);
+        abandoned.scheduled_s = Some(99.0);
+        abandoned.sent_s = None;
+        abandoned.ttft_ms = None;
+        abandoned.itl_p50_ms = None;
+        abandoned.status = 0;
+        abandoned.error = Some(
+            "abandoned: not sent; after the run's end it had waited 1200 ms behind its conversation's previous turn, past the 166 ms TTFT bound".into(),
+        );
+        assert_eq!(
+            slo_miss(&abandoned, &SLO, WindowClock::Scheduled),
+            SloMiss {
+                ttft: true,
+                ..SloMiss::default()
+            }
+        );
+        let rows = vec![client("ok", "ok", 1, 50.0), abandoned];
+        let rep = rep_on(rows, Some("scheduled"));
+        let reqs = measured_requests(&rep, &SLO);
+        let lat = latency(&reqs);
+        assert_eq!((lat.requests, lat.good, lat.missed_ttft), (2, 1, 1));
+        assert_eq!((lat.errors, lat.ttft_p99_ms), (0, Some(100.0)));
     }
 
     #[test]
