@@ -37,26 +37,6 @@ impl From<IngressArg> for Ingress {
     }
 }
 
-/// `--capacity`: which capacity `--load` fractions are fractions of (the command-line face of
-/// `experiment::sweep::CapacityScope`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum CapacityArg {
-    /// The calibration's, measured at the reference point (ws 1, skew 0): one rate everywhere.
-    Reference,
-    /// Each point's own, searched on its workload: every point at the same fraction of what it
-    /// can serve.
-    PerPoint,
-}
-
-impl From<CapacityArg> for CapacityScope {
-    fn from(arg: CapacityArg) -> CapacityScope {
-        match arg {
-            CapacityArg::Reference => CapacityScope::Reference,
-            CapacityArg::PerPoint => CapacityScope::PerPoint,
-        }
-    }
-}
-
 /// Flags of `cargo xtask sweep`.
 #[derive(Debug, Clone, Args)]
 pub struct SweepArgs {
@@ -180,7 +160,7 @@ pub struct SweepArgs {
     /// default, where each search takes minutes, and with `--live-calibration`, whose rates
     /// must be the live sweep's).
     #[arg(long, value_enum)]
-    pub capacity: Option<CapacityArg>,
+    pub capacity: Option<CapacityScope>,
     /// The fleet.
     #[command(flatten)]
     pub fleet: FleetArgs,
@@ -241,11 +221,10 @@ impl SweepArgs {
                 .capacity
                 // A cross-check (`--live-calibration`) must offer the live sweep's rates.
                 .unwrap_or(if self.virtual_time && self.live_calibration.is_none() {
-                    CapacityArg::PerPoint
+                    CapacityScope::PerPoint
                 } else {
-                    CapacityArg::Reference
-                })
-                .into(),
+                    CapacityScope::Reference
+                }),
         }
     }
 

@@ -25,8 +25,9 @@ use crate::gate::{GateDecision, Gates};
 use crate::grid::{self, Arrival, GridParams, LoadAxis, Point, SweepName, WorkloadShape};
 use crate::plan_file::{PlanFile, ensure_labelled_plan};
 
-/// Which capacity a sweep's `--load` fractions are fractions of.
+/// Which capacity a sweep's `--load` fractions are fractions of (`--capacity`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "kebab-case")]
 pub enum CapacityScope {
     /// The calibration's capacity, measured at the reference point (ws 1, skew 0): every point
