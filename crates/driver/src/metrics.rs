@@ -153,6 +153,9 @@ mod tests {
         assert_eq!(l.tpot_ms, Some(8.0 / 5.0));
         // One read with the whole reply: no gap to measure.
         let one = [at_ms(4, 1), at_ms(4, 2)];
-        assert_eq!(latencies(Duration::ZERO, &one, None, Some(3)).itl_p50_ms, None);
+        assert_eq!(
+            latencies(Duration::ZERO, &one, None, Some(3)).itl_p50_ms,
+            None
+        );
     }
 }

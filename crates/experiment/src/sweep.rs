@@ -659,6 +659,8 @@ impl<'a> LiveSweep<'a> {
                 fleet: serde_json::json!({
                     "source": s.fleet.key().source,
                     "replicas": replicas.len(),
+                    "engine": s.fleet.engine(),
+                    "engine_flags": s.fleet.engine_flags(),
                     "speed": s.fleet.effective_speed(),
                     "slowdowns": replicas.iter().map(|r| r.slowdown).collect::<Vec<_>>(),
                     "capacity_tokens": cal.capacity_tokens,
