@@ -108,7 +108,7 @@ fn llama_server_replicas_behind_the_router_report_cached_prefixes() {
     assert_eq!(llama::tokenize_messages(&url0, &messages).unwrap(), 24);
 
     // Exact residency is refused before a process starts: llama.cpp publishes no KV events.
-    let refused = start_router(
+    let refused = match start_router(
         &router_bin,
         &fleet,
         &RouterSettings {
@@ -120,9 +120,10 @@ fn llama_server_replicas_behind_the_router_report_cached_prefixes() {
         &dir.path().join("refused.csv"),
         &dir.path().join("refused.log"),
         &never,
-    )
-    .err()
-    .expect("exact-residency must not start on a llama fleet");
+    ) {
+        Ok(_) => panic!("exact-residency must not start on a llama fleet"),
+        Err(e) => e,
+    };
     assert!(
         refused.to_string().contains("publishes no KV events"),
         "{refused:#}"
