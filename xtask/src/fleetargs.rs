@@ -62,7 +62,7 @@ pub struct FleetArgs {
     /// `~/.cache/kvroute/llama-<version>/bin/llama-server`, or `$KVROUTE_LLAMA_DIR/bin/…`).
     #[arg(long)]
     pub llama_server: Option<PathBuf>,
-    /// GGUF model for `--fleet llama` (default: the tiny byte model in the same cache).
+    /// GGUF model for `--fleet llama` (default: the tiny word-vocabulary model in the same cache).
     #[arg(long)]
     pub model_gguf: Option<PathBuf>,
 }

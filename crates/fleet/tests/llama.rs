@@ -1,4 +1,4 @@
-//! A real engine behind the router: two llama.cpp `llama-server` replicas of the tiny byte model
+//! A real engine behind the router: two llama.cpp `llama-server` replicas of the tiny model
 //! (`scripts/llama-server.sh`), kvroute's router with prefix-affinity in front, and the driver's
 //! closed loop sending 20 multi-turn requests. The engine must report cached tokens on repeated
 //! prefixes, and the client's and the router's rows must join request by request.
@@ -18,7 +18,7 @@ use fleet::ingress::{HaproxySettings, Ingress, IngressProcess};
 use fleet::llama::{self, LlamaSpec};
 use fleet::{DriverSettings, Fleet, FleetOptions, RouterSettings, Source};
 
-const MODEL: &str = "kvroute/tiny-byte";
+const MODEL: &str = "kvroute/tiny";
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -100,12 +100,11 @@ fn llama_server_replicas_behind_the_router_report_cached_prefixes() {
         assert_eq!(cache.capacity_tokens(), u64::from(spec.ctx_size_tokens));
     }
 
-    // The chat template and byte vocabulary, through llama.cpp's two-step tokenize.
+    // The chat template and the word vocabulary, through llama.cpp's two-step tokenize.
     let url0 = fleet.urls()[0].clone();
     let messages = [serde_json::json!({"role": "user", "content": "hello"})];
-    // `<|im_start|>` + "user\n" (5) + "hello" (5) + `<|im_end|>` + "\n" (1) + `<|im_start|>`
-    // + "assistant\n" (10): one token per byte, one per marker.
-    assert_eq!(llama::tokenize_messages(&url0, &messages).unwrap(), 24);
+    // `<|im_start|>` `user` `\n` `hel` `lo` `<|im_end|>` `\n` `<|im_start|>` `assistant` `\n`.
+    assert_eq!(llama::tokenize_messages(&url0, &messages).unwrap(), 10);
 
     // Exact residency is refused before a process starts: llama.cpp publishes no KV events.
     let refused = match start_router(
@@ -159,8 +158,6 @@ fn llama_server_replicas_behind_the_router_report_cached_prefixes() {
             policy: "prefix-affinity".into(),
             model: MODEL.into(),
             seed: 1,
-            // The byte vocabulary: one token per byte.
-            bytes_per_token: Some(1.0),
             ..RouterSettings::default()
         },
         &HaproxySettings::default(),

@@ -9,6 +9,7 @@
 //! | KV capacity | `vllm:cache_config_info` on `/metrics` | (not read) | the pinned context size (`/props`) |
 //! | reset between policies | `POST /reset_prefix_cache` | `POST /flush_cache` | none: restart the process |
 //! | KV events | ZMQ (`--kv-events-config`) | ZMQ, vLLM's layout | none |
+//! | upstream keep-alive | pooled | pooled | closes after a stream: one connection per request |
 
 use serde::{Deserialize, Serialize};
 
@@ -92,6 +93,16 @@ impl EngineKind {
         }
     }
 
+    /// Whether a connection stays usable after a streamed response, as its `Keep-Alive` header
+    /// says. llama.cpp's `llama-server` (11434) announces `Keep-Alive: timeout=5, max=100` and
+    /// closes the connection after the stream anyway (`curl` reports "Connection died, retrying a
+    /// fresh connect" on the second request of a connection); a pooled client that reuses it
+    /// before noticing the close fails the request after sending it (the router's 502, not
+    /// retried). The router then runs with `--no-upstream-keep-alive`.
+    pub fn keeps_connections_alive(self) -> bool {
+        !matches!(self, EngineKind::LlamaCpp)
+    }
+
     /// The health endpoint (200 when ready).
     pub fn health_path(self) -> &'static str {
         "/health"
@@ -146,6 +157,8 @@ mod tests {
             EngineKind::LlamaCpp.tokenize_shape(),
             TokenizeShape::TemplateThenContent
         );
+        assert!(EngineKind::Vllm.keeps_connections_alive());
+        assert!(!EngineKind::LlamaCpp.keeps_connections_alive());
         assert_eq!(cached_tokens(Some(3), Some(5)), Some(3));
         assert_eq!(cached_tokens(None, Some(5)), Some(5));
         assert_eq!(cached_tokens(None, None), None);

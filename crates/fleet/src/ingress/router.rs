@@ -109,7 +109,11 @@ pub fn start_router(
     should_stop: &dyn Fn() -> bool,
 ) -> Result<(ChildGuard, String, String)> {
     check_kv_events(fleet.engine(), settings)?;
-    let cmd = router_command(router_bin, &fleet.replicas(), settings, rows)?;
+    let mut cmd = router_command(router_bin, &fleet.replicas(), settings, rows)?;
+    if !fleet.engine().keeps_connections_alive() {
+        // llama-server closes a connection after each streamed response (schema::engine).
+        cmd.arg("--no-upstream-keep-alive");
+    }
     let mut guard = ChildGuard::spawn("router", cmd, log)?;
     let ready = guard.wait_ready(Duration::from_secs(30), should_stop)?;
     let admin = ready.admin_url().ok_or_else(|| {
