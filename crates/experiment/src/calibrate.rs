@@ -236,6 +236,8 @@ pub fn calibrate(
                 duration_s: None,
                 timeout_s: 120.0,
                 model: s.fleet.model.clone(),
+                // Straight at a replica: llama.cpp's closes a connection after each stream.
+                keep_alive: s.fleet.engine().keeps_connections_alive(),
             },
             &dir.join("driver.log"),
         )?;
@@ -563,6 +565,7 @@ fn reference_run(
                 duration_s: Some(run_s),
                 timeout_s: 120.0,
                 model: s.fleet.model.clone(),
+                keep_alive: true,
             },
             closed_users: Some(s.users as usize),
             planned_end_s: run_s,

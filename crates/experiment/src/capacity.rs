@@ -762,6 +762,8 @@ pub fn find_live(
             duration_s: Some(run_s),
             timeout_s,
             model: s.fleet.model.clone(),
+            // Through the router or HAProxy, which keep connections alive.
+            keep_alive: true,
         };
         let attempt = |fleet: &mut Fleet| {
             cell::clear(&dir)?;

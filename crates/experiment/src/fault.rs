@@ -634,6 +634,8 @@ impl<'a> FaultRun<'a> {
             duration_s: Some(s.run_s()),
             timeout_s: s.request_timeout_s,
             model: s.fleet.model.clone(),
+            // Through the router or HAProxy, which keep connections alive.
+            keep_alive: true,
         };
         let client_csv = rep_dir.join("client.csv");
         let mut driver = fleet::start_driver(

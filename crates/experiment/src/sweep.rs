@@ -571,6 +571,8 @@ impl<'a> LiveSweep<'a> {
             duration_s: Some(run_s),
             timeout_s: s.request_timeout_s,
             model: s.fleet.model.clone(),
+            // Through the router or HAProxy, which keep connections alive.
+            keep_alive: true,
         };
         let mut gates = Gates::new(s.evidence_retries);
         let mut failures = 0u32;

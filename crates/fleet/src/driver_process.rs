@@ -25,6 +25,10 @@ pub struct DriverSettings {
     pub timeout_s: f64,
     /// `--model`.
     pub model: String,
+    /// Reuse connections (false: `--no-keep-alive`, one connection per request — for a driver
+    /// sent straight at engines that close connections after a stream, llama.cpp's; the router
+    /// and HAProxy keep them).
+    pub keep_alive: bool,
 }
 
 /// The driver's command line: `driver_bin MODE --url url --plan plan --out out --model …
@@ -48,6 +52,9 @@ pub fn driver_command(
         .args(["--timeout-s", &format!("{}", settings.timeout_s)]);
     if let Some(d) = settings.duration_s {
         cmd.args(["--duration-s", &format!("{d}")]);
+    }
+    if !settings.keep_alive {
+        cmd.arg("--no-keep-alive");
     }
     cmd
 }
@@ -184,6 +191,7 @@ mod tests {
             duration_s: Some(4.0),
             timeout_s: 20.0,
             model: "kvroute/emulated-8b".into(),
+            keep_alive: true,
         };
         let cmd = driver_command(
             Path::new("/bin/driver"),

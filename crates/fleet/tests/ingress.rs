@@ -262,6 +262,7 @@ fn the_driver_streams_through_haproxy_to_emulated_engines() {
                 duration_s: Some(4.0),
                 timeout_s: 20.0,
                 model: model.into(),
+                keep_alive: true,
             },
             &cell.join("driver.log"),
         )

@@ -177,6 +177,7 @@ fn llama_server_replicas_behind_the_router_report_cached_prefixes() {
             duration_s: None,
             timeout_s: 60.0,
             model: MODEL.into(),
+            keep_alive: true,
         },
         &cell.join("driver.log"),
     )
