@@ -1,6 +1,8 @@
 //! Fleet flags shared by `calibrate`, `sweep` and `fault`, converted into the library's
 //! `experiment::FleetSpec` (defaults for `--quick` applied).
 
+use std::path::PathBuf;
+
 use clap::Args;
 
 use experiment::fleet_spec::{
@@ -56,6 +58,13 @@ pub struct FleetArgs {
     /// Seconds a replica may take to become healthy.
     #[arg(long, default_value_t = 120.0)]
     pub ready_timeout_s: f64,
+    /// `llama-server` for `--fleet llama` (default: scripts/llama-server.sh's cache,
+    /// `~/.cache/kvroute/llama-<version>/bin/llama-server`, or `$KVROUTE_LLAMA_DIR/bin/…`).
+    #[arg(long)]
+    pub llama_server: Option<PathBuf>,
+    /// GGUF model for `--fleet llama` (default: the tiny word-vocabulary model in the same cache).
+    #[arg(long)]
+    pub model_gguf: Option<PathBuf>,
 }
 
 impl FleetArgs {
@@ -77,6 +86,14 @@ impl FleetArgs {
             urls: self.urls.clone(),
             kv_events: self.kv_events.clone(),
             ready_timeout_s: self.ready_timeout_s,
+            llama_server: self
+                .llama_server
+                .clone()
+                .unwrap_or_else(fleet::llama::default_server_bin),
+            model_gguf: self
+                .model_gguf
+                .clone()
+                .unwrap_or_else(fleet::llama::default_tiny_model),
         }
     }
 }

@@ -281,31 +281,12 @@ fn each_point_runs_at_its_own_capacity() {
     let s = scratch("per-point");
     let out = s.0.to_string_lossy().into_owned();
     let run = |name: &str, scope: &str| {
-        let (ok, stderr) = xtask(&[
-            "sweep",
-            "pressure-grid",
-            "--quick",
-            "--virtual",
-            "--out",
-            &out,
-            "--sweep-dir-name",
-            name,
-            "--points",
-            "ws1-s0-load1.0,ws1-s1.4-load1.0",
-            "--policies",
-            "session-affinity",
-            "--reps",
-            "1",
-            "--replicas",
-            "2",
-            "--num-gpu-blocks",
-            "1024",
-            "--measure-s",
-            "6",
-            "--capacity",
-            scope,
-            "--no-report",
-        ]);
+        let fixed = "sweep pressure-grid --quick --virtual --points ws1-s0-load1.0,ws1-s1.4-load1.0 \
+                     --policies session-affinity --reps 1 --replicas 2 --num-gpu-blocks 1024 \
+                     --measure-s 6 --no-report";
+        let mut args: Vec<&str> = fixed.split_whitespace().collect();
+        args.extend(["--out", &out, "--sweep-dir-name", name, "--capacity", scope]);
+        let (ok, stderr) = xtask(&args);
         assert!(ok, "virtual sweep ({scope}) failed:\n{stderr}");
         s.0.join(name)
     };

@@ -181,6 +181,10 @@ pub struct SendArgs {
     /// Skip the GET /v1/models check (requires --model).
     #[arg(long)]
     no_preflight: bool,
+    /// One connection per request instead of a keep-alive pool (llama.cpp's llama-server closes
+    /// a connection after a streamed response while announcing keep-alive).
+    #[arg(long)]
+    no_keep_alive: bool,
 }
 
 impl SendArgs {
@@ -201,6 +205,7 @@ impl SendArgs {
                 Progress::Off => ProgressMode::Off,
             },
             progress_file: self.progress_file.clone(),
+            keep_alive: !self.no_keep_alive,
         }
     }
 }

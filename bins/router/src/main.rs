@@ -141,6 +141,11 @@ struct Args {
     /// Per-replica in-flight ceiling; when every eligible replica is at it, 429 (off when absent).
     #[arg(long)]
     max_in_flight_per_replica: Option<u32>,
+    /// One upstream connection per request instead of a keep-alive pool: for engines that close
+    /// a connection after a streamed response while announcing keep-alive (llama.cpp's
+    /// llama-server), where a request on a pooled connection fails with a 502.
+    #[arg(long)]
+    no_upstream_keep_alive: bool,
 }
 
 fn config(a: Args) -> Result<RouterConfig, String> {
@@ -237,6 +242,7 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     cfg.health_fails_to_down = a.health_fails_to_down;
     cfg.health_oks_to_up = a.health_oks_to_up;
     cfg.max_in_flight_per_replica = a.max_in_flight_per_replica;
+    cfg.upstream_keep_alive = !a.no_upstream_keep_alive;
     cfg.kv_events_format = a.kv_events_format.parse()?;
     Ok(cfg)
 }

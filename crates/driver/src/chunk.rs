@@ -13,7 +13,8 @@ pub struct Usage {
     pub prompt_tokens: Option<u64>,
     /// `usage.completion_tokens`.
     pub completion_tokens: Option<u64>,
-    /// `usage.prompt_tokens_details.cached_tokens`; absent means unknown, not zero.
+    /// `usage.prompt_tokens_details.cached_tokens`, else llama.cpp's `timings.cache_n` beside
+    /// the usage (schema::engine::cached_tokens); absent means unknown, not zero.
     pub cached_tokens: Option<u64>,
 }
 
@@ -36,6 +37,15 @@ struct ChunkJson {
     usage: Option<UsageJson>,
     #[serde(default)]
     error: Option<serde_json::Value>,
+    /// llama.cpp's `timings` (`cache_n`: prompt tokens read from the cache).
+    #[serde(default)]
+    timings: Option<TimingsJson>,
+}
+
+#[derive(Deserialize)]
+struct TimingsJson {
+    #[serde(default)]
+    cache_n: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -91,6 +101,7 @@ pub fn parse_chunk(data: &str) -> Result<Chunk, String> {
         let head: String = data.chars().take(80).collect();
         return Err(format!("payload has no choices, usage or error: {head:?}"));
     }
+    let cache_n = json.timings.and_then(|t| t.cache_n);
     let mut content: Option<String> = None;
     for choice in json.choices.into_iter().flatten() {
         let piece = choice.delta.and_then(|d| d.content).or(choice.text);
@@ -106,7 +117,10 @@ pub fn parse_chunk(data: &str) -> Result<Chunk, String> {
         usage: json.usage.map(|u| Usage {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
-            cached_tokens: u.prompt_tokens_details.and_then(|d| d.cached_tokens),
+            cached_tokens: schema::engine::cached_tokens(
+                u.prompt_tokens_details.and_then(|d| d.cached_tokens),
+                cache_n,
+            ),
         }),
         error: json
             .error
@@ -142,6 +156,24 @@ mod tests {
                 .unwrap()
                 .cached_tokens,
             None
+        );
+    }
+
+    #[test]
+    fn llama_cpp_timings_fill_in_cached_tokens() {
+        let both = r#"{"choices":[],"usage":{"completion_tokens":8,"prompt_tokens":1453,"prompt_tokens_details":{"cached_tokens":1199}},"timings":{"cache_n":1000,"prompt_n":254}}"#;
+        assert_eq!(
+            parse_chunk(both).unwrap().usage.unwrap().cached_tokens,
+            Some(1199)
+        );
+        let timings_only = r#"{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":2},"timings":{"cache_n":6}}"#;
+        assert_eq!(
+            parse_chunk(timings_only).unwrap().usage.unwrap(),
+            Usage {
+                prompt_tokens: Some(10),
+                completion_tokens: Some(2),
+                cached_tokens: Some(6)
+            }
         );
     }
 

@@ -266,6 +266,18 @@ pub struct Requester {
     keep_content: bool,
 }
 
+/// The HTTP/1 client: `TCP_NODELAY`, connect timeout, and a keep-alive pool unless
+/// `keep_alive` is false (then no idle connection is kept).
+fn build_client(timeout: Duration, keep_alive: bool) -> Client<StampingConnector, Full<Bytes>> {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(timeout.min(Duration::from_secs(10))));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(if keep_alive { usize::MAX } else { 0 })
+        .build(StampingConnector { http: connector })
+}
+
 impl Requester {
     /// A requester for the server at `url` (base URL; a trailing `/v1` is accepted), timing
     /// against `clock_start`, failing each request that is not finished `timeout` after it was
@@ -275,20 +287,22 @@ impl Requester {
         let chat_uri: Uri = format!("{base}/v1/chat/completions")
             .parse()
             .map_err(|_| DriverError::BadUrl(url.to_owned()))?;
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(timeout.min(Duration::from_secs(10))));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build(StampingConnector { http: connector });
         Ok(Self {
-            client,
+            client: build_client(timeout, true),
             base,
             chat_uri,
             clock_start,
             timeout,
             keep_content: false,
         })
+    }
+
+    /// With `keep_alive` false no connection is kept between requests: each opens its own (for
+    /// llama.cpp's `llama-server`, which closes a connection after a streamed response while
+    /// announcing keep-alive, so a pooled reuse fails). On by default.
+    pub fn keep_alive(mut self, keep_alive: bool) -> Self {
+        self.client = build_client(self.timeout, keep_alive);
+        self
     }
 
     /// Keeps each content chunk's text in [`Outcome::contents`] (benchmarks read server

@@ -78,6 +78,10 @@ pub struct RunConfig {
     /// orchestrator that sends the driver's stderr to a log reads it from there and shows it on
     /// its own terminal.
     pub progress_file: Option<PathBuf>,
+    /// Reuse connections between requests (a keep-alive pool). Off (`--no-keep-alive`): one
+    /// connection per request, for a server that closes a connection after a streamed response
+    /// while announcing keep-alive (llama.cpp's `llama-server`, driven directly).
+    pub keep_alive: bool,
 }
 
 impl RunConfig {
@@ -95,6 +99,7 @@ impl RunConfig {
             preflight: true,
             progress: ProgressMode::Auto,
             progress_file: None,
+            keep_alive: true,
         }
     }
 
@@ -729,7 +734,8 @@ pub(crate) async fn prepare_with<W>(
     };
     let writer = RowWriter::create(&cfg.out)?;
     let start = Instant::now();
-    let requester = Requester::new(&cfg.url, start, Duration::from_secs_f64(cfg.timeout_s))?;
+    let requester = Requester::new(&cfg.url, start, Duration::from_secs_f64(cfg.timeout_s))?
+        .keep_alive(cfg.keep_alive);
     Ok(Arc::new(Shared {
         plan,
         requester,

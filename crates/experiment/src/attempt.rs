@@ -200,7 +200,7 @@ pub fn bounds_from(
         lateness: lateness_bound(floors, speed, lateness_share),
         throttle: match kind {
             FleetKind::Command => throttle.cloned(),
-            FleetKind::Emulated | FleetKind::Static => None,
+            FleetKind::Emulated | FleetKind::Static | FleetKind::Llama => None,
         },
     }
 }

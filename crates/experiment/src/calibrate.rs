@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, anyhow, bail};
 
 use fleet::evidence::{EvidenceConfig, EvidenceSampler};
-use fleet::{DriverSettings, Fleet, RouterSettings, http, metrics};
-use schema::{Meta, Slo};
+use fleet::{DriverSettings, Fleet, RouterSettings, http};
+use schema::engine::TokenizeShape;
+use schema::{EngineKind, Meta, Slo};
 use workload::{Message, Plan};
 
 use crate::attempt::{Attempt, run_attempt};
@@ -206,7 +207,7 @@ pub fn calibrate(
         let mut plan =
             Plan::build(&spec, &arrival).map_err(|e| anyhow!("the floors' plan: {e}"))?;
         let fit = calibration::fit_floor_prompts(&mut plan, REFERENCE_PROMPT_TOKENS, &mut |m| {
-            tokenize_count(&info.url, &s.fleet.model, m)
+            tokenize_count(s.fleet.engine(), &info.url, &s.fleet.model, m)
         })
         .map_err(|e| anyhow!("replica {}: {e:#}", info.index))?;
         fitted = Some(match fitted.take() {
@@ -236,6 +237,8 @@ pub fn calibrate(
                 timeout_s: 120.0,
                 model: s.fleet.model.clone(),
                 abandon_after_ms: None,
+                // Straight at a replica: llama.cpp's closes a connection after each stream.
+                keep_alive: s.fleet.engine().keeps_connections_alive(),
             },
             &dir.join("driver.log"),
         )?;
@@ -266,9 +269,7 @@ pub fn calibrate(
                 dir.join("driver.log").display()
             );
         };
-        let cache = http::get(&http::join(&info.url, "/metrics"), Duration::from_secs(5))
-            .ok()
-            .and_then(|r| metrics::cache_config(&r.text()));
+        let cache = fleet.kv_cache(info.index);
         eprintln!(
             "  replica {}: TTFT p50 {ttft_p50_ms:.1} ms, ITL p50 {itl_p50_ms:.2} ms over {} unseen {REFERENCE_PROMPT_TOKENS}-token prompts; KV {}",
             info.index,
@@ -319,7 +320,7 @@ pub fn calibrate(
     // The cells' throttle bound comes from the cards NVML read; an emulated fleet has none.
     let gpu_throttle_bound = match s.fleet.kind {
         FleetKind::Command => calibration::throttle_bound(&replicas, &used),
-        FleetKind::Emulated | FleetKind::Static => None,
+        FleetKind::Emulated | FleetKind::Static | FleetKind::Llama => None,
     };
     for r in replicas.iter().filter(|r| r.outlier_reason.is_some()) {
         eprintln!(
@@ -346,7 +347,9 @@ pub fn calibrate(
     let slo = calibration::slo_from_floors(floors);
     let capacity_tokens = calibration::capacity_tokens(&replicas, &used);
     if capacity_tokens == 0 {
-        bail!("no replica reported vllm:cache_config_info on /metrics; the KV capacity is unknown");
+        bail!(
+            "no replica reported its KV capacity (vllm:cache_config_info on /metrics; llama.cpp: /props); the KV capacity is unknown"
+        );
     }
     eprintln!(
         "  floors TTFT {:.1} ms, ITL {:.2} ms → SLO TTFT < {:.1} ms, ITL p50 < {:.2} ms; fleet KV capacity {capacity_tokens} tokens",
@@ -373,7 +376,7 @@ pub fn calibrate(
         .ok_or_else(|| anyhow!("no replica in use to tokenize on"))?;
     let bytes_per_token = calibration::measure_bytes_per_token(
         &ref_plan,
-        &mut |m| tokenize_count(&tokenizer_url, &s.fleet.model, m),
+        &mut |m| tokenize_count(s.fleet.engine(), &tokenizer_url, &s.fleet.model, m),
         &http::join(&tokenizer_url, "/tokenize"),
     )?;
     fleet.stop();
@@ -458,15 +461,26 @@ struct Reference<'a> {
     bytes_per_token: &'a BytesPerToken,
 }
 
-/// `POST <url>/tokenize` in vLLM's chat form → the token count (`count`, else the length of
-/// `tokens`). A fleet without it is an error that names what the calibration needs.
-pub fn tokenize_count(url: &str, model: &str, messages: &[Message<'_>]) -> Result<u64> {
+/// The token count of a chat prompt, by the engine's own tokenizer: vLLM's chat form
+/// `POST <url>/tokenize {model, messages}` → `count` (else the length of `tokens`), or for
+/// llama.cpp `/apply-template` then `/tokenize` (`fleet::llama::tokenize_messages`). A fleet
+/// without it is an error that names what the calibration needs.
+pub fn tokenize_count(
+    engine: EngineKind,
+    url: &str,
+    model: &str,
+    messages: &[Message<'_>],
+) -> Result<u64> {
+    let messages: Vec<serde_json::Value> = messages
+        .iter()
+        .map(|m| serde_json::json!({"role": m.role.as_str(), "content": m.content}))
+        .collect();
+    if engine.tokenize_shape() == TokenizeShape::TemplateThenContent {
+        return fleet::llama::tokenize_messages(url, &messages);
+    }
     let body = serde_json::json!({
         "model": model,
-        "messages": messages
-            .iter()
-            .map(|m| serde_json::json!({"role": m.role.as_str(), "content": m.content}))
-            .collect::<Vec<_>>(),
+        "messages": messages,
     });
     let endpoint = http::join(url, "/tokenize");
     let needs = "the calibration counts tokens with the fleet's own /tokenize (vLLM: POST /tokenize {model, messages} → {count, tokens}) to fit the floors' prompts and measure bytes per token";
@@ -553,6 +567,7 @@ fn reference_run(
                 timeout_s: 120.0,
                 model: s.fleet.model.clone(),
                 abandon_after_ms: None,
+                keep_alive: true,
             },
             closed_users: Some(s.users as usize),
             planned_end_s: run_s,
@@ -581,7 +596,7 @@ fn reference_run(
         workload_name: plan.workload_name.clone(),
         workload_fingerprint: plan.workload_fingerprint.clone(),
         plan_fingerprint: plan.plan_fingerprint.clone(),
-        fleet: serde_json::json!({"source": s.fleet.key().source, "replicas": r.used.len(), "speed": r.speed, "capacity_tokens": r.capacity_tokens}),
+        fleet: serde_json::json!({"source": s.fleet.key().source, "engine": s.fleet.engine(), "engine_flags": s.fleet.engine_flags(), "replicas": r.used.len(), "speed": r.speed, "capacity_tokens": r.capacity_tokens}),
         slo: r.slo,
         window: result.window,
         git_rev: s.git_rev.clone(),

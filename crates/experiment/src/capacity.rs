@@ -786,6 +786,8 @@ pub fn find_live(
             model: s.fleet.model.clone(),
             // A turn still queued past the TTFT bound after the step's end has missed already.
             abandon_after_ms: Some(cal.slo.ttft_ms),
+            // Through the router or HAProxy, which keep connections alive.
+            keep_alive: true,
         };
         let attempt = |fleet: &mut Fleet| {
             cell::clear(&dir)?;
@@ -837,7 +839,7 @@ pub fn find_live(
             workload_name: plan.workload_name.clone(),
             workload_fingerprint: plan.workload_fingerprint.clone(),
             plan_fingerprint: plan.plan_fingerprint.clone(),
-            fleet: serde_json::json!({"source": s.fleet.key().source, "replicas": cal.used_replicas.len(), "speed": speed, "capacity_tokens": cal.capacity_tokens}),
+            fleet: serde_json::json!({"source": s.fleet.key().source, "engine": s.fleet.engine(), "engine_flags": s.fleet.engine_flags(), "replicas": cal.used_replicas.len(), "speed": speed, "capacity_tokens": cal.capacity_tokens}),
             slo: cal.slo,
             window: result.window,
             git_rev: s.git_rev.clone(),

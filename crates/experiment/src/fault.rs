@@ -248,10 +248,9 @@ fn setup(
         fleet.start(should_stop)?;
         let mut capacity_tokens = 0;
         for r in fleet.replicas() {
-            let text = http::get(&http::join(&r.url, "/metrics"), Duration::from_secs(5))?.text();
-            let cache = fleet::metrics::cache_config(&text).ok_or_else(|| {
+            let cache = fleet.kv_cache(r.index).ok_or_else(|| {
                 anyhow!(
-                    "replica {} reports no vllm:cache_config_info; its KV capacity is unknown",
+                    "replica {} reports no KV capacity (vllm:cache_config_info on /metrics; llama.cpp: /props); it is unknown",
                     r.index
                 )
             })?;
@@ -547,6 +546,8 @@ impl<'a> FaultRun<'a> {
                 fleet: serde_json::json!({
                     "source": s.fleet.key().source,
                     "replicas": a.replicas.len(),
+                    "engine": s.fleet.engine(),
+                    "engine_flags": s.fleet.engine_flags(),
                     "speed": s.fleet.effective_speed(),
                     "slowdowns": a.replicas.iter().map(|r| r.slowdown).collect::<Vec<_>>(),
                     "capacity_tokens": self.setup.capacity_tokens,
@@ -635,6 +636,8 @@ impl<'a> FaultRun<'a> {
             model: s.fleet.model.clone(),
             // The fault timeline follows every request to its end.
             abandon_after_ms: None,
+            // Through the router or HAProxy, which keep connections alive.
+            keep_alive: true,
         };
         let client_csv = rep_dir.join("client.csv");
         let mut driver = fleet::start_driver(

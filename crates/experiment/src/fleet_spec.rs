@@ -3,13 +3,14 @@
 //! `fleet::Source` (with a calibration's exclusions), `FleetSpec::key` into the `FleetKey` a
 //! calibration is valid for and `meta.json` records.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
-use fleet::{CommandSpec, EmulatedSpec, FleetOptions, Source, StaticSpec};
+use fleet::{CommandSpec, EmulatedSpec, FleetOptions, LlamaSpec, Source, StaticSpec};
+use schema::EngineKind;
 
 use crate::calibration::FleetKey;
 
@@ -47,6 +48,8 @@ pub enum FleetKind {
     Command,
     /// Use `--urls` managed elsewhere.
     Static,
+    /// Start llama.cpp `llama-server` replicas on loopback (CPU; `fleet::llama`).
+    Llama,
 }
 
 /// The fleet a procedure runs against (defaults already applied).
@@ -82,9 +85,41 @@ pub struct FleetSpec {
     pub kv_events: Vec<String>,
     /// Seconds a replica may take to become healthy.
     pub ready_timeout_s: f64,
+    /// `llama-server` of a llama fleet.
+    pub llama_server: PathBuf,
+    /// The GGUF model a llama fleet serves (as `--model`).
+    pub model_gguf: PathBuf,
 }
 
 impl FleetSpec {
+    /// The engine the replicas run (meta's `fleet.engine`).
+    pub fn engine(&self) -> EngineKind {
+        match self.kind {
+            FleetKind::Llama => EngineKind::LlamaCpp,
+            _ => EngineKind::Vllm,
+        }
+    }
+
+    /// The engine's pinned flags for meta's `fleet.engine_flags` (a llama fleet's
+    /// `LlamaSpec::meta`); `null` otherwise.
+    pub fn engine_flags(&self) -> serde_json::Value {
+        match self.kind {
+            FleetKind::Llama => self.llama_spec(self.replica_count()).meta(),
+            _ => serde_json::Value::Null,
+        }
+    }
+
+    fn llama_spec(&self, replicas: usize) -> LlamaSpec {
+        let mut spec = LlamaSpec::new(
+            self.llama_server.clone(),
+            self.model_gguf.clone(),
+            &self.model,
+            replicas,
+        );
+        spec.seed = self.engine_seed;
+        spec
+    }
+
     /// The replica count (before any exclusion).
     pub fn replica_count(&self) -> usize {
         match self.kind {
@@ -158,6 +193,7 @@ impl FleetSpec {
                     gpus,
                 })
             }
+            FleetKind::Llama => Source::Llama(self.llama_spec(keep.len())),
             FleetKind::Static => Source::Static(StaticSpec {
                 urls: keep.iter().map(|&i| self.urls[i].clone()).collect(),
                 kv_events: keep
@@ -190,6 +226,7 @@ impl FleetSpec {
                 FleetKind::Emulated => None,
                 FleetKind::Command => self.command.clone(),
                 FleetKind::Static => Some(self.urls.join(",")),
+                FleetKind::Llama => Some(self.llama_spec(n).key()),
             },
         }
     }
@@ -220,6 +257,8 @@ impl FleetSpec {
             urls: vec![],
             kv_events: vec![],
             ready_timeout_s: 120.0,
+            llama_server: PathBuf::from("llama-server"),
+            model_gguf: PathBuf::from("m.gguf"),
         }
     }
 }
@@ -259,5 +298,21 @@ mod tests {
         assert_eq!((spec.replica_count(), spec.effective_speed()), (2, 1.0));
         assert_eq!(spec.key().num_gpu_blocks, None);
         assert_eq!(spec.key().detail.as_deref(), Some("http://a,http://b"));
+        assert_eq!(spec.engine(), EngineKind::Vllm);
+        assert!(spec.engine_flags().is_null());
+        // A llama fleet: llama.cpp, speed 1, its pinned flags in the key and in meta.
+        spec.kind = FleetKind::Llama;
+        spec.slowdowns = vec![];
+        assert_eq!(spec.engine(), EngineKind::LlamaCpp);
+        assert_eq!((spec.replica_count(), spec.effective_speed()), (3, 1.0));
+        assert!(spec.key().detail.unwrap().contains("-np 4 -c 16384 -t 1"));
+        assert_eq!(spec.engine_flags()["ctx_size_tokens"], 16384);
+        let Source::Llama(l) = spec
+            .source(Path::new("engine"), false, Some(&[0, 2]))
+            .unwrap()
+        else {
+            panic!("not llama")
+        };
+        assert_eq!(l.replicas, 2);
     }
 }

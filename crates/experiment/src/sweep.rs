@@ -639,6 +639,8 @@ impl<'a> LiveSweep<'a> {
             // Open loop: a turn still queued past the TTFT bound after the window has missed the
             // SLO already; writing it as abandoned ends an overloaded cell without its drain.
             abandon_after_ms: (mode == "open").then_some(cal.slo.ttft_ms),
+            // Through the router or HAProxy, which keep connections alive.
+            keep_alive: true,
         };
         let mut gates = Gates::new(s.evidence_retries);
         let mut failures = 0u32;
@@ -727,6 +729,8 @@ impl<'a> LiveSweep<'a> {
                 fleet: serde_json::json!({
                     "source": s.fleet.key().source,
                     "replicas": replicas.len(),
+                    "engine": s.fleet.engine(),
+                    "engine_flags": s.fleet.engine_flags(),
                     "speed": s.fleet.effective_speed(),
                     "slowdowns": replicas.iter().map(|r| r.slowdown).collect::<Vec<_>>(),
                     "capacity_tokens": cal.capacity_tokens,

@@ -28,6 +28,10 @@ pub struct DriverSettings {
     /// `--abandon-after-ms` (open loop, with `duration_s`): the SLO's TTFT bound, wall ms, so
     /// a turn queued past it after the run's end is written as abandoned instead of sent.
     pub abandon_after_ms: Option<f64>,
+    /// Reuse connections (false: `--no-keep-alive`, one connection per request — for a driver
+    /// sent straight at engines that close connections after a stream, llama.cpp's; the router
+    /// and HAProxy keep them).
+    pub keep_alive: bool,
 }
 
 /// The driver's command line: `driver_bin MODE --url url --plan plan --out out --model …
@@ -54,6 +58,9 @@ pub fn driver_command(
         if let Some(a) = settings.abandon_after_ms {
             cmd.args(["--abandon-after-ms", &format!("{a}")]);
         }
+    }
+    if !settings.keep_alive {
+        cmd.arg("--no-keep-alive");
     }
     cmd
 }
@@ -191,6 +198,7 @@ mod tests {
             timeout_s: 20.0,
             model: "kvroute/emulated-8b".into(),
             abandon_after_ms: None,
+            keep_alive: true,
         };
         let cmd = driver_command(
             Path::new("/bin/driver"),

@@ -415,6 +415,8 @@ struct SamplerState {
 }
 
 /// Reason recorded for an emulated fleet's GPUs.
+const CPU_NO_GPU: &str = "CPU fleet (llama.cpp): no GPU is read";
+
 const EMULATED_NO_GPU: &str =
     "emulated fleet: GPUs are not read (the engines' lateness is the evidence)";
 
@@ -432,6 +434,7 @@ impl SamplerState {
         } else {
             match &config.fleet_gpus {
                 FleetGpus::Emulated => (None, Some(EMULATED_NO_GPU.to_string())),
+                FleetGpus::Cpu => (None, Some(CPU_NO_GPU.to_string())),
                 FleetGpus::Unknown => match open_nvml() {
                     Ok(backend) => (Some(GpuState::new(backend, None)), None),
                     Err(e) => (None, Some(e)),
@@ -660,6 +663,10 @@ impl SamplerState {
     fn check_status(&self) -> (CheckStatus, CheckStatus) {
         if matches!(self.config.fleet_gpus, FleetGpus::Emulated) {
             let off = CheckStatus::Off(EMULATED_NO_GPU.into());
+            return (off.clone(), off);
+        }
+        if matches!(self.config.fleet_gpus, FleetGpus::Cpu) {
+            let off = CheckStatus::Off(CPU_NO_GPU.into());
             return (off.clone(), off);
         }
         let Some(gpu) = &self.gpu else {

@@ -10,7 +10,10 @@ use anyhow::{Context, Result, anyhow, bail};
 
 use crate::gpu::{self, FleetGpus, GpuBackend, PidsByDevice, StartedGpus};
 use crate::http;
+use crate::llama::{self, LlamaSpec};
+use crate::metrics::CacheConfig;
 use crate::process::ChildGuard;
+use schema::EngineKind;
 
 /// Where the replicas come from.
 #[derive(Debug, Clone)]
@@ -21,6 +24,8 @@ pub enum Source {
     Command(CommandSpec),
     /// URLs managed elsewhere (a Kubernetes deployment, a shared box).
     Static(StaticSpec),
+    /// llama.cpp `llama-server` processes on loopback (CPU), flags pinned by [`LlamaSpec`].
+    Llama(LlamaSpec),
 }
 
 impl Source {
@@ -30,6 +35,16 @@ impl Source {
             Source::Emulated(_) => "emulated",
             Source::Command(_) => "command",
             Source::Static(_) => "static",
+            Source::Llama(_) => "llama",
+        }
+    }
+
+    /// The engine the replicas run: llama.cpp for a llama fleet; vLLM's API otherwise (the
+    /// emulator speaks it; a command or static fleet is taken to be vLLM unless said otherwise).
+    pub fn engine(&self) -> EngineKind {
+        match self {
+            Source::Llama(_) => EngineKind::LlamaCpp,
+            _ => EngineKind::Vllm,
         }
     }
 
@@ -39,6 +54,7 @@ impl Source {
             Source::Emulated(s) => s.replicas,
             Source::Command(s) => s.replicas,
             Source::Static(s) => s.urls.len(),
+            Source::Llama(s) => s.replicas,
         }
     }
 }
@@ -223,6 +239,9 @@ impl Fleet {
         if source.replicas() == 0 {
             bail!("a fleet needs at least one replica");
         }
+        if let Source::Llama(spec) = &source {
+            llama::check_installed(&spec.server_bin, &spec.model_gguf)?;
+        }
         if let Source::Emulated(spec) = &source {
             if !(spec.speed.is_finite() && spec.speed > 0.0) {
                 bail!(
@@ -261,6 +280,7 @@ impl Fleet {
     pub fn gpus(&self) -> FleetGpus {
         match &self.source {
             Source::Emulated(_) => FleetGpus::Emulated,
+            Source::Llama(_) => FleetGpus::Cpu,
             Source::Static(_) => FleetGpus::Unknown,
             Source::Command(_) => FleetGpus::Started(StartedGpus {
                 backend: self
@@ -385,6 +405,9 @@ impl Fleet {
 
     /// Makes every replica forget its cache, so that a second pass never reads back what the
     /// first prefilled: processes are restarted; static replicas get `POST /reset_prefix_cache`.
+    /// A llama fleet restarts too (`EngineKind::LlamaCpp.cache_reset()`): llama.cpp has no
+    /// `reset_prefix_cache`, and `POST /slots/{id}?action=erase` clears a slot but not the
+    /// `--cache-ram` prompt store; the tiny model restarts in well under a second.
     pub fn cycle(&mut self, should_stop: &dyn Fn() -> bool) -> Result<()> {
         match &self.source {
             Source::Static(_) => {
@@ -453,6 +476,49 @@ impl Fleet {
             .iter()
             .map(|s| s.info.kv_events.clone())
             .collect()
+    }
+
+    /// The engine the replicas run (recorded in meta as `fleet.engine`).
+    pub fn engine(&self) -> EngineKind {
+        self.source.engine()
+    }
+
+    /// What meta records of the replicas' engine settings: a llama fleet's pinned flags
+    /// ([`LlamaSpec::meta`]); `null` for the other sources.
+    pub fn engine_meta(&self) -> serde_json::Value {
+        match &self.source {
+            Source::Llama(spec) => spec.meta(),
+            _ => serde_json::Value::Null,
+        }
+    }
+
+    /// Replica `index`'s KV cache shape: from `vllm:cache_config_info` on `/metrics` (vLLM, the
+    /// emulator), or for a llama fleet from `GET /props` by [`llama::capacity_from_props`] (one
+    /// token per "block": llama.cpp caches token by token). `None` when the replica does not say.
+    pub fn kv_cache(&self, index: usize) -> Option<CacheConfig> {
+        let slot = self.slots.get(index)?;
+        match &self.source {
+            Source::Llama(spec) => {
+                let r = http::get(
+                    &http::join(&slot.info.url, "/props"),
+                    Duration::from_secs(5),
+                )
+                .ok()?;
+                let props: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
+                Some(CacheConfig {
+                    block_size_tokens: 1,
+                    num_gpu_blocks: llama::capacity_from_props(&props, spec.kv_unified)?,
+                })
+            }
+            _ => {
+                let r = http::get(
+                    &http::join(&slot.info.url, "/metrics"),
+                    Duration::from_secs(5),
+                )
+                .ok()?;
+                crate::metrics::cache_config(&r.text())
+            }
+        }
     }
 
     /// Process group ids of every process this fleet runs (for the foreign-process check).
@@ -571,6 +637,33 @@ impl Fleet {
                     starts: starts + 1,
                 })
             }
+            Source::Llama(spec) => {
+                llama::check_installed(&spec.server_bin, &spec.model_gguf)?;
+                // Port 0 on the first start (the server logs the one it bound); a restart keeps
+                // the previous port, so the router's URL stays valid. stderr joins stdout so
+                // that the listening line reaches `wait_for_line`.
+                let port = previous.and_then(|p| port_of(&p.url)).unwrap_or(0);
+                let mut cmd = Command::new("sh");
+                cmd.arg("-c")
+                    .arg("exec \"$0\" \"$@\" 2>&1")
+                    .arg(&spec.server_bin)
+                    .args(spec.args(index, port));
+                write_log_header(&log_path, index, starts, &cmd)?;
+                let guard = ChildGuard::spawn(&format!("replica {index}"), cmd, &log_path)?;
+                Ok(Slot {
+                    info: ReplicaInfo {
+                        index,
+                        url: String::new(),
+                        kv_events: None,
+                        kv_replay: None,
+                        pid: guard.pid(),
+                        log_path: Some(log_path),
+                        slowdown: 1.0,
+                    },
+                    guard: Some(guard),
+                    starts: starts + 1,
+                })
+            }
             Source::Static(spec) => Ok(Slot {
                 info: ReplicaInfo {
                     index,
@@ -587,11 +680,25 @@ impl Fleet {
         }
     }
 
-    /// Readiness line (emulated), then `/health` 200 within the ready timeout.
+    /// Readiness line (emulated: the JSON line; llama: `listening on …`), then `/health` 200
+    /// within the ready timeout (llama-server answers 503 while it loads the model).
     fn await_ready(&mut self, index: usize, should_stop: &dyn Fn() -> bool) -> Result<()> {
         let deadline = Instant::now() + self.options.ready_timeout;
         let emulated = matches!(self.source, Source::Emulated(_));
+        let llama = matches!(self.source, Source::Llama(_));
         let slot = &mut self.slots[index];
+        if llama {
+            let guard = slot
+                .guard
+                .as_mut()
+                .ok_or_else(|| anyhow!("replica {index} has no process"))?;
+            let port = guard.wait_for_line(
+                self.options.ready_timeout,
+                llama::parse_listening,
+                should_stop,
+            )?;
+            slot.info.url = format!("http://127.0.0.1:{port}");
+        }
         if emulated {
             let guard = slot
                 .guard

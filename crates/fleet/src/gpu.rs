@@ -201,6 +201,8 @@ pub enum FleetGpus {
     /// An emulated fleet: no GPU is read and NVML is never opened; the engines' lateness is the
     /// evidence.
     Emulated,
+    /// A CPU fleet (llama.cpp): no GPU is read and NVML is never opened.
+    Cpu,
     /// A fleet that started its replicas on known cards.
     Started(StartedGpus),
 }

@@ -18,6 +18,8 @@
 //! - [`metrics`]: what is read from a replica's `/metrics` (cache shape, histograms and window
 //!   deltas), on the `prom-text` parser.
 //! - [`http`]: blocking HTTP for control-plane calls, on `ureq`.
+//! - [`llama`]: llama.cpp's `llama-server` replicas ([`llama::LlamaSpec`]): the pinned command
+//!   line, the listening line, the KV capacity rule, the install cache's paths.
 
 pub mod driver_process;
 pub mod evidence;
@@ -26,6 +28,7 @@ pub mod fleet;
 pub mod gpu;
 pub mod http;
 pub mod ingress;
+pub mod llama;
 pub mod metrics;
 pub mod process;
 
@@ -34,5 +37,6 @@ pub use evidence::{CheckStatus, EvidenceBounds, EvidenceConfig, EvidenceSampler,
 pub use fleet::{CommandSpec, EmulatedSpec, Fleet, FleetOptions, ReplicaInfo, Source, StaticSpec};
 pub use gpu::{FleetGpus, GpuBackend};
 pub use ingress::{Ingress, IngressProcess, RouterSettings};
+pub use llama::LlamaSpec;
 pub use metrics::{CacheConfig, Histogram};
 pub use process::{ChildGuard, Readiness, kill_all};

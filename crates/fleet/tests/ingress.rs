@@ -263,6 +263,7 @@ fn the_driver_streams_through_haproxy_to_emulated_engines() {
                 timeout_s: 20.0,
                 model: model.into(),
                 abandon_after_ms: None,
+                keep_alive: true,
             },
             &cell.join("driver.log"),
         )

@@ -74,6 +74,7 @@ fn shared(policy: &str) -> Shared {
         health_fails_to_down: 3,
         health_oks_to_up: 2,
         max_in_flight_per_replica: u32::MAX,
+        upstream_keep_alive: true,
     };
     Shared::new(
         policies::build(&spec).expect("policy"),

@@ -91,6 +91,12 @@ pub struct RouterConfig {
     /// Per-replica in-flight ceiling: a replica at it gets no new request; when every eligible
     /// replica is at it the router answers 429. `None` = no ceiling.
     pub max_in_flight_per_replica: Option<u32>,
+    /// Keep upstream connections open between requests (a pooled client). Off
+    /// (`--no-upstream-keep-alive`): one connection per request, for engines that close a
+    /// connection after a streamed response while announcing keep-alive (llama.cpp's
+    /// `llama-server`: a request sent on such a pooled connection fails with a 502, never retried
+    /// because it was sent).
+    pub upstream_keep_alive: bool,
     /// Which engine publishes the replicas' KV events (`--kv-events-format`, default vLLM): it
     /// decides where a `BlockStored` carries the request's `cache_salt`.
     pub kv_events_format: crate::events::EventFormat,
@@ -193,6 +199,7 @@ impl RouterConfig {
             health_fails_to_down: 3,
             health_oks_to_up: 2,
             max_in_flight_per_replica: None,
+            upstream_keep_alive: true,
             kv_events_format: crate::events::EventFormat::default(),
         }
     }

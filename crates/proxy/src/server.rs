@@ -173,6 +173,7 @@ impl Router {
             health_fails_to_down: cfg.health_fails_to_down.max(1),
             health_oks_to_up: cfg.health_oks_to_up.max(1),
             max_in_flight_per_replica: cfg.max_in_flight_per_replica.unwrap_or(u32::MAX),
+            upstream_keep_alive: cfg.upstream_keep_alive,
         };
         let salt = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -279,6 +279,8 @@ pub struct Settings {
     pub health_oks_to_up: u32,
     /// Per-replica in-flight ceiling (`u32::MAX` = none).
     pub max_in_flight_per_replica: u32,
+    /// Pool upstream connections (`RouterConfig::upstream_keep_alive`).
+    pub upstream_keep_alive: bool,
 }
 
 impl Shared {
@@ -307,7 +309,7 @@ impl Shared {
             keying,
             metrics: Metrics::default(),
             rows,
-            client: crate::upstream::client(),
+            client: crate::upstream::client(settings.upstream_keep_alive),
             clock: Clock::new(),
             settings,
             cutting: AtomicBool::new(false),

@@ -110,14 +110,16 @@ impl Body for TimedBody {
 /// The upstream client type.
 pub type UpstreamClient = Client<HttpConnector, TimedBody>;
 
-/// A pooled keep-alive client with `TCP_NODELAY` (SSE chunks must not wait for Nagle).
-pub fn client() -> UpstreamClient {
+/// The upstream client with `TCP_NODELAY` (SSE chunks must not wait for Nagle): pooled
+/// keep-alive connections, or with `keep_alive` false none kept idle, so every request opens its
+/// own connection (`--no-upstream-keep-alive`).
+pub fn client(keep_alive: bool) -> UpstreamClient {
     let mut conn = HttpConnector::new();
     conn.set_nodelay(true);
     conn.set_connect_timeout(Some(Duration::from_secs(5)));
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(1024)
+        .pool_max_idle_per_host(if keep_alive { 1024 } else { 0 })
         .build(conn)
 }
 

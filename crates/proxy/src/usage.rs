@@ -60,6 +60,15 @@ pub struct UsageScanner {
 struct WithUsage {
     #[serde(default)]
     usage: Option<UsageJson>,
+    /// llama.cpp's `timings` beside the usage (`cache_n`: prompt tokens read from the cache).
+    #[serde(default)]
+    timings: Option<Timings>,
+}
+
+#[derive(Deserialize)]
+struct Timings {
+    #[serde(default)]
+    cache_n: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -207,14 +216,21 @@ impl UsageScanner {
     }
 
     fn take_usage_from(&mut self, json: &[u8]) {
-        if let Ok(WithUsage { usage: Some(u) }) = serde_json::from_slice::<WithUsage>(json) {
+        if let Ok(WithUsage {
+            usage: Some(u),
+            timings,
+        }) = serde_json::from_slice::<WithUsage>(json)
+        {
             self.usage = Some(Usage {
                 prompt_tokens: u.prompt_tokens,
                 // A details object without `cached_tokens` means none were cached (vLLM omits
-                // zero); no details object means the engine does not report it.
-                cached_tokens: u
-                    .prompt_tokens_details
-                    .map(|d| d.cached_tokens.unwrap_or(0)),
+                // zero); no details object means the engine does not report it there, and then
+                // llama.cpp's `timings.cache_n` (schema::engine::cached_tokens) is the answer.
+                cached_tokens: schema::engine::cached_tokens(
+                    u.prompt_tokens_details
+                        .map(|d| d.cached_tokens.unwrap_or(0)),
+                    timings.and_then(|t| t.cache_n),
+                ),
             });
         }
     }
@@ -312,6 +328,24 @@ mod tests {
             Some(Usage {
                 prompt_tokens: Some(7),
                 cached_tokens: Some(0)
+            })
+        );
+    }
+
+    #[test]
+    fn llama_cpp_usage_and_timings() {
+        // llama-server 11434's final chunk: usage with details, and timings beside it.
+        let mut s = UsageScanner::new(BodyKind::Sse);
+        s.feed(b"data: {\"choices\":[],\"usage\":{\"completion_tokens\":8,\"prompt_tokens\":1453,\"total_tokens\":1461,\"prompt_tokens_details\":{\"cached_tokens\":1199}},\"timings\":{\"cache_n\":1199,\"prompt_n\":254}}\n\n");
+        assert_eq!(s.finish().unwrap().cached_tokens, Some(1199));
+        // An older build without details: `timings.cache_n` answers.
+        let mut s = UsageScanner::new(BodyKind::Sse);
+        s.feed(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10},\"timings\":{\"cache_n\":6}}\n\n");
+        assert_eq!(
+            s.finish(),
+            Some(Usage {
+                prompt_tokens: Some(10),
+                cached_tokens: Some(6)
             })
         );
     }

@@ -6,12 +6,16 @@
 //! - [`rows`]: the `client.csv` and `router.csv` columns ([`CLIENT_COLUMNS`],
 //!   [`ROUTER_COLUMNS`]), in contract order (docs/CONTRACTS.md, "Rows").
 //! - [`stats`]: the one percentile definition ([`stats::quantile`], R type 7).
+//! - [`engine`]: which engine serves a fleet ([`EngineKind`]) and what differs between engines
+//!   (cached tokens, tokenize shape, reset, KV events).
 //!
 //! Pure data and arithmetic: no I/O, no clock, no async.
 
+pub mod engine;
 pub mod meta;
 pub mod rows;
 pub mod stats;
 
+pub use engine::EngineKind;
 pub use meta::{ATTAINMENT_TARGET, Meta, Slo, Window, WindowClock, WindowError};
 pub use rows::{CLIENT_COLUMNS, ROUTER_COLUMNS};

@@ -4,11 +4,12 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, bail};
 use serde::Serialize;
 
 use crate::fleet::{Fleet, ReplicaInfo};
 use crate::process::ChildGuard;
+use schema::EngineKind;
 
 /// Router settings of one cell.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -81,6 +82,20 @@ pub fn router_command(
     Ok(cmd)
 }
 
+/// Refuses a policy that needs KV events (exact residency) in front of an engine that publishes
+/// none, naming the engine's reason, before any process starts.
+pub fn check_kv_events(engine: EngineKind, settings: &RouterSettings) -> Result<()> {
+    if settings.kv_events
+        && let Some(reason) = engine.no_kv_events_reason()
+    {
+        bail!(
+            "policy {} needs the engines' KV events and cannot run on a {engine} fleet: {reason}. Use a policy that keeps its own belief of residency (prefix-affinity, prefix-hash) or the session policies",
+            settings.policy
+        );
+    }
+    Ok(())
+}
+
 /// Starts the router in front of `fleet`, rows into `rows`, log into `log`, and waits (30 s at
 /// most, polling `should_stop`) for its readiness line. Returns it, its serving URL (what the
 /// driver sends to) and its admin URL (`/admin/*`, `/metrics`: on its own loopback listener,
@@ -93,7 +108,12 @@ pub fn start_router(
     log: &Path,
     should_stop: &dyn Fn() -> bool,
 ) -> Result<(ChildGuard, String, String)> {
-    let cmd = router_command(router_bin, &fleet.replicas(), settings, rows)?;
+    check_kv_events(fleet.engine(), settings)?;
+    let mut cmd = router_command(router_bin, &fleet.replicas(), settings, rows)?;
+    if !fleet.engine().keeps_connections_alive() {
+        // llama-server closes a connection after each streamed response (schema::engine).
+        cmd.arg("--no-upstream-keep-alive");
+    }
     let mut guard = ChildGuard::spawn("router", cmd, log)?;
     let ready = guard.wait_ready(Duration::from_secs(30), should_stop)?;
     let admin = ready.admin_url().ok_or_else(|| {
@@ -182,5 +202,15 @@ mod tests {
             e.to_string(),
             "replica 0 publishes no KV events, which policy exact-residency needs"
         );
+        let e = check_kv_events(EngineKind::LlamaCpp, &s).unwrap_err();
+        assert!(
+            e.to_string().starts_with(
+                "policy exact-residency needs the engines' KV events and cannot run on a llama-cpp fleet: llama.cpp's llama-server publishes no KV events"
+            ),
+            "{e}"
+        );
+        assert!(check_kv_events(EngineKind::Vllm, &s).is_ok());
+        s.kv_events = false;
+        assert!(check_kv_events(EngineKind::LlamaCpp, &s).is_ok());
     }
 }
