@@ -254,7 +254,7 @@ pub fn calibrate(
         let unseen: Vec<&analysis::ClientRow> = rows
             .iter()
             .filter(|r| r.error.is_none() && (200..300).contains(&r.status))
-            .filter(|r| r.cached_tokens.unwrap_or(0) == 0)
+            .filter(|r| calibration::is_unseen(r.cached_tokens))
             .collect();
         let ttft: Vec<f64> = unseen.iter().filter_map(|r| r.ttft_ms).collect();
         let itl: Vec<f64> = unseen.iter().filter_map(|r| r.itl_p50_ms).collect();
