@@ -76,6 +76,8 @@ fn tiny_sweep_then_report_then_resume() {
                 assert_eq!(router["index_ttl_s"], cal["index"]["ttl_s"]);
             }
             assert!(meta["run"]["evidence_bounds"]["lateness"]["p99_wall_ms"].is_number());
+            // The worker count the router reported when it came up (its default, 2).
+            assert_eq!(meta["run"]["router_workers"], 2, "{}", dir.display());
             let window = &meta["window"];
             assert!(window["measured_end_s"].as_f64() > window["measured_start_s"].as_f64());
             plan_fingerprints.push(meta["plan_fingerprint"].as_str().unwrap().to_string());

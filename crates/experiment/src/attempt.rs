@@ -66,6 +66,8 @@ pub struct AttemptResult {
     /// Requests inside the window that met the SLO ÷ window length (req/s, for progress only;
     /// the report recomputes everything from rows).
     pub goodput_rps: f64,
+    /// The router's worker threads, from its readiness line (`None` behind HAProxy).
+    pub router_workers: Option<u64>,
 }
 
 /// Cycle the fleet, start the ingress (the router or HAProxy), drive the plan, sample evidence
@@ -128,6 +130,7 @@ pub fn run_attempt(
             router.log_path().display()
         );
     }
+    let router_workers = ingress.router_workers();
     // The router flushes its rows on SIGTERM; HAProxy writes its per-server counts first.
     if let Some(warning) = ingress.finish(a.dir, Duration::from_secs(15))? {
         eprintln!("xtask: {warning}");
@@ -151,6 +154,7 @@ pub fn run_attempt(
         evidence,
         requests: rows.len(),
         goodput_rps: good as f64 / (window.measured_end_s - window.measured_start_s),
+        router_workers,
     })
 }
 

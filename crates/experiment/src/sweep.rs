@@ -753,6 +753,8 @@ impl<'a> LiveSweep<'a> {
                     let mut run = s.run_record(point, cal, &window);
                     run["plan"] = serde_json::json!(plan.name);
                     run["router"] = serde_json::to_value(&router)?;
+                    // What the router ran with (its readiness line): issue #18's worker count.
+                    run["router_workers"] = serde_json::json!(result.router_workers);
                     run["routing"] = serde_json::to_value(&self.routing)?;
                     run["evidence_bounds"] = serde_json::to_value(&cell_bounds)?;
                     run["driver"] = serde_json::to_value(&driver)?;

@@ -32,6 +32,9 @@ pub struct Readiness {
     /// `host:port` of the router's admin listener (`/admin/*`, `/metrics`); routers only.
     #[serde(default)]
     pub admin: Option<String>,
+    /// The router's worker threads (`--workers`, else its default); routers only.
+    #[serde(default)]
+    pub workers: Option<u64>,
 }
 
 impl Readiness {
@@ -109,6 +112,7 @@ pub struct ChildGuard {
     log_path: PathBuf,
     stdout_thread: Option<JoinHandle<()>>,
     lines: Option<mpsc::Receiver<String>>,
+    readiness: Option<Readiness>,
 }
 
 impl ChildGuard {
@@ -157,6 +161,7 @@ impl ChildGuard {
             log_path: log_path.to_path_buf(),
             stdout_thread: Some(stdout_thread),
             lines: Some(rx),
+            readiness: None,
         })
     }
 
@@ -232,13 +237,20 @@ impl ChildGuard {
         }
     }
 
-    /// Waits for the JSON readiness line of the contract.
+    /// Waits for the JSON readiness line of the contract (kept: [`ChildGuard::readiness`]).
     pub fn wait_ready(
         &mut self,
         timeout: Duration,
         should_stop: &dyn Fn() -> bool,
     ) -> Result<Readiness> {
-        self.wait_for_line(timeout, Readiness::parse, should_stop)
+        let ready = self.wait_for_line(timeout, Readiness::parse, should_stop)?;
+        self.readiness = Some(ready.clone());
+        Ok(ready)
+    }
+
+    /// The readiness line [`ChildGuard::wait_ready`] read, once it has.
+    pub fn readiness(&self) -> Option<&Readiness> {
+        self.readiness.as_ref()
     }
 
     /// Non-blocking: the exit status if the child has exited.
@@ -345,9 +357,12 @@ mod tests {
         assert_eq!(engine.kv_events.as_deref(), Some("tcp://127.0.0.1:4002"));
         assert_eq!(engine.kv_replay, None);
         assert_eq!(engine.admin_url(), None);
-        let router = Readiness::parse(r#"  {"listening":"127.0.0.1:9","admin":"127.0.0.1:10"}  "#)
-            .expect("router line");
+        let router = Readiness::parse(
+            r#"  {"listening":"127.0.0.1:9","admin":"127.0.0.1:10","workers":2}  "#,
+        )
+        .expect("router line");
         assert_eq!(router.kv_events, None);
+        assert_eq!((router.workers, engine.workers), (Some(2), None));
         assert_eq!(router.admin_url().as_deref(), Some("http://127.0.0.1:10"));
         assert_eq!(Readiness::parse("INFO starting"), None);
         assert_eq!(Readiness::parse(r#"{"other":1}"#), None);

@@ -579,7 +579,7 @@ pub fn parse_kv_usage(text: &str) -> Option<f32> {
 }
 
 /// Runs the router until SIGTERM or SIGINT: builds a runtime with `cfg.workers` threads, prints
-/// the readiness line (`{"listening":"HOST:PORT","admin":"HOST:PORT"}`) on stdout, then shuts
+/// the readiness line (`{"listening":"HOST:PORT","admin":"HOST:PORT","workers":N}`) on stdout, then shuts
 /// down gracefully and flushes the rows.
 pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
     // A multi-thread runtime even with one worker: measured against a current-thread runtime,
@@ -588,8 +588,9 @@ pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
     // every stream's frames wait behind each request's parse, hash and decision (tens of µs on
     // cold caches; `examples/decide_cost.rs`), and two measured lower CPU per request and lower
     // first-event p99 at 50 and 200 streams (docs/proxy-bench.md).
+    let workers = cfg.workers.max(1);
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(cfg.workers.max(1))
+        .worker_threads(workers)
         .enable_all()
         .build()?;
     let grace = Duration::from_millis(cfg.shutdown_grace_ms);
@@ -604,6 +605,7 @@ pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
             serde_json::json!({
                 "listening": router.local_addr().to_string(),
                 "admin": router.admin_addr().to_string(),
+                "workers": workers,
             })
         );
         use std::io::Write;

@@ -74,6 +74,14 @@ impl IngressProcess {
         })
     }
 
+    /// The router's worker threads, as its readiness line reported them (`None` for HAProxy).
+    pub fn router_workers(&self) -> Option<u64> {
+        match self {
+            IngressProcess::Router(guard) => guard.readiness().and_then(|r| r.workers),
+            IngressProcess::Haproxy(_) => None,
+        }
+    }
+
     /// Stops it once the driver is done: the router on SIGTERM (it flushes its rows first);
     /// HAProxy after its per-server counts are written to `dir/haproxy-stats.json`. Either is
     /// killed when it has not exited within `grace`; then the answer is a warning to show
