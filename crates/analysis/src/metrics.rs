@@ -126,7 +126,9 @@ pub fn slo_miss(row: &ClientRow, slo: &Slo, clock: WindowClock) -> SloMiss {
 /// Whether a client row's `error` is the driver's `abandoned:` (a turn never sent because it
 /// had already waited past the TTFT bound after the run's end; `driver --abandon-after-ms`).
 pub fn is_abandoned(error: &str) -> bool {
-    error.starts_with("abandoned:")
+    error
+        .strip_prefix(schema::rows::ABANDONED_ERROR_KIND)
+        .is_some_and(|rest| rest.starts_with(':'))
 }
 
 /// Goodput in one time bucket of a series.

@@ -421,7 +421,8 @@ impl<W> Shared<W> {
             cached_tokens: None,
             status: 0,
             error: format!(
-                "abandoned: not sent; after the run's end it had waited {:.0} ms behind its conversation's previous turn, past the {limit_ms:.0} ms TTFT bound",
+                "{}: not sent; after the run's end it had waited {:.0} ms behind its conversation's previous turn, past the {limit_ms:.0} ms TTFT bound",
+                schema::rows::ABANDONED_ERROR_KIND,
                 wait.as_secs_f64() * 1e3
             ),
             warmup: 0,

@@ -364,15 +364,14 @@ fn point_capacities(
     let mut of_point: Vec<(String, String)> = Vec::new();
     for p in points.iter().filter(|p| p.load_fraction.is_some()) {
         let spec = s.spec_for(p, cal);
-        let base_name = p.name.split("-load").next().unwrap_or(&p.name).to_string();
-        if !searches.iter().any(|(_, sp)| sp.name() == spec.name()) {
-            searches.push((base_name.clone(), spec));
-        }
-        let owner = searches
-            .iter()
-            .find(|(_, sp)| sp.name() == spec.name())
-            .map(|(n, _)| n.clone())
-            .unwrap_or(base_name);
+        let owner = match searches.iter().find(|(_, sp)| *sp == spec) {
+            Some((name, _)) => name.clone(),
+            None => {
+                let name = p.name.split("-load").next().unwrap_or(&p.name).to_string();
+                searches.push((name.clone(), spec));
+                name
+            }
+        };
         of_point.push((p.name.clone(), owner));
     }
     // The search's record sits with its steps; each point it serves gets a copy.

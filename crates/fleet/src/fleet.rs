@@ -214,6 +214,35 @@ struct Slot {
     starts: u32,
 }
 
+/// Starts replica `index`'s process (its `starts`-th start) with `cmd`, log header first, and
+/// the slot it fills: `url` and `kv_events` as known before readiness (empty / `None` when the
+/// readiness line will say).
+fn spawn_replica(
+    cmd: Command,
+    index: usize,
+    starts: u32,
+    log_path: PathBuf,
+    url: String,
+    kv_events: Option<String>,
+    slowdown: f64,
+) -> Result<Slot> {
+    write_log_header(&log_path, index, starts, &cmd)?;
+    let guard = ChildGuard::spawn(&format!("replica {index}"), cmd, &log_path)?;
+    Ok(Slot {
+        info: ReplicaInfo {
+            index,
+            url,
+            kv_events,
+            kv_replay: None,
+            pid: guard.pid(),
+            log_path: Some(log_path),
+            slowdown,
+        },
+        guard: Some(guard),
+        starts: starts + 1,
+    })
+}
+
 /// A set of replicas under one lifecycle. Every child is killed when the fleet is dropped.
 pub struct Fleet {
     source: Source,
@@ -592,21 +621,16 @@ impl Fleet {
                     }
                 }
                 cmd.args(&spec.extra_args);
-                write_log_header(&log_path, index, starts, &cmd)?;
-                let guard = ChildGuard::spawn(&format!("replica {index}"), cmd, &log_path)?;
-                Ok(Slot {
-                    info: ReplicaInfo {
-                        index,
-                        url: String::new(),
-                        kv_events: None,
-                        kv_replay: None,
-                        pid: guard.pid(),
-                        log_path: Some(log_path),
-                        slowdown: spec.slowdown(index),
-                    },
-                    guard: Some(guard),
-                    starts: starts + 1,
-                })
+                // URL and event endpoints come from its readiness line.
+                spawn_replica(
+                    cmd,
+                    index,
+                    starts,
+                    log_path,
+                    String::new(),
+                    None,
+                    spec.slowdown(index),
+                )
             }
             Source::Command(spec) => {
                 let line = spec.render(index)?;
@@ -615,27 +639,14 @@ impl Fleet {
                 cmd.arg("-c")
                     .arg(format!("exec {line}"))
                     .env("CUDA_VISIBLE_DEVICES", spec.gpu(index));
-                write_log_header(&log_path, index, starts, &cmd)?;
-                let guard = ChildGuard::spawn(&format!("replica {index}"), cmd, &log_path)?;
                 let kv_events = match spec.kv_base_port {
                     Some(base) => {
                         Some(format!("tcp://{}:{}", spec.host, offset_port(base, index)?))
                     }
                     None => None,
                 };
-                Ok(Slot {
-                    info: ReplicaInfo {
-                        index,
-                        url: format!("http://{}:{}", spec.host, spec.port(index)?),
-                        kv_events,
-                        kv_replay: None,
-                        pid: guard.pid(),
-                        log_path: Some(log_path),
-                        slowdown: 1.0,
-                    },
-                    guard: Some(guard),
-                    starts: starts + 1,
-                })
+                let url = format!("http://{}:{}", spec.host, spec.port(index)?);
+                spawn_replica(cmd, index, starts, log_path, url, kv_events, 1.0)
             }
             Source::Llama(spec) => {
                 llama::check_installed(&spec.server_bin, &spec.model_gguf)?;
@@ -648,21 +659,8 @@ impl Fleet {
                     .arg("exec \"$0\" \"$@\" 2>&1")
                     .arg(&spec.server_bin)
                     .args(spec.args(index, port));
-                write_log_header(&log_path, index, starts, &cmd)?;
-                let guard = ChildGuard::spawn(&format!("replica {index}"), cmd, &log_path)?;
-                Ok(Slot {
-                    info: ReplicaInfo {
-                        index,
-                        url: String::new(),
-                        kv_events: None,
-                        kv_replay: None,
-                        pid: guard.pid(),
-                        log_path: Some(log_path),
-                        slowdown: 1.0,
-                    },
-                    guard: Some(guard),
-                    starts: starts + 1,
-                })
+                // Its URL comes from the port it logs (`llama::parse_listening`).
+                spawn_replica(cmd, index, starts, log_path, String::new(), None, 1.0)
             }
             Source::Static(spec) => Ok(Slot {
                 info: ReplicaInfo {

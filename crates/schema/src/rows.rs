@@ -8,6 +8,11 @@
 //! `_ms` milliseconds (3 decimals), `_us`, `_ns` as named. An empty cell is not applicable or
 //! unknown.
 
+/// The `error` kind of a client row the driver wrote for a turn it abandoned instead of sending
+/// (`driver --abandon-after-ms`): `abandoned: …`. The driver writes it, the analysis counts such a
+/// row as a TTFT miss.
+pub const ABANDONED_ERROR_KIND: &str = "abandoned";
+
 /// `client.csv` columns, in contract order.
 pub const CLIENT_COLUMNS: [&str; 19] = [
     "request_id",
