@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{Scratch, build_bins, json, workspace_root, xtask};
+use common::{Scratch, assert_every_value_names_its_rule, build_bins, json, workspace_root, xtask};
 
 #[test]
 fn tiny_sweep_then_report_then_resume() {
@@ -58,7 +58,7 @@ fn tiny_sweep_then_report_then_resume() {
     assert!(cal["slo"]["ttft_ms"].as_f64().unwrap() > 0.0);
     assert_eq!(cal["capacity_tokens"].as_u64(), Some(3 * 4096 * 16));
     // Every derived value names its rule; the floors ran on reference-length prompts.
-    assert!(cal["index"]["ttl_rule"].is_string(), "{}", cal["index"]);
+    assert_every_value_names_its_rule(&cal);
     assert_eq!(cal["floor_prompts"]["prompt_tokens"], 1100);
     assert!(cal["bytes_per_token"]["value"].as_f64().unwrap() > 0.0);
 

@@ -342,6 +342,76 @@ pub struct Calibration {
     /// calibration ran without the capacity search (and in files written before it existed).
     #[serde(default)]
     pub capacity: Option<crate::capacity::Capacity>,
+    /// The rule behind each derived value that carries no rule of its own (floors, SLO, KV
+    /// capacity, outliers, node cap); `None` in files written before it was recorded.
+    #[serde(default)]
+    pub rules: Option<DerivationRules>,
+}
+
+/// `rules` in calibration.json: how the values without a rule field of their own were derived
+/// (the TTL, bytes per token, floor prompts and capacity carry theirs beside their value).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DerivationRules {
+    /// How `floors` came from the replicas' measurements.
+    pub floors: String,
+    /// How `slo` came from `floors`.
+    pub slo: String,
+    /// How `capacity_tokens` was read.
+    pub capacity_tokens: String,
+    /// Which replicas were set aside as throttling outliers, and by what test.
+    pub outliers: String,
+    /// How `index.node_cap` came from the reference run.
+    pub node_cap: String,
+}
+
+impl DerivationRules {
+    /// The rules of a live calibration as this build applies them: `outlier_factor` is its
+    /// `--outlier-factor`, `tokens_per_block` the analysis's node granularity.
+    pub fn live(outlier_factor: f64, tokens_per_block: u32) -> Self {
+        DerivationRules {
+            floors: "per replica, straight at it at concurrency 1 on unseen prompts of the \
+                     reference length (floor_prompts): TTFT p50 and per-request ITL p50; the \
+                     fleet's floors are the median over the replicas in use"
+                .into(),
+            slo: format!(
+                "SLO = {SLO_FACTOR} × each floor (slo_factor), rounded to the microsecond"
+            ),
+            capacity_tokens: "Σ over the replicas in use of num_gpu_blocks × block_size from \
+                              vllm:cache_config_info on /metrics (a llama.cpp fleet: \
+                              /props' n_ctx, the shared pool under --kv-unified, else × \
+                              total_slots)"
+                .into(),
+            outliers: format!(
+                "a replica whose TTFT or ITL floor exceeds the median of its peers' by more than \
+                 ×{outlier_factor} (--outlier-factor) is a throttling outlier and not used, \
+                 unless --include-outliers; needs ≥ 3 replicas"
+            ),
+            node_cap: Self::node_cap_rule(tokens_per_block),
+        }
+    }
+
+    /// The rules of a virtual-time calibration (`virtual_sweep::calibrate`).
+    pub fn simulated(tokens_per_block: u32) -> Self {
+        DerivationRules {
+            floors: "the simulator's floor run (sim::calibrate_plan) on unseen prompts of the \
+                     reference length (floor_prompts), one at a time: TTFT p50 and per-request \
+                     ITL p50"
+                .into(),
+            slo: format!("SLO = {SLO_FACTOR} × each floor (slo_factor), not rounded"),
+            capacity_tokens: "Σ over the simulated replicas of their configured blocks × block \
+                              size"
+                .into(),
+            outliers: "none: every simulated replica runs the same step-time model".into(),
+            node_cap: Self::node_cap_rule(tokens_per_block),
+        }
+    }
+
+    fn node_cap_rule(tokens_per_block: u32) -> String {
+        format!(
+            "⌈capacity_tokens ÷ {tokens_per_block} tokens per node × the reference run's honoured \
+             share⌉ (index.honoured_share)"
+        )
+    }
 }
 
 impl Calibration {

@@ -237,6 +237,9 @@ pub fn calibrate(
         git_rev,
         versions,
         capacity: None,
+        rules: Some(calibration::DerivationRules::simulated(
+            analysis::MetricsConfig::default().tokens_per_block,
+        )),
     })
 }
 
