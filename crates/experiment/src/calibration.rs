@@ -451,6 +451,41 @@ impl Calibration {
         }
     }
 
+    /// The derived values that name no rule (empty for a calibration of this build): the TTL
+    /// (rule and evidence), bytes per token, floor prompts, capacity (when searched) and each
+    /// of `rules`.
+    pub fn values_without_rule(&self) -> Vec<&'static str> {
+        let named = |s: &str| !s.trim().is_empty();
+        let rules = self.rules.as_ref();
+        let rule_of = |f: fn(&DerivationRules) -> &String| rules.is_some_and(|r| named(f(r)));
+        [
+            ("index.ttl_rule", self.index.ttl_rule.is_some()),
+            ("index.ttl_evidence", self.index.ttl_evidence.is_some()),
+            (
+                "bytes_per_token.rule",
+                self.bytes_per_token
+                    .as_ref()
+                    .is_some_and(|b| named(&b.rule)),
+            ),
+            (
+                "floor_prompts.rule",
+                self.floor_prompts.as_ref().is_some_and(|f| named(&f.rule)),
+            ),
+            (
+                "capacity.rule",
+                self.capacity.as_ref().is_none_or(|c| named(&c.rule)),
+            ),
+            ("rules.floors", rule_of(|r| &r.floors)),
+            ("rules.slo", rule_of(|r| &r.slo)),
+            ("rules.capacity_tokens", rule_of(|r| &r.capacity_tokens)),
+            ("rules.outliers", rule_of(|r| &r.outliers)),
+            ("rules.node_cap", rule_of(|r| &r.node_cap)),
+        ]
+        .into_iter()
+        .filter_map(|(name, ok)| (!ok).then_some(name))
+        .collect()
+    }
+
     /// The measured bytes per token; refused when the calibration predates its measurement.
     pub fn bytes_per_token(&self) -> Result<f64> {
         self.bytes_per_token.as_ref().map(|b| b.value).ok_or_else(|| {
@@ -1256,6 +1291,28 @@ pub(crate) mod tests {
             source: "test".into(),
         });
         cal
+    }
+
+    /// Every derived value names its rule; a file from before `rules` says which do not.
+    #[test]
+    fn values_without_rule_names_the_unruled_ones() {
+        let mut cal = current_calibration();
+        assert!(cal.values_without_rule().contains(&"rules.floors"));
+        assert!(cal.values_without_rule().contains(&"floor_prompts.rule"));
+        cal.rules = Some(DerivationRules::live(1.3, 16));
+        cal.floor_prompts = Some(FloorPrompts {
+            prompt_tokens: REFERENCE_PROMPT_TOKENS,
+            rule: "r".into(),
+            prompts: 12,
+            tokenize_calls: 30,
+        });
+        assert_eq!(cal.values_without_rule(), Vec::<&str>::new());
+        cal.rules.as_mut().unwrap().node_cap.clear();
+        cal.bytes_per_token = None;
+        assert_eq!(
+            cal.values_without_rule(),
+            vec!["bytes_per_token.rule", "rules.node_cap"]
+        );
     }
 
     /// Calibrations written before TTL rules still read (so old directories stay readable), but

@@ -755,6 +755,7 @@ impl<'a> LiveSweep<'a> {
                     run["router"] = serde_json::to_value(&router)?;
                     // What the router ran with (its readiness line): issue #18's worker count.
                     run["router_workers"] = serde_json::json!(result.router_workers);
+                    run["router_scheduling"] = serde_json::json!(result.router_scheduling);
                     run["routing"] = serde_json::to_value(&self.routing)?;
                     run["evidence_bounds"] = serde_json::to_value(&cell_bounds)?;
                     run["driver"] = serde_json::to_value(&driver)?;

@@ -77,32 +77,14 @@ pub fn xtask(args: &[&str]) -> (bool, String, String) {
     )
 }
 
-/// Asserts that every value a calibration derived names the rule behind it: the TTL (with its
-/// evidence), bytes per token, the floor prompts, the capacity when searched, and `rules` for
-/// the floors, SLO, KV capacity, outliers and node cap.
+/// Asserts that every value the calibration at `path` derived names its rule.
 #[allow(dead_code)] // each test binary compiles `common` on its own
-pub fn assert_every_value_names_its_rule(cal: &serde_json::Value) {
-    let named = |v: &serde_json::Value| v.as_str().is_some_and(|s| !s.is_empty());
-    assert!(named(&cal["index"]["ttl_rule"]), "{}", cal["index"]);
-    assert!(cal["index"]["ttl_evidence"].is_object(), "{}", cal["index"]);
-    assert!(
-        named(&cal["bytes_per_token"]["rule"]),
+pub fn assert_every_value_names_its_rule(path: &Path) {
+    let cal = experiment::calibration::Calibration::read(path).unwrap();
+    assert_eq!(
+        cal.values_without_rule(),
+        Vec::<&str>::new(),
         "{}",
-        cal["bytes_per_token"]
+        path.display()
     );
-    assert!(
-        named(&cal["floor_prompts"]["rule"]),
-        "{}",
-        cal["floor_prompts"]
-    );
-    if !cal["capacity"].is_null() {
-        assert!(named(&cal["capacity"]["rule"]), "{}", cal["capacity"]);
-    }
-    for value in ["floors", "slo", "capacity_tokens", "outliers", "node_cap"] {
-        assert!(
-            named(&cal["rules"][value]),
-            "rules.{value}: {}",
-            cal["rules"]
-        );
-    }
 }

@@ -82,6 +82,15 @@ impl IngressProcess {
         }
     }
 
+    /// How the router's threads were scheduled, as its readiness line reported it (`None` for
+    /// HAProxy).
+    pub fn router_scheduling(&self) -> Option<String> {
+        match self {
+            IngressProcess::Router(guard) => guard.readiness().and_then(|r| r.scheduling.clone()),
+            IngressProcess::Haproxy(_) => None,
+        }
+    }
+
     /// Stops it once the driver is done: the router on SIGTERM (it flushes its rows first);
     /// HAProxy after its per-server counts are written to `dir/haproxy-stats.json`. Either is
     /// killed when it has not exited within `grace`; then the answer is a warning to show
