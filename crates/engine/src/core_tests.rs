@@ -654,3 +654,163 @@ fn prompt_key_is_the_streaming_hash_it_replaced() {
         xxh3_64_with_seed(&[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0], 0)
     );
 }
+
+/// llama-slots with `slots` slots, similarity 0.1 and `ctx_tokens` cells; no frontend delay.
+fn llama_cfg(slots: u32, ctx_tokens: u32) -> EngineConfig {
+    EngineConfig {
+        cache_model: CacheModel::LlamaSlots {
+            slots,
+            similarity: 0.1,
+            ctx_tokens,
+        },
+        ..cfg(64)
+    }
+}
+
+/// Runs one request alone to completion and returns (cached tokens, every token it decoded).
+fn serve(
+    e: &mut Engine,
+    id: RequestId,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    now: u64,
+) -> (u32, Vec<u32>, u64) {
+    let mut full = prompt.clone();
+    e.add_request(id, prompt, params(max_tokens), now)
+        .expect("ok");
+    let (toks, now) = run(e, now);
+    full.extend(
+        toks.iter()
+            .filter(|(_, t)| t.id == id)
+            .map(|(_, t)| t.token),
+    );
+    (finished(&toks, id).cached_tokens, full, now)
+}
+
+#[test]
+fn llama_slots_cache_the_prompt_and_all_but_the_last_generated_token() {
+    let mut e = Engine::new(llama_cfg(4, 16384)).expect("valid");
+    let (cached, conv, now) = serve(&mut e, 1, prompt(1, 100), 8, 0);
+    assert_eq!(cached, 0);
+    // The slot holds 100 + 7 tokens: the 8th generated token was never decoded.
+    let slot = e
+        .llama_slots()
+        .unwrap()
+        .slots()
+        .iter()
+        .find(|s| !s.tokens.is_empty())
+        .unwrap();
+    assert_eq!(slot.tokens, conv[..107]);
+    // Next turn: the whole conversation plus a new user message.
+    let mut next = conv.clone();
+    next.extend(prompt(2, 50));
+    let (cached, _, now) = serve(&mut e, 2, next, 4, now);
+    assert_eq!(cached, 107, "token-exact prefix, not block-aligned");
+    // The same prompt again: all but its last token.
+    let (cached, _, _) = serve(&mut e, 3, prompt(7, 40), 1, now);
+    assert_eq!(cached, 0);
+    let (cached, _, _) = serve(&mut e, 4, prompt(7, 40), 1, now + 1_000_000);
+    assert_eq!(cached, 39);
+    let c = e.counters();
+    assert_eq!(c.prefix_cache_hits_tokens, 107 + 39);
+    let mut ev = Vec::new();
+    e.take_events(&mut ev);
+    assert!(ev.is_empty(), "llama.cpp publishes no KV events");
+}
+
+#[test]
+fn llama_slots_bound_concurrency_and_least_recently_used_slots_are_overwritten() {
+    let mut e = Engine::new(llama_cfg(2, 16384)).expect("valid");
+    for id in 1..=3 {
+        e.add_request(id, prompt(id as u32, 64), params(4), 0)
+            .expect("ok");
+    }
+    let out = e.step(0);
+    assert_eq!(out.admitted, vec![1, 2], "two slots: the third waits");
+    assert_eq!(e.num_waiting(), 1);
+    let (_, now) = run(&mut e, out.end_us());
+    // Slots now hold conversations 3 (released last) and 1 or 2 (the one 3 did not overwrite).
+    // A new conversation takes the least recently used slot, overwriting it.
+    let (c, _, now) = serve(&mut e, 4, prompt(4, 64), 4, now);
+    assert_eq!(c, 0);
+    // Conversation 3's slot survived (it was the most recently used): a repeat hits.
+    let (c3, _, now) = serve(&mut e, 5, prompt(3, 70), 1, now);
+    assert_eq!(c3, 64);
+    // Conversations 1 and 2 are both gone by now.
+    let (c1, _, now) = serve(&mut e, 6, prompt(1, 70), 1, now);
+    let (c2, _, _) = serve(&mut e, 7, prompt(2, 70), 1, now);
+    assert_eq!((c1, c2), (0, 0));
+}
+
+#[test]
+fn llama_slots_below_the_similarity_threshold_take_the_lru_slot() {
+    let mut e = Engine::new(llama_cfg(2, 16384)).expect("valid");
+    let (_, a, now) = serve(&mut e, 1, prompt(1, 20), 2, 0); // slot 1 (fresh: highest id)
+    let (_, _, now) = serve(&mut e, 2, prompt(2, 20), 2, now); // slot 0
+    // Conversation 1 grows by a huge message: its slot's 21 tokens are < 10% of 300, so the
+    // request goes to the LRU slot — which is conversation 1's own (released first): a hit.
+    let mut long = a.clone();
+    long.extend(prompt(3, 279));
+    let (c, _, now) = serve(&mut e, 3, long.clone(), 2, now);
+    assert_eq!(c, 21);
+    // Now conversation 2's slot is the LRU: conversation 1 again over the threshold finds its slot
+    // by similarity even though it is the most recent.
+    let mut more = long.clone();
+    more.truncate(200);
+    let (c, _, _) = serve(&mut e, 4, more, 1, now);
+    assert_eq!(
+        c,
+        200 - 1,
+        "prefix of the slot's sequence: all but the last token"
+    );
+}
+
+#[test]
+fn llama_slots_purge_idle_slots_when_the_unified_context_is_full() {
+    let mut e = Engine::new(llama_cfg(3, 300)).expect("valid");
+    let (_, _, now) = serve(&mut e, 1, prompt(1, 100), 1, 0); // slot 2
+    let (_, _, now) = serve(&mut e, 2, prompt(2, 100), 1, now); // slot 1
+    assert!((e.kv_usage() - 200.0 / 300.0).abs() < 1e-9);
+    // 150 more tokens need room: the lowest-id idle slot holding tokens (1) is erased.
+    let (_, _, now) = serve(&mut e, 3, prompt(3, 150), 1, now);
+    let held: Vec<usize> = e
+        .llama_slots()
+        .unwrap()
+        .slots()
+        .iter()
+        .map(|s| s.tokens.len())
+        .collect();
+    assert_eq!(held, vec![150, 0, 100]);
+    assert!(e.kv_usage() <= 1.0);
+    // Too long for the context at all: refused up front, naming the context length.
+    assert!(matches!(
+        e.add_request(9, prompt(9, 299), params(2), now),
+        Err(AddError::TooLong {
+            max_model_len: 300,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn llama_slots_abort_keeps_the_computed_prefix_and_reset_erases_idle_slots() {
+    let mut e = Engine::new(EngineConfig {
+        max_num_batched_tokens: 64,
+        ..llama_cfg(1, 16384)
+    })
+    .expect("valid");
+    e.add_request(1, prompt(1, 200), params(4), 0).expect("ok");
+    let out = e.step(0);
+    assert_eq!(
+        out.num_scheduled_tokens, 64,
+        "chunked prefill within the batch budget"
+    );
+    assert!(!e.reset_prefix_cache(), "refused while a request runs");
+    assert!(e.abort(1));
+    assert_eq!(e.llama_slots().unwrap().slots()[0].tokens, prompt(1, 64));
+    let (c, _, now) = serve(&mut e, 2, prompt(1, 100), 1, out.end_us());
+    assert_eq!(c, 64);
+    assert!(e.reset_prefix_cache());
+    let (c, _, _) = serve(&mut e, 3, prompt(1, 100), 1, now);
+    assert_eq!(c, 0);
+}
