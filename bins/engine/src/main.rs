@@ -1,5 +1,6 @@
-//! `engine`: one emulated vLLM replica. Parses vLLM-like flags, starts the server, prints the
-//! readiness line (docs/CONTRACTS.md) and runs until SIGTERM/SIGINT.
+//! `engine`: one emulated vLLM replica (or, with `--cache-model llama-slots`, a llama.cpp
+//! `llama-server`'s slot cache). Parses vLLM-like flags, starts the server, prints the readiness
+//! line (docs/CONTRACTS.md) and runs until SIGTERM/SIGINT.
 
 use clap::Parser;
 use engine::server::{self, KvEventsConfig, ServerConfig};
@@ -82,34 +83,34 @@ struct Args {
     /// Relative step-time jitter in [0, 1).
     #[arg(long, default_value_t = 0.0)]
     jitter: f64,
-    /// Step model: fixed per-step overhead, ms.
+    /// Step model: fixed per-step overhead, ms (default: the --step-model preset's).
     #[arg(long)]
     step_overhead_ms: Option<f64>,
-    /// Step model: weight bytes read per step.
+    /// Step model: weight bytes read per step (default: the --step-model preset's).
     #[arg(long)]
     weight_bytes: Option<f64>,
-    /// Step model: KV bytes per context token.
+    /// Step model: KV bytes per context token (default: the --step-model preset's).
     #[arg(long)]
     kv_bytes_per_token: Option<f64>,
-    /// Step model: effective memory bandwidth, bytes/s.
+    /// Step model: effective memory bandwidth, bytes/s (default: the --step-model
+    /// preset's).
     #[arg(long)]
     bandwidth_bytes_per_s: Option<f64>,
-    /// Step model: compute per scheduled token, ms.
+    /// Step model: compute per scheduled token, ms (default: the --step-model preset's).
     #[arg(long)]
     c_tok_ms: Option<f64>,
-    /// Step model: attention compute per prefill token per context token, ms.
+    /// Step model: attention compute per prefill token per context token, ms (default: the
+    /// --step-model preset's).
     #[arg(long)]
     c_attn_ms: Option<f64>,
-    /// Step model: compute per decode sequence in a step, ms (0 in vllm-3090).
-    #[arg(long)]
-    c_decode_ms: Option<f64>,
-    /// Step model: compute per context token of each decode, ms (0 in vllm-3090).
+    /// Step model: compute per context token of each decode, ms (default: the --step-model
+    /// preset's; 0 in vllm-3090).
     #[arg(long)]
     c_decode_ctx_ms: Option<f64>,
-    /// Per-request frontend cost before scheduling, ms.
+    /// Per-request frontend cost before scheduling, ms (default: the --step-model preset's).
     #[arg(long)]
     frontend_ms: Option<f64>,
-    /// Cost of a /tokenize or render round trip, ms.
+    /// Cost of a /tokenize or render round trip, ms (default: the --step-model preset's).
     #[arg(long)]
     tokenize_ms: Option<f64>,
     /// Tokio worker threads for HTTP (the engine core has its own thread). One is as fast as
@@ -179,7 +180,6 @@ fn config(a: &Args) -> Result<ServerConfig, String> {
                     .unwrap_or(preset.bandwidth_bytes_per_s),
                 c_tok_ms: a.c_tok_ms.unwrap_or(preset.c_tok_ms),
                 c_attn_ms: a.c_attn_ms.unwrap_or(preset.c_attn_ms),
-                c_decode_ms: a.c_decode_ms.unwrap_or(preset.c_decode_ms),
                 c_decode_ctx_ms: a.c_decode_ctx_ms.unwrap_or(preset.c_decode_ctx_ms),
                 frontend_ms: a.frontend_ms.unwrap_or(preset.frontend_ms),
                 tokenize_ms: a.tokenize_ms.unwrap_or(preset.tokenize_ms),

@@ -180,11 +180,9 @@ pub struct StepModel {
     pub c_tok_ms: f64,
     /// Attention compute cost per prefill token per context token, ms.
     pub c_attn_ms: f64,
-    /// Compute cost per decode sequence in a step, ms, added to `T_comp` (0 for the vLLM
-    /// model, whose decodes are memory-bound; a CPU engine decodes each sequence in turn).
-    pub c_decode_ms: f64,
     /// Compute cost per context token of each decode sequence, ms, added to `T_comp` (0 for
-    /// the vLLM model; on a CPU a decode's attention grows with its context).
+    /// the vLLM model, whose decode attention is in the memory term; on a CPU a decode's
+    /// attention is compute that grows with its context).
     pub c_decode_ctx_ms: f64,
     /// Per-request frontend cost (HTTP, chat template, tokenize, hashing) before the request
     /// reaches the scheduler, ms.
@@ -213,7 +211,6 @@ impl Default for StepModel {
             bandwidth_bytes_per_s: 690e9,
             c_tok_ms: 0.245,
             c_attn_ms: 3.8e-5,
-            c_decode_ms: 0.0,
             c_decode_ctx_ms: 0.0,
             frontend_ms: 38.0,
             tokenize_ms: 26.0,
@@ -234,7 +231,7 @@ impl StepModel {
     /// README, "llama-tiny"): CPU-bound, so the memory term is off (`weight_bytes` and
     /// `kv_bytes_per_token` 0) and every cost is compute: a prefill of N fresh tokens costs
     /// `0.85 + 0.264·N + 2.31e-4·N²/2` ms, a step of d decodes with total context C costs
-    /// `0.85 + 0.27·d + 0.00143·C` ms, and each request pays 7 ms of HTTP, chat template and
+    /// `0.85 + 0.264·d + 0.00143·C` ms, and each request pays 7 ms of HTTP, chat template and
     /// tokenization before its slot is chosen.
     pub fn llama_tiny() -> Self {
         Self {
@@ -244,7 +241,6 @@ impl StepModel {
             bandwidth_bytes_per_s: 1.0,
             c_tok_ms: 0.264,
             c_attn_ms: 2.31e-4,
-            c_decode_ms: 0.27,
             c_decode_ctx_ms: 0.001_43,
             frontend_ms: 7.0,
             tokenize_ms: TINY_TOKENIZE_MS,
@@ -272,7 +268,6 @@ impl StepModel {
             ("kv_bytes_per_token", self.kv_bytes_per_token),
             ("c_tok_ms", self.c_tok_ms),
             ("c_attn_ms", self.c_attn_ms),
-            ("c_decode_ms", self.c_decode_ms),
             ("c_decode_ctx_ms", self.c_decode_ctx_ms),
             ("frontend_ms", self.frontend_ms),
             ("tokenize_ms", self.tokenize_ms),
@@ -310,16 +305,14 @@ impl StepModel {
 
     /// Step time in µs before speed, slowdown and jitter, for a batch described by its totals:
     /// `num_tokens` scheduled tokens, `sum_ctx_tokens` context over scheduled sequences,
-    /// `prefill_attn` = Σ over prefill chunks of chunk · (ctx_before + chunk/2), and the decodes:
-    /// `num_decodes` sequences with `decode_ctx_tokens` context between them (they enter only
-    /// through `c_decode_ms` and `c_decode_ctx_ms`, 0 in the vLLM model, which leaves its steps
-    /// exactly as they were).
+    /// `prefill_attn` = Σ over prefill chunks of chunk · (ctx_before + chunk/2), and
+    /// `decode_ctx_tokens`, the context of the decodes between them (it enters only through
+    /// `c_decode_ctx_ms`, 0 in the vLLM model, which leaves its steps exactly as they were).
     pub fn raw_step_us(
         &self,
         num_tokens: u64,
         sum_ctx_tokens: u64,
         prefill_attn: f64,
-        num_decodes: u64,
         decode_ctx_tokens: u64,
     ) -> f64 {
         let mem_ms = (self.weight_bytes + self.kv_bytes_per_token * sum_ctx_tokens as f64)
@@ -327,8 +320,7 @@ impl StepModel {
             * 1000.0;
         let comp_ms = self.c_tok_ms * num_tokens as f64
             + self.c_attn_ms * prefill_attn
-            + (self.c_decode_ms * num_decodes as f64
-                + self.c_decode_ctx_ms * decode_ctx_tokens as f64);
+            + self.c_decode_ctx_ms * decode_ctx_tokens as f64;
         (self.overhead_ms + mem_ms.max(comp_ms)) * 1000.0
     }
 

@@ -577,7 +577,6 @@ impl Engine {
         let mut num_tokens = 0u64;
         let mut sum_ctx = 0u64;
         let mut attn = 0f64;
-        let mut num_decodes = 0u64;
         let mut decode_ctx = 0u64;
         for &(slot, num_new, ctx_before) in &self.sched {
             num_tokens += u64::from(num_new);
@@ -587,7 +586,6 @@ impl Engine {
             // with a single token; a decode's attention cost is in the memory term.
             let is_decode = num_new == 1 && ctx_before + 1 == req.tokens.len() as u32;
             if is_decode {
-                num_decodes += 1;
                 decode_ctx += u64::from(ctx_before + 1);
             } else {
                 attn += f64::from(num_new) * (f64::from(ctx_before) + f64::from(num_new) / 2.0);
@@ -596,7 +594,7 @@ impl Engine {
         let raw = self
             .cfg
             .model
-            .raw_step_us(num_tokens, sum_ctx, attn, num_decodes, decode_ctx);
+            .raw_step_us(num_tokens, sum_ctx, attn, decode_ctx);
         let jitter = if self.cfg.model.jitter > 0.0 {
             1.0 + self.cfg.model.jitter * (2.0 * self.rng.random::<f64>() - 1.0)
         } else {

@@ -814,3 +814,59 @@ fn llama_slots_abort_keeps_the_computed_prefix_and_reset_erases_idle_slots() {
     let (c, _, _) = serve(&mut e, 3, prompt(1, 100), 1, now);
     assert_eq!(c, 0);
 }
+
+/// The `llama-tiny` step model against the floors `scripts/llama_step_floors.py` measured on the
+/// real llama-server (the fastest of six requests per cell over two runs, client clock; crates
+/// README, "llama-tiny"): unseen 1,008-token prompt 392.0 ms, the same prompt re-sent 10.15 ms,
+/// inter-token gap at ~140 tokens of context 1.38 ms and at ~1,010 tokens 2.43 ms, unseen
+/// 2,008-token prompt 1,003 ms. The fit is a floor model: within 10% at the 1,100-token reference
+/// size, wider (15%) at the small end where a quadratic prefill term overshoots.
+#[test]
+fn llama_tiny_floors_match_the_measured_llama_server() {
+    let mut e = Engine::new(EngineConfig {
+        cache_model: CacheModel::LLAMA_FLEET,
+        max_model_len: 16384,
+        model: StepModel::llama_tiny(),
+        ..EngineConfig::default()
+    })
+    .expect("valid");
+    let within = |got: f64, want: f64, tol: f64| (got - want).abs() / want <= tol;
+    let ttft = |e: &mut Engine, id: RequestId, p: Vec<u32>, max_tokens: u32, t0: u64| {
+        e.add_request(id, p, params(max_tokens), t0).expect("ok");
+        let (toks, now) = run(e, t0);
+        let times: Vec<u64> = toks.iter().map(|(t, _)| *t).collect();
+        let gaps: Vec<u64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+        let itl = gaps.get(gaps.len() / 2).map_or(0.0, |g| *g as f64 / 1000.0);
+        ((times[0] - t0) as f64 / 1000.0, itl, now)
+    };
+    let (unseen, itl_1010, now) = ttft(&mut e, 1, prompt(1, 1008), 8, 1_000_000);
+    assert!(
+        within(unseen, 392.0, 0.10),
+        "unseen 1,008-token TTFT {unseen} ms"
+    );
+    assert!(
+        within(itl_1010, 2.43, 0.10),
+        "ITL at ~1,010 tokens {itl_1010} ms"
+    );
+    let (cached, _, now) = ttft(&mut e, 2, prompt(1, 1008), 1, now + 1_000_000);
+    assert!(within(cached, 10.15, 0.10), "cached TTFT {cached} ms");
+    let (_, itl_140, now) = ttft(&mut e, 3, prompt(3, 108), 64, now + 1_000_000);
+    assert!(
+        within(itl_140, 1.38, 0.10),
+        "ITL at ~140 tokens {itl_140} ms"
+    );
+    let (long, _, _) = ttft(&mut e, 4, prompt(4, 2008), 1, now + 1_000_000);
+    assert!(
+        within(long, 1003.0, 0.10),
+        "unseen 2,008-token TTFT {long} ms"
+    );
+    let (short, _, _) = ttft(&mut e, 5, prompt(5, 278), 1, now + 10_000_000);
+    assert!(
+        within(short, 78.2, 0.20),
+        "unseen 278-token TTFT {short} ms"
+    );
+    eprintln!(
+        "llama-tiny: unseen {unseen:.1} ms, cached {cached:.2} ms, ITL {itl_140:.2} / {itl_1010:.2} ms, \
+         2,008 tokens {long:.0} ms, 278 tokens {short:.1} ms"
+    );
+}
