@@ -310,7 +310,7 @@ impl Side {
 /// A request's class on one side: `first`, `hit` (the previous turn's whole prompt cached) or
 /// `miss`.
 fn classes(obs: &[Obs]) -> Vec<&'static str> {
-    let mut prev = vec![None; CONVERSATIONS];
+    let mut prev = [None; CONVERSATIONS];
     obs.iter()
         .map(|o| {
             let class = match prev[o.conv] {
