@@ -272,9 +272,9 @@ impl Side {
                         let reply = chat(&url, &m2, max);
                         (reply, Instant::now())
                     });
-                    // The held request's slot is chosen within milliseconds; its generation
-                    // lasts seconds.
-                    std::thread::sleep(Duration::from_millis(200));
+                    // The others go once the held request holds its slot (its generation lasts
+                    // seconds).
+                    wait_running(&self.url);
                     for r in during {
                         self.send(*r);
                     }
@@ -304,6 +304,38 @@ impl Side {
             }
         }
         self.obs
+    }
+}
+
+/// Waits until the replica at `url` runs a request: llama-server's `GET /slots` shows a slot
+/// `is_processing`, the emulator's `/metrics` a non-zero `vllm:num_requests_running`.
+fn wait_running(url: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let slots = http::get(&http::join(url, "/slots"), Duration::from_secs(5)).ok();
+        let running = match slots.filter(|r| r.status == 200) {
+            Some(r) => serde_json::from_slice::<Value>(&r.body)
+                .ok()
+                .and_then(|v| v.as_array().cloned())
+                .is_some_and(|a| a.iter().any(|s| s["is_processing"] == true)),
+            None => {
+                let m = http::get(&http::join(url, "/metrics"), Duration::from_secs(5))
+                    .expect("metrics")
+                    .text();
+                m.lines().any(|l| {
+                    l.starts_with("vllm:num_requests_running{")
+                        && l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) >= Some(1.0)
+                })
+            }
+        };
+        if running {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{url}: the held request never ran"
+        );
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
