@@ -74,7 +74,7 @@ struct Emulator {
 }
 
 impl Emulator {
-    fn start(bin: &Path, extra: &[&str]) -> Emulator {
+    fn start(bin: &Path, speed: &str, extra: &[&str]) -> Emulator {
         let mut child = Command::new(bin)
             .args([
                 "--port",
@@ -86,9 +86,8 @@ impl Emulator {
                 "16384",
                 "--step-model",
                 "llama-tiny",
-                // Slot choice does not depend on time in this script; a faster clock saves wall time.
                 "--speed",
-                "2",
+                speed,
             ])
             .args(extra)
             .stdout(Stdio::piped())
@@ -179,6 +178,16 @@ struct Obs {
     turn: usize,
     prompt_tokens: u64,
     cached_tokens: u64,
+    /// Client-side latency of the whole (non-streamed) request, ms.
+    latency_ms: f64,
+}
+
+/// One chat answer.
+struct Reply {
+    text: String,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    latency_ms: f64,
 }
 
 /// One side's conversations (its own replies) and what it reported, in script order.
@@ -195,8 +204,9 @@ fn user_text(conv: usize, turn: usize, bytes: usize) -> String {
     workload::text::english_like((conv * 100 + turn) as u64 + 7, &lead, bytes)
 }
 
-/// Sends one chat request; returns (reply text, prompt tokens, cached tokens).
-fn chat(url: &str, messages: &[Value], max_tokens: u32) -> (String, u64, u64) {
+/// Sends one chat request.
+fn chat(url: &str, messages: &[Value], max_tokens: u32) -> Reply {
+    let t0 = Instant::now();
     let body = json!({
         "model": MODEL,
         "messages": messages,
@@ -223,7 +233,12 @@ fn chat(url: &str, messages: &[Value], max_tokens: u32) -> (String, u64, u64) {
         .as_u64()
         .or_else(|| v["timings"]["cache_n"].as_u64())
         .unwrap_or(0);
-    (text, prompt, cached)
+    Reply {
+        text,
+        prompt_tokens: prompt,
+        cached_tokens: cached,
+        latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
+    }
 }
 
 impl Side {
@@ -243,15 +258,16 @@ impl Side {
         m
     }
 
-    fn record(&mut self, r: Req, mut messages: Vec<Value>, reply: (String, u64, u64)) {
+    fn record(&mut self, r: Req, mut messages: Vec<Value>, reply: Reply) {
         let turn = self.history[r.conv].len() / 2 + 1;
-        messages.push(json!({"role": "assistant", "content": reply.0}));
+        messages.push(json!({"role": "assistant", "content": reply.text}));
         self.history[r.conv] = messages;
         self.obs.push(Obs {
             conv: r.conv,
             turn,
-            prompt_tokens: reply.1,
-            cached_tokens: reply.2,
+            prompt_tokens: reply.prompt_tokens,
+            cached_tokens: reply.cached_tokens,
+            latency_ms: reply.latency_ms,
         });
     }
 
@@ -289,16 +305,7 @@ impl Side {
                     // Record the held request first: it was admitted first.
                     let n = during.len();
                     let later: Vec<Obs> = self.obs.drain(self.obs.len() - n..).collect();
-                    let turn = self.history[hold.conv].len() / 2 + 1;
-                    let mut m = m;
-                    m.push(json!({"role": "assistant", "content": reply.0}));
-                    self.history[hold.conv] = m;
-                    self.obs.push(Obs {
-                        conv: hold.conv,
-                        turn,
-                        prompt_tokens: reply.1,
-                        cached_tokens: reply.2,
-                    });
+                    self.record(*hold, m, reply);
                     self.obs.extend(later);
                 }
             }
@@ -360,8 +367,9 @@ fn classes(obs: &[Obs]) -> Vec<&'static str> {
 fn compare(real: &[Obs], emu: &[Obs]) -> (usize, String) {
     assert_eq!(real.len(), emu.len());
     let (cr, ce) = (classes(real), classes(emu));
-    let mut table =
-        String::from("conv turn | real cached/prompt class | emulator cached/prompt class\n");
+    let mut table = String::from(
+        "conv turn | real cached/prompt share class ms | emulator cached/prompt share class ms\n",
+    );
     let mut differ = 0;
     for i in 0..real.len() {
         let (r, e) = (real[i], emu[i]);
@@ -373,17 +381,19 @@ fn compare(real: &[Obs], emu: &[Obs]) -> (usize, String) {
         let mark = if cr[i] == ce[i] { "" } else { "  <-- differs" };
         differ += usize::from(cr[i] != ce[i]);
         table.push_str(&format!(
-            "{:>4} {:>4} | {:>5}/{:<5} {:.2} {:<5} | {:>5}/{:<5} {:.2} {:<5}{mark}\n",
+            "{:>4} {:>4} | {:>5}/{:<5} {:.2} {:<5} {:>6.0} | {:>5}/{:<5} {:.2} {:<5} {:>6.0}{mark}\n",
             r.conv,
             r.turn,
             r.cached_tokens,
             r.prompt_tokens,
             r.cached_tokens as f64 / r.prompt_tokens as f64,
             cr[i],
+            r.latency_ms,
             e.cached_tokens,
             e.prompt_tokens,
             e.cached_tokens as f64 / e.prompt_tokens as f64,
             ce[i],
+            e.latency_ms,
         ));
     }
     (differ, table)
@@ -423,7 +433,8 @@ fn emulated_llama_slots_match_the_real_llama_server_request_by_request() {
         spec.ctx_size_tokens.to_string(),
     ];
     let flags: Vec<&str> = slot_flags.iter().map(String::as_str).collect();
-    let emu = Emulator::start(&engine, &flags);
+    // At speed 1 the latencies compare with the real engine's (`--step-model llama-tiny`).
+    let emu = Emulator::start(&engine, "1", &flags);
     let metrics = http::get(&http::join(&emu.url, "/metrics"), Duration::from_secs(5))
         .unwrap()
         .text();
@@ -455,6 +466,37 @@ fn emulated_llama_slots_match_the_real_llama_server_request_by_request() {
          largest cached-share gap {share_gap:.3}\n{table}",
         n - differ
     );
+    // Timing beside the slots (reported, not asserted: the shared machine inflates the real
+    // side): the emulator's latency over the real engine's, per class, requests sent alone.
+    let busy: Vec<usize> = {
+        let mut i = 0;
+        let mut v = Vec::new();
+        for step in &script {
+            match step {
+                Step::Alone(_) => i += 1,
+                Step::Busy { during, .. } => {
+                    v.extend(i..=i + during.len());
+                    i += 1 + during.len();
+                }
+            }
+        }
+        v
+    };
+    let real_classes = classes(&real);
+    for class in ["first", "hit", "miss"] {
+        let mut ratios: Vec<f64> = (0..n)
+            .filter(|i| real_classes[*i] == class && !busy.contains(i))
+            .map(|i| emulated[i].latency_ms / real[i].latency_ms)
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        if let (Some(lo), Some(hi)) = (ratios.first(), ratios.last()) {
+            eprintln!(
+                "latency emulator / real, {class}: median {:.2} ({lo:.2}–{hi:.2}, {} requests)",
+                ratios[ratios.len() / 2],
+                ratios.len()
+            );
+        }
+    }
     assert!(
         first_ok,
         "a first turn found more than a tenth of its prompt cached\n{table}"
@@ -509,7 +551,8 @@ fn emulated_llama_slots_match_the_real_llama_server_request_by_request() {
         ),
     ];
     for (name, flags) in wrong {
-        let emu = Emulator::start(&engine, &flags);
+        // Slot choice does not depend on time in this script: a faster clock saves wall time.
+        let emu = Emulator::start(&engine, "2", &flags);
         let obs = Side::new(&emu.url).run(&script);
         drop(emu);
         let (differ, table) = compare(&real, &obs);
