@@ -200,7 +200,7 @@ pub struct StepModel {
 
 /// `/apply-template` + `/tokenize` round trip of a 1,100-token chat on the tiny llama-server
 /// (`fleet::llama::tokenize_messages`), ms, measured with `scripts/llama_step_floors.py`.
-const TINY_TOKENIZE_MS: f64 = 6.4;
+const TINY_TOKENIZE_MS: f64 = 5.3;
 
 impl Default for StepModel {
     fn default() -> Self {
@@ -230,19 +230,19 @@ impl StepModel {
     /// flags — fitted to floors measured with `scripts/llama_step_floors.py` (crates/engine
     /// README, "llama-tiny"): CPU-bound, so the memory term is off (`weight_bytes` and
     /// `kv_bytes_per_token` 0) and every cost is compute: a prefill of N fresh tokens costs
-    /// `0.85 + 0.264·N + 2.31e-4·N²/2` ms, a step of d decodes with total context C costs
-    /// `0.85 + 0.264·d + 0.00143·C` ms, and each request pays 7 ms of HTTP, chat template and
+    /// `0.72 + 0.1834·N + 2.515e-4·N²/2` ms, a step of d decodes with total context C costs
+    /// `0.72 + 0.1834·d + 0.00155·C` ms, and each request pays 6 ms of HTTP, chat template and
     /// tokenization before its slot is chosen.
     pub fn llama_tiny() -> Self {
         Self {
-            overhead_ms: 0.85,
+            overhead_ms: 0.72,
             weight_bytes: 0.0,
             kv_bytes_per_token: 0.0,
             bandwidth_bytes_per_s: 1.0,
-            c_tok_ms: 0.264,
-            c_attn_ms: 2.31e-4,
-            c_decode_ctx_ms: 0.001_43,
-            frontend_ms: 7.0,
+            c_tok_ms: 0.1834,
+            c_attn_ms: 2.515e-4,
+            c_decode_ctx_ms: 0.001_55,
+            frontend_ms: 6.0,
             tokenize_ms: TINY_TOKENIZE_MS,
             speed: 1.0,
             slowdown: 1.0,
