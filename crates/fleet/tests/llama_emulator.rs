@@ -25,8 +25,10 @@
 //! **The self-test.** The same script against four deliberately wrong emulators — vLLM's paged
 //! prefix cache (1-token blocks, ample pool), llama-slots with the similarity rule off (LRU
 //! only), with a threshold of 0.01 instead of 0.1, and with 8 slots instead of 4 — must each
-//! disagree with the real engine on at least one request;
-//! otherwise the comparison could not tell a right model from a wrong one.
+//! disagree with the real engine on at least one request; otherwise the comparison could not tell
+//! a right model from a wrong one. Each request's latency on both sides is printed beside its
+//! class (reported, not asserted: the emulator runs the measured floors, the real engine shares
+//! the machine).
 //!
 //! Never skipped: without the llama-server binary or the model the test fails with
 //! `bash scripts/llama-server.sh`. Builds the release `engine` binary first (a no-op when fresh).
