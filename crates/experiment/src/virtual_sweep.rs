@@ -545,8 +545,7 @@ pub fn simulated_point_capacities(
     })?;
     let base = EmulatedFleet::of(&s.fleet)?.base_config(&cal.used_replicas)?;
     let reference_spec = capacity::reference_spec(s.seed, cal.capacity_tokens);
-    let mut searches: Vec<(String, WorkloadSpec)> =
-        vec![("reference".to_string(), reference_spec)];
+    let mut searches: Vec<(String, WorkloadSpec)> = vec![("reference".to_string(), reference_spec)];
     let mut of_point: Vec<(String, Option<String>)> = Vec::new();
     for p in points.iter().filter(|p| p.load_fraction.is_some()) {
         let spec = s.spec_for(p, cal);

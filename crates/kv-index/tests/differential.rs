@@ -3,7 +3,11 @@
 //! node cap (so eviction runs constantly), checked step by step against a deliberately simple
 //! reference model (ordered maps and linear scans). On a mismatch the stream is shrunk and the
 //! seed and minimal stream are printed. `harness_catches_a_planted_bug` proves the harness fails
-//! on an index that forgets removals.
+//! on an index that forgets removals. `long_chains_match_reference_model` runs prompts of up to
+//! 60 blocks under caps of 20–159 nodes: past the first 16 keys a lookup finds nodes by guessing
+//! that a chain continues in neighbouring slots (ascending, or descending where new nodes took an
+//! evicted tail's slots) before asking the hash table, and those streams check that path against
+//! the model, through eviction, removal and slot reuse.
 
 use kv_index::hash::{chain_token_keys, token_block_keys, token_salt_seed};
 use kv_index::{IndexConfig, KvEvent, Matches, PrefixIndex};
@@ -81,8 +85,32 @@ struct World {
     engine: Vec<Vec<u64>>,
 }
 
+/// The size of a stream's world: prompt lengths and node caps.
+#[derive(Clone, Copy)]
+struct Shape {
+    /// Longest prompt, in blocks.
+    max_blocks: usize,
+    /// Node caps are drawn from `min_cap..max_cap`.
+    min_cap: usize,
+    max_cap: usize,
+}
+
+/// Short prompts under tiny caps: eviction on nearly every insert.
+const SHORT: Shape = Shape {
+    max_blocks: 12,
+    min_cap: 6,
+    max_cap: 40,
+};
+
+/// Prompts longer than the index's 16-key lookahead, under caps that hold a few of them.
+const LONG: Shape = Shape {
+    max_blocks: 60,
+    min_cap: 20,
+    max_cap: 160,
+};
+
 impl World {
-    fn new(rng: &mut Pcg64Mcg) -> Self {
+    fn new(rng: &mut Pcg64Mcg, max_blocks: usize) -> Self {
         let mut tokens: Vec<Vec<u32>> = Vec::new();
         for p in 0..8 {
             let mut t = if p > 0 && rng.random_bool(0.7) {
@@ -92,7 +120,7 @@ impl World {
             } else {
                 Vec::new()
             };
-            let target = rng.random_range(1..=12) * BLOCK;
+            let target = rng.random_range(1..=max_blocks) * BLOCK;
             while t.len() < target {
                 t.push(rng.random_range(0..5));
             }
@@ -472,6 +500,8 @@ struct Coverage {
     stored_ok: u64,
     stored_refused: u64,
     overflowed: u64,
+    /// Full-prompt lookups that matched more than 16 blocks (past the first lookahead chunk).
+    deep_hits: u64,
 }
 
 fn run<B: Backend>(case: &Case, ops: &[Op]) -> Result<Coverage, String> {
@@ -617,6 +647,7 @@ fn run<B: Backend>(case: &Case, ops: &[Op]) -> Result<Coverage, String> {
         for (p, keys) in w.own.iter().enumerate() {
             sut.index().lookup(keys, now, &mut m);
             let want = reference.lookup(keys, now);
+            cov.deep_hits += u64::from(m.longest() > 16);
             if m.hits() != want.as_slice() {
                 return fail(format!(
                     "full lookup of prompt {p}: {:?}, reference {want:?}",
@@ -653,12 +684,13 @@ fn check<B: Backend>(
     first_seed: u64,
     streams: u64,
     len: usize,
+    shape: Shape,
 ) -> Result<Coverage, (u64, String, Vec<Op>)> {
     let mut total = Coverage::default();
     for seed in first_seed..first_seed + streams {
         let mut rng = Pcg64Mcg::seed_from_u64(seed);
-        let world = World::new(&mut rng);
-        let cap = rng.random_range(6..40);
+        let world = World::new(&mut rng, shape.max_blocks);
+        let cap = rng.random_range(shape.min_cap..shape.max_cap);
         let ttl = if rng.random_bool(0.5) {
             Some(TTL)
         } else {
@@ -673,6 +705,7 @@ fn check<B: Backend>(
                 total.stored_ok += c.stored_ok;
                 total.stored_refused += c.stored_refused;
                 total.overflowed += c.overflowed;
+                total.deep_hits += c.deep_hits;
             }
             Err(_) => {
                 let small = shrink::<B>(&case, ops);
@@ -686,7 +719,7 @@ fn check<B: Backend>(
 
 #[test]
 fn index_matches_reference_model() {
-    match check::<PrefixIndex>(1, 300, 400) {
+    match check::<PrefixIndex>(1, 300, 400, SHORT) {
         Err((seed, err, ops)) => panic!(
             "differential failure at seed {seed}: {err}\nshrunk stream ({} ops):\n{ops:#?}",
             ops.len()
@@ -703,11 +736,27 @@ fn index_matches_reference_model() {
 
 #[test]
 fn harness_catches_a_planted_bug() {
-    let (seed, err, ops) = check::<ForgetsRemovals>(1, 300, 400)
+    let (seed, err, ops) = check::<ForgetsRemovals>(1, 300, 400, SHORT)
         .expect_err("the harness must notice an index that forgets removals");
     assert!(
         ops.iter().any(|op| matches!(op, Op::Removed { .. })),
         "seed {seed}: {err}"
     );
     assert!(ops.len() <= 8, "shrinking left {} ops: {ops:#?}", ops.len());
+}
+
+#[test]
+fn long_chains_match_reference_model() {
+    match check::<PrefixIndex>(1_000, 120, 300, LONG) {
+        Err((seed, err, ops)) => panic!(
+            "differential failure at seed {seed} (long chains): {err}\nshrunk stream ({} ops):\n{ops:#?}",
+            ops.len()
+        ),
+        Ok(cov) => {
+            assert!(cov.evictions > 1_000, "{cov:?}");
+            assert!(cov.hit_lookups > 1_000, "{cov:?}");
+            assert!(cov.deep_hits > 10_000, "{cov:?}");
+            assert!(cov.stored_ok > 500 && cov.stored_refused > 50, "{cov:?}");
+        }
+    }
 }
