@@ -1,0 +1,215 @@
+//! The endpoint picker's gRPC server: Envoy's `ext_proc` service (one [`exchange`] task per
+//! stream) and the gRPC health service (`liveness`, `readiness`, the `ext_proc` service name and
+//! the server as a whole), on one listener; the router's state, KV subscribers, health checks and
+//! row writer behind it; an optional watched endpoint file.
+//!
+//! [`exchange`]: crate::exchange
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use proxy::server::{health_loop, shared_from_config};
+use proxy::state::{Shared, start_replica_tasks};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic_health::ServingStatus;
+
+use crate::config::EppConfig;
+use crate::exchange::{Outbound, Picker};
+
+/// The gRPC health service names the picker reports (EPP protocol, "Health Checking"), besides
+/// the whole server (`""`).
+pub const HEALTH_SERVICES: [&str; 3] = [
+    "liveness",
+    "readiness",
+    "envoy.service.ext_proc.v3.ExternalProcessor",
+];
+
+/// Answers queued per exchange before the exchange task waits for the proxy to read.
+const OUTBOUND_QUEUE: usize = 64;
+
+/// Why the picker could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum EppError {
+    /// Bad configuration (policy, replica URL without an IP host, …).
+    #[error("configuration: {0}")]
+    Config(String),
+    /// Listening or file I/O failed.
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl From<proxy::RouterError> for EppError {
+    fn from(e: proxy::RouterError) -> Self {
+        match e {
+            proxy::RouterError::Config(c) => EppError::Config(c),
+            proxy::RouterError::Io(io) => EppError::Io(io),
+        }
+    }
+}
+
+/// The `ext_proc` service: each stream is one HTTP request's exchange.
+struct Service {
+    picker: Arc<Picker>,
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for Service {
+    type ProcessStream = Pin<Box<dyn tokio_stream::Stream<Item = Outbound> + Send + 'static>>;
+
+    async fn process(
+        &self,
+        request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
+    ) -> Result<tonic::Response<Self::ProcessStream>, tonic::Status> {
+        let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
+        tokio::spawn(crate::exchange::run(
+            self.picker.clone(),
+            request.into_inner(),
+            tx,
+        ));
+        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// A running endpoint picker.
+pub struct Epp {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    serve: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    background: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Epp {
+    /// Builds the router state (policy, replicas from the list or the file, rows), subscribes to
+    /// KV events, starts health checks and the file watcher, binds and serves. Must run inside a
+    /// tokio runtime.
+    pub async fn start(mut cfg: EppConfig) -> Result<Epp, EppError> {
+        if let Some(path) = &cfg.replicas_file {
+            cfg.router.replicas = proxy::load_replicas_file(path).map_err(EppError::Config)?;
+        }
+        crate::endpoints::check_specs(&cfg.router.replicas).map_err(EppError::Config)?;
+        if cfg.router.health_timeout_ms == 0 {
+            return Err(EppError::Config("the health timeout must be ≥ 1 ms".into()));
+        }
+        let policy = policies::build(&cfg.router.policy).map_err(EppError::Config)?;
+        let shared = shared_from_config(&cfg.router, policy)?;
+        for r in shared.replicas() {
+            start_replica_tasks(&shared, &r).await;
+        }
+        let listener = TcpListener::bind((cfg.router.host.as_str(), cfg.router.port)).await?;
+        let addr = listener.local_addr()?;
+        let mut background = vec![tokio::spawn(health_loop(
+            Arc::downgrade(&shared),
+            Duration::from_millis(cfg.router.health_interval_ms.max(10)),
+            Duration::from_millis(cfg.router.health_timeout_ms),
+        ))];
+        if let Some(path) = cfg.replicas_file.clone() {
+            background.push(tokio::spawn(crate::endpoints::watch_file(
+                Arc::downgrade(&shared),
+                path,
+                Duration::from_millis(cfg.watch_interval_ms.max(10)),
+            )));
+        }
+        let (reporter, health) = tonic_health::server::health_reporter();
+        reporter
+            .set_service_status("", ServingStatus::Serving)
+            .await;
+        for name in HEALTH_SERVICES {
+            reporter
+                .set_service_status(name, ServingStatus::Serving)
+                .await;
+        }
+        let service = ExternalProcessorServer::new(Service {
+            picker: Arc::new(Picker {
+                shared: shared.clone(),
+                fallbacks: cfg.fallbacks,
+            }),
+        });
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let serve = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(health)
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = stop_rx.await;
+                }),
+        );
+        Ok(Epp {
+            shared,
+            addr,
+            stop: Some(stop_tx),
+            serve,
+            background,
+        })
+    }
+
+    /// The bound gRPC address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The router state (replica table, counters), for embedding and tests.
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Stops accepting, lets open exchanges finish (up to `grace`), then writes and flushes
+    /// every row (an exchange still open then writes its row as cut off).
+    pub async fn shutdown(mut self, grace: Duration) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = tokio::time::timeout(grace, &mut self.serve).await;
+        self.serve.abort();
+        for t in &self.background {
+            t.abort();
+        }
+        for r in self.shared.replicas() {
+            // Ends the KV subscribers (the replica's own tasks).
+            self.shared.remove_replica(r.id);
+        }
+        let shared = self.shared.clone();
+        let _ = tokio::task::spawn_blocking(move || shared.rows.close()).await;
+    }
+}
+
+/// Runs the picker until SIGTERM or SIGINT: a runtime with `cfg.router.workers` threads, the
+/// readiness line `{"listening":"HOST:PORT","workers":N}` on stdout, then a graceful shutdown
+/// that flushes the rows.
+pub fn run_blocking(cfg: EppConfig) -> Result<(), EppError> {
+    let workers = cfg.router.workers.max(1);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()?;
+    let grace = Duration::from_millis(cfg.router.shutdown_grace_ms);
+    rt.block_on(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        // Installed before the readiness line: a supervisor may signal as soon as it read it.
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let epp = Epp::start(cfg).await?;
+        println!(
+            "{}",
+            serde_json::json!({"listening": epp.local_addr().to_string(), "workers": workers})
+        );
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        epp.shutdown(grace).await;
+        Ok(())
+    })
+}
