@@ -9,6 +9,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -78,9 +79,24 @@ pub async fn apply(shared: &Arc<Shared>, specs: &[ReplicaSpec]) -> Result<Applie
     Ok(applied)
 }
 
+/// What the endpoint file watcher did so far.
+#[derive(Debug, Default)]
+pub struct WatchStats {
+    /// Changed lists applied.
+    pub applied: AtomicU64,
+    /// Changed lists refused (unparsable, or an endpoint without an IP host): the table stays.
+    pub refused: AtomicU64,
+}
+
 /// Re-reads `path` every `every` and applies a changed list ([`apply`]) until the state is
-/// dropped. A file that cannot be read or parsed leaves the table as it is (reported on stderr).
-pub async fn watch_file(shared: Weak<Shared>, path: PathBuf, every: Duration) {
+/// dropped. A changed file that cannot be parsed or applied leaves the table as it is (counted
+/// in `stats.refused`, reported on stderr).
+pub async fn watch_file(
+    shared: Weak<Shared>,
+    path: PathBuf,
+    every: Duration,
+    stats: Arc<WatchStats>,
+) {
     let mut last = std::fs::read(&path).ok();
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -95,9 +111,13 @@ pub async fn watch_file(shared: Weak<Shared>, path: PathBuf, every: Duration) {
             continue;
         }
         last = now;
-        if let Err(e) = reload(&shared, &path).await {
-            eprintln!("epp: endpoint file {}: {e}", path.display());
-        }
+        match reload(&shared, &path).await {
+            Ok(_) => stats.applied.fetch_add(1, Ordering::Relaxed),
+            Err(e) => {
+                eprintln!("epp: endpoint file {}: {e}", path.display());
+                stats.refused.fetch_add(1, Ordering::Relaxed)
+            }
+        };
     }
 }
 

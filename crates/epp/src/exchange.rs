@@ -597,7 +597,11 @@ impl Exchange {
                 .and_then(|ep| replica_at(shared, &ep.to_string()));
             let replica = match served_replica {
                 Some(r) if r.id != p.guard.replica().id => {
-                    // A fallback served it: the load moves there.
+                    // A fallback served it: the picked replica failed the proxy's attempt (passive
+                    // health, as the router counts a refused connection), and the load moves.
+                    let picked = p.guard.replica();
+                    picked.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                    picked.record_failure(shared.settings.health_fails_to_down);
                     p.guard = shared.take_load(&r);
                     r
                 }

@@ -22,6 +22,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic_health::ServingStatus;
 
 use crate::config::EppConfig;
+use crate::endpoints::WatchStats;
 use crate::exchange::{Outbound, Picker};
 
 /// The gRPC health service names the picker reports (EPP protocol, "Health Checking"), besides
@@ -85,6 +86,7 @@ pub struct Epp {
     stop: Option<oneshot::Sender<()>>,
     serve: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<tokio::task::JoinHandle<()>>,
+    watch: Arc<WatchStats>,
 }
 
 impl Epp {
@@ -111,11 +113,13 @@ impl Epp {
             Duration::from_millis(cfg.router.health_interval_ms.max(10)),
             Duration::from_millis(cfg.router.health_timeout_ms),
         ))];
+        let watch = Arc::new(WatchStats::default());
         if let Some(path) = cfg.replicas_file.clone() {
             background.push(tokio::spawn(crate::endpoints::watch_file(
                 Arc::downgrade(&shared),
                 path,
                 Duration::from_millis(cfg.watch_interval_ms.max(10)),
+                watch.clone(),
             )));
         }
         let (reporter, health) = tonic_health::server::health_reporter();
@@ -150,12 +154,18 @@ impl Epp {
             stop: Some(stop_tx),
             serve,
             background,
+            watch,
         })
     }
 
     /// The bound gRPC address.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// What the endpoint file watcher did (all zero without a file).
+    pub fn watch_stats(&self) -> &WatchStats {
+        &self.watch
     }
 
     /// The router state (replica table, counters), for embedding and tests.

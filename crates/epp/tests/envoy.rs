@@ -150,13 +150,25 @@ struct Setup {
     url: String,
 }
 
-async fn setup(dir: &Path, policy: &str, speed: f64, max_in_flight: Option<u32>) -> Setup {
+async fn setup(
+    dir: &Path,
+    policy: &str,
+    speed: f64,
+    max_in_flight: Option<u32>,
+    health_interval_ms: u64,
+    dead_first: bool,
+) -> Setup {
     let bin = envoy_bin();
     let mut engines = Vec::new();
     for _ in 0..3 {
         engines.push(start_engine(speed).await);
     }
-    let replicas: Vec<SocketAddr> = engines.iter().map(Server::addr).collect();
+    let mut replicas: Vec<SocketAddr> = engines.iter().map(Server::addr).collect();
+    if dead_first {
+        // A port nobody listens on (bound, then closed), as replica 0.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        replicas.insert(0, l.local_addr().unwrap());
+    }
     let mut p = policies::PolicySpec::named(policy);
     p.seed = 7;
     let mut rc = proxy::RouterConfig::new(
@@ -167,7 +179,7 @@ async fn setup(dir: &Path, policy: &str, speed: f64, max_in_flight: Option<u32>)
         p,
     );
     rc.rows = Some(dir.join("router.csv"));
-    rc.health_interval_ms = 100;
+    rc.health_interval_ms = health_interval_ms;
     rc.max_in_flight_per_replica = max_in_flight;
     let epp = Epp::start(EppConfig::new(rc)).await.expect("epp starts");
     let envoy = EnvoyProcess::start(&bin, &Bootstrap::new(epp.local_addr(), replicas), dir, WAIT)
@@ -195,7 +207,7 @@ impl Setup {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_streams_where_the_picker_decides() {
     let dir = temp_dir("affinity");
-    let s = setup(dir.path(), "prefix-affinity", 200.0, None).await;
+    let s = setup(dir.path(), "prefix-affinity", 200.0, None, 100, false).await;
 
     // Five conversations, three turns each, one request at a time.
     let mut homes: Vec<usize> = Vec::new();
@@ -292,7 +304,7 @@ async fn shedding_is_429_and_an_empty_fleet_503() {
     let dir = temp_dir("refusals");
     // Engines at modelled speed: a 100-token stream lasts seconds, so three of them hold every
     // replica at the ceiling of 1 while the fourth request is decided.
-    let s = setup(dir.path(), "session-affinity", 1.0, Some(1)).await;
+    let s = setup(dir.path(), "session-affinity", 1.0, Some(1), 100, false).await;
     let mut held = Vec::new();
     for c in 0..3 {
         let mut r = post(&s.url, &convo(c, 1, 100), &format!("hold{c}")).await;
@@ -376,4 +388,116 @@ async fn shedding_is_429_and_an_empty_fleet_503() {
     let none = rows.iter().find(|r| r["session_id"] == "none").unwrap();
     assert_eq!(none["upstream_status"], "503");
     assert!(none["error"].starts_with("no_replica: "), "{none:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_pick_is_served_by_the_fallback_and_read_back() {
+    let dir = temp_dir("fallback");
+    // Replica 0 listens nowhere; health probes far apart, so the picker still believes in it.
+    let s = setup(dir.path(), "session-affinity", 200.0, None, 60_000, true).await;
+    let dead = s.epp.shared().replica(0).unwrap();
+    // Sessions until one's home is the dead replica: Envoy cannot connect and retries down the
+    // picker's list; the picker reads the fallback back.
+    let mut found = None;
+    for c in 0..20 {
+        let before: Vec<u64> = s.engines.iter().map(finished).collect();
+        let r = post(&s.url, &convo(c, 1, 4), &format!("s{c}")).await;
+        let status = r.status;
+        let served: u32 = r.headers["x-kvroute-replica"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let (events, _) = read_all(r.body).await;
+        assert_eq!(status, 200, "{events:?}");
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        let mut ran = None;
+        eventually("an engine finished the request", || {
+            let now: Vec<u64> = s.engines.iter().map(finished).collect();
+            ran = (0..3).find(|&i| now[i] > before[i]);
+            ran.is_some()
+        })
+        .await;
+        // Engine i is replica i + 1.
+        assert_eq!(
+            served,
+            ran.unwrap() as u32 + 1,
+            "served read back = engine that ran it"
+        );
+        if dead.upstream_errors.load(Ordering::Relaxed) == 1 {
+            found = Some(c);
+            break;
+        }
+    }
+    let c = found.expect("some session's home is replica 0");
+    assert_eq!(
+        dead.outstanding.load(Ordering::Relaxed),
+        0,
+        "load moved, then released"
+    );
+    assert!(
+        dead.healthy.load(Ordering::Relaxed),
+        "one failure does not mark it down"
+    );
+
+    let rows_path = dir.path().join("router.csv");
+    let shared = s.epp.shared().clone();
+    eventually("every row written", || {
+        shared.rows.stats().written.load(Ordering::Relaxed) > c as u64
+    })
+    .await;
+    s.stop().await;
+    let rows = read_rows(&rows_path);
+    let row = rows
+        .iter()
+        .find(|r| r["session_id"] == format!("s{c}"))
+        .unwrap();
+    assert_ne!(
+        row["replica"], "0",
+        "the row names the endpoint Envoy used: {row:?}"
+    );
+    assert_eq!(row["attempts"], "2", "{row:?}");
+    assert_eq!(row["upstream_status"], "200");
+    for r in rows.iter().filter(|r| r["session_id"] != format!("s{c}")) {
+        assert_eq!(r["attempts"], "1", "{r:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoint_file_is_watched() {
+    let dir = temp_dir("watch");
+    let file = dir.path().join("replicas.json");
+    std::fs::write(&file, r#"["http://127.0.0.1:1", "http://127.0.0.1:2"]"#).unwrap();
+    let mut p = policies::PolicySpec::named("round-robin");
+    p.seed = 7;
+    let mut cfg = EppConfig::new(proxy::RouterConfig::new(Vec::new(), p));
+    cfg.replicas_file = Some(file.clone());
+    cfg.watch_interval_ms = 20;
+    let epp = Epp::start(cfg).await.expect("epp starts");
+    let urls = |e: &Epp| -> Vec<String> {
+        e.shared()
+            .replicas()
+            .iter()
+            .map(|r| r.url.clone())
+            .collect()
+    };
+    assert_eq!(urls(&epp), ["http://127.0.0.1:1", "http://127.0.0.1:2"]);
+    std::fs::write(
+        &file,
+        r#"[{"url": "http://127.0.0.1:2"}, "http://127.0.0.1:3"]"#,
+    )
+    .unwrap();
+    eventually("the new list applied", || {
+        urls(&epp) == ["http://127.0.0.1:2", "http://127.0.0.1:3"]
+    })
+    .await;
+    // A list with a host name is refused whole: the table stays as it was.
+    std::fs::write(&file, r#"["http://localhost:4"]"#).unwrap();
+    eventually("the list refused", || {
+        epp.watch_stats().refused.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    assert_eq!(epp.watch_stats().applied.load(Ordering::Relaxed), 1);
+    assert_eq!(urls(&epp), ["http://127.0.0.1:2", "http://127.0.0.1:3"]);
+    epp.shutdown(Duration::from_secs(1)).await;
 }
