@@ -18,6 +18,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("engine", &[]),
     ("policies", &["kv-index"]),
     ("proxy", &["kv-index", "policies", "schema", "prom-text"]),
+    ("epp", &["proxy", "policies"]),
     ("driver", &["workload", "schema", "trace"]),
     ("fleet", &["schema", "prom-text"]),
     ("analysis", &["workload", "schema"]),

@@ -14,7 +14,7 @@
 //! - [`endpoints`]: replica URLs as `ip:port` endpoints, the watched endpoint file.
 //! - [`envoy`]: Envoy's bootstrap for the picker (ext_proc filter + `override_host` policy), the
 //!   binary `scripts/envoy.sh` installs, and a process handle.
-//! - [`config`]: [`EppConfig`].
+//! - [`config`]: the configuration ([`EppConfig`]).
 
 #![forbid(unsafe_code)]
 
