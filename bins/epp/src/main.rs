@@ -89,6 +89,29 @@ struct Args {
     /// How long SIGTERM/SIGINT waits for open exchanges, milliseconds.
     #[arg(long, default_value_t = 30_000)]
     shutdown_grace_ms: u64,
+    /// Sliding TTL of believed index entries, seconds.
+    #[arg(long)]
+    index_ttl_s: Option<f64>,
+    /// Node cap of the index.
+    #[arg(long)]
+    index_node_cap: Option<usize>,
+    /// Also start Envoy in front of the replicas, wired to this picker (ext_proc + override_host).
+    /// The readiness line then names Envoy's listener as `listening` and the picker as `epp`.
+    #[arg(long)]
+    envoy: bool,
+    /// The Envoy binary (with --envoy; default: `$KVROUTE_ENVOY`, else where `scripts/envoy.sh`
+    /// puts it).
+    #[arg(long)]
+    envoy_bin: Option<PathBuf>,
+    /// Envoy's listen address (with --envoy).
+    #[arg(long, default_value = "127.0.0.1")]
+    envoy_host: String,
+    /// Envoy's listen port (with --envoy; 0 = ephemeral).
+    #[arg(long, default_value_t = 0)]
+    envoy_port: u16,
+    /// Where Envoy's bootstrap and log go (with --envoy; default: the current directory).
+    #[arg(long, default_value = ".")]
+    envoy_dir: PathBuf,
 }
 
 fn config(a: Args) -> Result<epp::EppConfig, String> {
@@ -120,6 +143,15 @@ fn config(a: Args) -> Result<epp::EppConfig, String> {
     if let Some(v) = a.load_factor {
         p.load_factor = v;
     }
+    if let Some(v) = a.index_ttl_s {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(format!("--index-ttl-s must be > 0, got {v}"));
+        }
+        p.index_ttl_us = (v * 1e6) as u64;
+    }
+    if let Some(v) = a.index_node_cap {
+        p.index_node_cap = v;
+    }
     p.validate()?;
     if a.block_bytes == 0 {
         return Err("--block-bytes must be ≥ 1".into());
@@ -142,6 +174,17 @@ fn config(a: Args) -> Result<epp::EppConfig, String> {
     cfg.replicas_file = a.config;
     cfg.watch_interval_ms = a.watch_interval_ms;
     cfg.fallbacks = a.fallbacks;
+    if a.envoy {
+        let ip: std::net::IpAddr = a
+            .envoy_host
+            .parse()
+            .map_err(|_| format!("--envoy-host must be an IP address, got {}", a.envoy_host))?;
+        cfg.envoy = Some(epp::EnvoyLaunch {
+            bin: a.envoy_bin.unwrap_or_else(epp::envoy::default_bin),
+            listen: std::net::SocketAddr::new(ip, a.envoy_port),
+            dir: a.envoy_dir,
+        });
+    }
     Ok(cfg)
 }
 

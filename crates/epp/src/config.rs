@@ -27,6 +27,22 @@ pub struct EppConfig {
     /// Eligible endpoints listed after the picked one (least outstanding first) for the proxy's
     /// retries (`x-gateway-destination-endpoint: picked,fallback,…`).
     pub fallbacks: usize,
+    /// Start Envoy in front of the replicas, wired to this picker ([`run_blocking`] only).
+    ///
+    /// [`run_blocking`]: crate::run_blocking
+    pub envoy: Option<EnvoyLaunch>,
+}
+
+/// Envoy started by the picker's binary: a whole gateway from one command (the harness's
+/// `--ingress envoy-epp`). Its cluster is the replica list at start.
+#[derive(Debug, Clone)]
+pub struct EnvoyLaunch {
+    /// The Envoy binary.
+    pub bin: PathBuf,
+    /// Its HTTP listener (port 0: ephemeral, named by the readiness line).
+    pub listen: std::net::SocketAddr,
+    /// Where its bootstrap (`envoy.json`) and log (`envoy.log`) go.
+    pub dir: PathBuf,
 }
 
 impl EppConfig {
@@ -37,6 +53,7 @@ impl EppConfig {
             replicas_file: None,
             watch_interval_ms: DEFAULT_WATCH_INTERVAL_MS,
             fallbacks: DEFAULT_FALLBACKS,
+            envoy: None,
         }
     }
 }

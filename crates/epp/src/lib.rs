@@ -24,5 +24,5 @@ pub mod envoy;
 pub mod exchange;
 pub mod server;
 
-pub use config::EppConfig;
+pub use config::{EnvoyLaunch, EppConfig};
 pub use server::{Epp, EppError, run_blocking};

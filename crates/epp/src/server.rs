@@ -23,6 +23,7 @@ use tonic_health::ServingStatus;
 
 use crate::config::EppConfig;
 use crate::endpoints::WatchStats;
+use crate::envoy::{Bootstrap, EnvoyProcess};
 use crate::exchange::{Outbound, Picker};
 
 /// The gRPC health service names the picker reports (EPP protocol, "Health Checking"), besides
@@ -45,7 +46,13 @@ pub enum EppError {
     /// Listening or file I/O failed.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// The Envoy the binary was asked to start did not come up.
+    #[error("envoy: {0}")]
+    Envoy(String),
 }
+
+/// How long [`run_blocking`] waits for the Envoy it starts.
+const ENVOY_READY_WITHIN: Duration = Duration::from_secs(30);
 
 impl From<proxy::RouterError> for EppError {
     fn from(e: proxy::RouterError) -> Self {
@@ -195,7 +202,10 @@ impl Epp {
 
 /// Runs the picker until SIGTERM or SIGINT: a runtime with `cfg.router.workers` threads, the
 /// readiness line `{"listening":"HOST:PORT","workers":N}` on stdout, then a graceful shutdown
-/// that flushes the rows.
+/// that flushes the rows. With `cfg.envoy`, Envoy is started in front of the replicas first and
+/// the line names its listener: `{"listening":"ENVOY","epp":"GRPC","envoy_admin":"ADMIN","workers":N}`;
+/// Envoy is killed before the picker shuts down (and with it, should the picker die: it is the
+/// picker's child, in its process group, killed on drop).
 pub fn run_blocking(cfg: EppConfig) -> Result<(), EppError> {
     let workers = cfg.router.workers.max(1);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -208,16 +218,49 @@ pub fn run_blocking(cfg: EppConfig) -> Result<(), EppError> {
         // Installed before the readiness line: a supervisor may signal as soon as it read it.
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
+        let launch = cfg.envoy.clone();
         let epp = Epp::start(cfg).await?;
-        println!(
-            "{}",
-            serde_json::json!({"listening": epp.local_addr().to_string(), "workers": workers})
-        );
+        let envoy = match launch {
+            Some(l) => {
+                let endpoints = epp
+                    .shared()
+                    .replicas()
+                    .iter()
+                    .map(|r| crate::endpoints::endpoint_of(&r.url))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(EppError::Config)?;
+                let mut bootstrap = Bootstrap::new(epp.local_addr(), endpoints);
+                bootstrap.listen = l.listen;
+                std::fs::create_dir_all(&l.dir)?;
+                let envoy = EnvoyProcess::start(&l.bin, &bootstrap, &l.dir, ENVOY_READY_WITHIN)
+                    .await
+                    .map_err(EppError::Envoy)?;
+                Some(envoy)
+            }
+            None => None,
+        };
+        let line = match &envoy {
+            // The gateway's address is what clients use; the picker's is named beside it.
+            Some(e) => serde_json::json!({
+                "listening": e.listen_addr().to_string(),
+                "epp": epp.local_addr().to_string(),
+                "envoy_admin": e.admin_addr().to_string(),
+                "workers": workers,
+            }),
+            None => {
+                serde_json::json!({"listening": epp.local_addr().to_string(), "workers": workers})
+            }
+        };
+        println!("{line}");
         use std::io::Write;
         let _ = std::io::stdout().flush();
         tokio::select! {
             _ = term.recv() => {}
             _ = int.recv() => {}
+        }
+        // Envoy first: no new exchanges, then the picker's rows.
+        if let Some(e) = envoy {
+            e.kill().await;
         }
         epp.shutdown(grace).await;
         Ok(())
