@@ -314,10 +314,18 @@ fn the_driver_streams_through_haproxy_to_emulated_engines() {
         "{picker_rows:?}"
     );
     let ttft_envoy: Vec<f64> = via_envoy.iter().filter_map(|r| r.ttft_ms).collect();
+    let overhead: Vec<f64> = picker_rows.iter().filter_map(|r| r.overhead_us).collect();
+    let decide: Vec<f64> = picker_rows
+        .iter()
+        .filter_map(|r| r.decide_ns.map(|d| d as f64))
+        .collect();
     eprintln!(
-        "through Envoy + the endpoint picker (session-bounded): {} requests, TTFT p50 {:.2} ms",
+        "through Envoy + the endpoint picker (session-bounded): {} requests, TTFT p50 {:.2} ms; picker overhead_us p50 {:.0} p99 {:.0}, decide_ns p50 {:.0}",
         via_envoy.len(),
-        analysis::stats::median(&ttft_envoy).unwrap_or(f64::NAN)
+        analysis::stats::median(&ttft_envoy).unwrap_or(f64::NAN),
+        analysis::stats::quantile(&overhead, 0.5).unwrap_or(f64::NAN),
+        analysis::stats::quantile(&overhead, 0.99).unwrap_or(f64::NAN),
+        analysis::stats::quantile(&decide, 0.5).unwrap_or(f64::NAN),
     );
     let ttft_router: Vec<f64> = via_router.iter().filter_map(|r| r.ttft_ms).collect();
     eprintln!(
