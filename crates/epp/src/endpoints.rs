@@ -88,16 +88,18 @@ pub struct WatchStats {
     pub refused: AtomicU64,
 }
 
-/// Re-reads `path` every `every` and applies a changed list ([`apply`]) until the state is
-/// dropped. A changed file that cannot be parsed or applied leaves the table as it is (counted
-/// in `stats.refused`, reported on stderr).
+/// Re-reads `path` every `every` and applies a list that differs from the last one seen
+/// (`loaded`: the bytes the table was built from) until the state is dropped. A changed file that
+/// cannot be parsed or applied leaves the table as it is (counted in `stats.refused`, reported
+/// on stderr).
 pub async fn watch_file(
     shared: Weak<Shared>,
     path: PathBuf,
+    loaded: Vec<u8>,
     every: Duration,
     stats: Arc<WatchStats>,
 ) {
-    let mut last = std::fs::read(&path).ok();
+    let mut last = Some(loaded);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
@@ -111,7 +113,8 @@ pub async fn watch_file(
             continue;
         }
         last = now;
-        match reload(&shared, &path).await {
+        let text = last.as_deref().unwrap_or_default();
+        match reload(&shared, &path, text).await {
             Ok(_) => stats.applied.fetch_add(1, Ordering::Relaxed),
             Err(e) => {
                 eprintln!("epp: endpoint file {}: {e}", path.display());
@@ -121,9 +124,15 @@ pub async fn watch_file(
     }
 }
 
-async fn reload(shared: &Arc<Shared>, path: &Path) -> Result<Applied, String> {
-    let specs = proxy::load_replicas_file(path)?;
+async fn reload(shared: &Arc<Shared>, path: &Path, text: &[u8]) -> Result<Applied, String> {
+    let specs = parse_file(path, text)?;
     apply(shared, &specs).await
+}
+
+/// Parses an endpoint file's bytes (the router's `--config` format), naming the file on error.
+pub fn parse_file(path: &Path, text: &[u8]) -> Result<Vec<ReplicaSpec>, String> {
+    let text = std::str::from_utf8(text).map_err(|e| format!("{}: {e}", path.display()))?;
+    proxy::config::parse_replicas_json(text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 #[cfg(test)]

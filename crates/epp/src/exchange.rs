@@ -88,6 +88,8 @@ struct Exchange {
     body: Vec<Vec<u8>>,
     body_len: usize,
     decided: bool,
+    /// An immediate response was sent: the exchange is over.
+    refused: bool,
     /// The LLM request's row, until written (exactly once: at the response's end, by a refusal,
     /// or on drop).
     row: Option<Row>,
@@ -260,6 +262,7 @@ impl Exchange {
             body: Vec::new(),
             body_len: 0,
             decided: false,
+            refused: false,
             row: None,
             picked: None,
             scanner: None,
@@ -274,6 +277,10 @@ impl Exchange {
 
     async fn on_message(&mut self, msg: ProcessingRequest) -> Vec<ProcessingResponse> {
         use processing_request::Request as R;
+        if self.refused {
+            // An immediate response ended the exchange: nothing more is answered.
+            return Vec::new();
+        }
         if self.subset.is_none()
             && let Some(list) = metadata_string(&msg, SUBSET_NAMESPACE, SUBSET_KEY)
         {
@@ -376,6 +383,7 @@ impl Exchange {
     /// Writes the row of a refused request and answers the proxy at once.
     fn refuse(&mut self, status: u16, kind: &'static str, message: String) -> ProcessingResponse {
         self.decided = true;
+        self.refused = true;
         if let Some(mut row) = self.row.take() {
             row.upstream_status = Some(status);
             row.error = Some(format!("{kind}: {message}"));

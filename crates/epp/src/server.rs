@@ -101,8 +101,13 @@ impl Epp {
     /// KV events, starts health checks and the file watcher, binds and serves. Must run inside a
     /// tokio runtime.
     pub async fn start(mut cfg: EppConfig) -> Result<Epp, EppError> {
+        // The file's bytes as loaded: the watcher applies only what differs from them.
+        let mut loaded = Vec::new();
         if let Some(path) = &cfg.replicas_file {
-            cfg.router.replicas = proxy::load_replicas_file(path).map_err(EppError::Config)?;
+            loaded = std::fs::read(path)
+                .map_err(|e| EppError::Config(format!("{}: {e}", path.display())))?;
+            cfg.router.replicas =
+                crate::endpoints::parse_file(path, &loaded).map_err(EppError::Config)?;
         }
         crate::endpoints::check_specs(&cfg.router.replicas).map_err(EppError::Config)?;
         if cfg.router.health_timeout_ms == 0 {
@@ -125,6 +130,7 @@ impl Epp {
             background.push(tokio::spawn(crate::endpoints::watch_file(
                 Arc::downgrade(&shared),
                 path,
+                std::mem::take(&mut loaded),
                 Duration::from_millis(cfg.watch_interval_ms.max(10)),
                 watch.clone(),
             )));
