@@ -89,6 +89,16 @@ struct Args {
     /// How long SIGTERM/SIGINT waits for open exchanges, milliseconds.
     #[arg(long, default_value_t = 30_000)]
     shutdown_grace_ms: u64,
+    /// Admin listener address (the router's admin API: `/admin/replicas…`, `/metrics`,
+    /// `/health`). A non-loopback address needs --admin-token-file.
+    #[arg(long, default_value = "127.0.0.1")]
+    admin_host: String,
+    /// Admin listener port (0 = ephemeral; the readiness line names it).
+    #[arg(long, default_value_t = 0)]
+    admin_port: u16,
+    /// File holding the bearer token the admin listener requires.
+    #[arg(long)]
+    admin_token_file: Option<PathBuf>,
     /// Sliding TTL of believed index entries, seconds.
     #[arg(long)]
     index_ttl_s: Option<f64>,
@@ -170,6 +180,13 @@ fn config(a: Args) -> Result<epp::EppConfig, String> {
     r.shutdown_grace_ms = a.shutdown_grace_ms;
     r.max_in_flight_per_replica = a.max_in_flight_per_replica;
     r.kv_events_format = a.kv_events_format.parse()?;
+    proxy::config::check_admin_exposure(&a.admin_host, a.admin_token_file.is_some())?;
+    r.admin_host = a.admin_host;
+    r.admin_port = a.admin_port;
+    r.admin_token = match &a.admin_token_file {
+        Some(p) => Some(proxy::config::load_admin_token(p)?),
+        None => None,
+    };
     let mut cfg = epp::EppConfig::new(r);
     cfg.replicas_file = a.config;
     cfg.watch_interval_ms = a.watch_interval_ms;

@@ -90,6 +90,10 @@ impl ExternalProcessor for Service {
 pub struct Epp {
     shared: Arc<Shared>,
     addr: SocketAddr,
+    admin_addr: SocketAddr,
+    admin_stop: tokio::sync::watch::Sender<bool>,
+    admin: tokio::task::JoinHandle<()>,
+    reporter: tonic_health::server::HealthReporter,
     stop: Option<oneshot::Sender<()>>,
     serve: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<tokio::task::JoinHandle<()>>,
@@ -110,6 +114,11 @@ impl Epp {
                 crate::endpoints::parse_file(path, &loaded).map_err(EppError::Config)?;
         }
         crate::endpoints::check_specs(&cfg.router.replicas).map_err(EppError::Config)?;
+        proxy::config::check_admin_exposure(
+            &cfg.router.admin_host,
+            cfg.router.admin_token.is_some(),
+        )
+        .map_err(EppError::Config)?;
         if cfg.router.health_timeout_ms == 0 {
             return Err(EppError::Config("the health timeout must be ≥ 1 ms".into()));
         }
@@ -120,6 +129,21 @@ impl Epp {
         }
         let listener = TcpListener::bind((cfg.router.host.as_str(), cfg.router.port)).await?;
         let addr = listener.local_addr()?;
+        // The router's admin listener, unchanged: replica API (drain, add, remove), `/metrics`,
+        // `/health`.
+        let admin_listener =
+            TcpListener::bind((cfg.router.admin_host.as_str(), cfg.router.admin_port)).await?;
+        let admin_addr = admin_listener.local_addr()?;
+        let (admin_stop, admin_stop_rx) = tokio::sync::watch::channel(false);
+        let admin = proxy::server::spawn_admin(
+            admin_listener,
+            shared.clone(),
+            Arc::new(proxy::admin::AdminAuth::new(
+                cfg.router.admin_token.as_deref(),
+            )),
+            Duration::from_millis(cfg.router.header_read_timeout_ms.max(1)),
+            admin_stop_rx,
+        );
         let mut background = vec![tokio::spawn(health_loop(
             Arc::downgrade(&shared),
             Duration::from_millis(cfg.router.health_interval_ms.max(10)),
@@ -164,6 +188,10 @@ impl Epp {
         Ok(Epp {
             shared,
             addr,
+            admin_addr,
+            admin_stop,
+            admin,
+            reporter,
             stop: Some(stop_tx),
             serve,
             background,
@@ -174,6 +202,12 @@ impl Epp {
     /// The bound gRPC address.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The admin listener's address (the router's admin API: `/admin/replicas…`, `/metrics`,
+    /// `/health`).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
     }
 
     /// What the endpoint file watcher did (all zero without a file).
@@ -189,6 +223,14 @@ impl Epp {
     /// Stops accepting, lets open exchanges finish (up to `grace`), then writes and flushes
     /// every row (an exchange still open then writes its row as cut off).
     pub async fn shutdown(mut self, grace: Duration) {
+        // Health first, so a gateway that checks it stops sending new requests.
+        for name in std::iter::once("").chain(HEALTH_SERVICES) {
+            self.reporter
+                .set_service_status(name, ServingStatus::NotServing)
+                .await;
+        }
+        let _ = self.admin_stop.send(true);
+        let _ = (&mut self.admin).await;
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -207,9 +249,10 @@ impl Epp {
 }
 
 /// Runs the picker until SIGTERM or SIGINT: a runtime with `cfg.router.workers` threads, the
-/// readiness line `{"listening":"HOST:PORT","workers":N}` on stdout, then a graceful shutdown
-/// that flushes the rows. With `cfg.envoy`, Envoy is started in front of the replicas first and
-/// the line names its listener: `{"listening":"ENVOY","epp":"GRPC","envoy_admin":"ADMIN","workers":N}`;
+/// readiness line `{"listening":"GRPC","admin":"HOST:PORT","workers":N}` on stdout, then a
+/// graceful shutdown that flushes the rows. With `cfg.envoy`, Envoy is started in front of the
+/// replicas first and the line names its listener:
+/// `{"listening":"ENVOY","epp":"GRPC","admin":"HOST:PORT","envoy_admin":"ADMIN","workers":N}`;
 /// Envoy is killed before the picker shuts down (and with it, should the picker die: it is the
 /// picker's child, in its process group, killed on drop).
 pub fn run_blocking(cfg: EppConfig) -> Result<(), EppError> {

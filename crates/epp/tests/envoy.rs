@@ -135,6 +135,24 @@ fn read_rows(path: &Path) -> Vec<HashMap<String, String>> {
         .collect()
 }
 
+/// A bodiless admin request; the status and the body.
+async fn send(method: &str, url: &str) -> (u16, String) {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let req = http::Request::builder()
+        .method(method)
+        .uri(url)
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = tokio::time::timeout(WAIT, client.request(req))
+        .await
+        .expect("admin answers in time")
+        .expect("admin response");
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
 async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + WAIT;
     while !f() {
@@ -331,15 +349,35 @@ async fn shedding_is_429_and_an_empty_fleet_503() {
         assert!(frames > 10, "streamed frame by frame: {frames} frames");
     }
 
-    // Every replica draining: no ready endpoint.
+    // Every replica drained through the picker's admin API (the router's): no ready endpoint.
+    let admin = format!("http://{}", s.epp.admin_addr());
     for r in s.epp.shared().replicas() {
-        r.draining.store(true, Ordering::Relaxed);
+        let (status, _) = send("POST", &format!("{admin}/admin/replicas/{}/drain", r.id)).await;
+        assert_eq!(status, 200);
+        assert!(r.draining.load(Ordering::Relaxed));
     }
     let r = post(&s.url, &convo(10, 1, 4), "none").await;
     assert_eq!(r.status, 503);
     let (body, _) = read_all(r.body).await;
     let err: serde_json::Value = serde_json::from_str(&body[0]).unwrap();
     assert_eq!(err["error"]["type"], "no_replica", "{err}");
+
+    // The router's metrics, from the picker: three served, one shed, one without a replica.
+    let (status, metrics) = send("GET", &format!("{admin}/metrics")).await;
+    assert_eq!(status, 200);
+    for line in [
+        "kvroute_router_requests_total 5",
+        "kvroute_router_overloaded_total 1",
+        "kvroute_router_no_replica_total 1",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+    }
+    let served: u64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvroute_router_served_total{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(served, 3);
 
     // gRPC health: the protocol's three service names and the server.
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", s.epp.local_addr()))

@@ -470,6 +470,31 @@ async fn admin_accept_loop(
     }
 }
 
+/// Serves the admin API ([`crate::admin::handle`]: `/admin/replicas…`, `/metrics`, `/health`)
+/// on `listener` for `shared`, as the router's admin listener does (at most
+/// [`ADMIN_MAX_CONNECTIONS`], hyper's header-read timer), until `stop` turns true; connections
+/// still open then are cut. The endpoint picker (`epp`) runs its admin listener here.
+pub fn spawn_admin(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    auth: Arc<AdminAuth>,
+    header_read_timeout: Duration,
+    stop: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    let watch = Watches {
+        kill: stop.clone(),
+        stop,
+    };
+    tokio::spawn(admin_accept_loop(
+        listener,
+        shared,
+        auth,
+        watch,
+        Arc::new(ConnCount::default()),
+        header_read_timeout,
+    ))
+}
+
 /// The request path's shared state for `cfg` with the built `policy` (checking the bytes per
 /// token and the in-flight ceiling): the row sink (`cfg.rows`),
 /// the [`Settings`] derived from the configuration, and the replica table. Nothing is started
