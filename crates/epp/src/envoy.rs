@@ -11,7 +11,8 @@
 //! the rest for retries), falling back to round robin when neither names a cluster host; the host
 //! used is written back as `envoy.lb` / `x-gateway-destination-endpoint-served`, which the picker
 //! reads on the response. Retries: connect failures and resets before the request, twice, so the
-//! fallback list is used.
+//! fallback list is used. The client's `x-request-id` is preserved (the picker's rows and the
+//! driver's join on it).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -111,6 +112,9 @@ impl Bootstrap {
                         "typed_config": {
                             "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                             "stat_prefix": "ingress",
+                            // The client's x-request-id reaches the picker and the replica as
+                            // sent (rows join on it), from any client address.
+                            "preserve_external_request_id": true,
                             "route_config": {"virtual_hosts": [{
                                 "name": "fleet",
                                 "domains": ["*"],

@@ -82,6 +82,14 @@ async fn post(url: &str, body: &serde_json::Value, session: &str) -> Reply {
     let req = http::Request::post(format!("{url}/v1/chat/completions"))
         .header("content-type", "application/json")
         .header("x-session-id", session)
+        // The driver names every request; Envoy must pass the name on for rows to join.
+        .header(
+            "x-request-id",
+            format!(
+                "req-{session}-{}",
+                body["messages"].as_array().map_or(0, Vec::len)
+            ),
+        )
         .body(Full::new(Bytes::from(body.to_string())))
         .unwrap();
     let resp = tokio::time::timeout(WAIT, client.request(req))
@@ -288,6 +296,10 @@ async fn envoy_streams_where_the_picker_decides() {
         assert_eq!(r["error"], "", "{r:?}");
         assert_eq!(r["policy"], "prefix-affinity");
         assert_eq!(r["attempts"], "1", "served where picked: {r:?}");
+        assert!(
+            r["request_id"].starts_with(&format!("req-{}-", r["session_id"])),
+            "the client's x-request-id: {r:?}"
+        );
         assert!(!r["decide_ns"].is_empty() && !r["overhead_us"].is_empty());
         assert!(r["prompt_tokens"].parse::<u64>().unwrap() > 0);
         by_session

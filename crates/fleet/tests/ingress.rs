@@ -302,6 +302,14 @@ fn the_driver_streams_through_haproxy_to_emulated_engines() {
     let picker_rows = analysis::read_router_csv(&envoy_cell.join("router.csv")).unwrap();
     assert!(via_envoy.len() > 40, "{} rows", via_envoy.len());
     assert_eq!(picker_rows.len(), via_envoy.len());
+    let ids: std::collections::HashSet<&str> =
+        picker_rows.iter().map(|r| r.request_id.as_str()).collect();
+    assert!(
+        via_envoy
+            .iter()
+            .all(|c| ids.contains(c.request_id.as_str())),
+        "every client row joins its picker row by x-request-id"
+    );
     let failed: Vec<_> = via_envoy
         .iter()
         .filter(|r| r.error.is_some() || r.status != 200)
