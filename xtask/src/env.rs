@@ -55,40 +55,12 @@ pub fn build_release_bins() -> Result<Bins> {
     Ok(bins)
 }
 
-/// `git rev-parse HEAD`, with `-dirty` when the tree has changes; `None` outside git.
+/// `git rev-parse HEAD` of the workspace, with `-dirty` when its tree has changes.
 pub fn git_rev() -> Option<String> {
-    let root = workspace_root();
-    let out = Command::new("git")
-        .current_dir(&root)
-        .args(["rev-parse", "HEAD"])
-        .output()
-        .ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let rev = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let dirty = Command::new("git")
-        .current_dir(&root)
-        .args(["status", "--porcelain", "--untracked-files=no"])
-        .output()
-        .ok()
-        .is_some_and(|o| !o.stdout.is_empty());
-    Some(if dirty { format!("{rev}-dirty") } else { rev })
+    experiment::provenance::git_rev(&workspace_root())
 }
 
-/// Versions worth recording beside results: rustc, the workspace version, the host.
+/// Versions worth recording beside results (`experiment::provenance::versions`).
 pub fn versions() -> serde_json::Value {
-    let rustc = Command::new(std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into()))
-        .arg("-V")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
-    serde_json::json!({
-        "kvroute": env!("CARGO_PKG_VERSION"),
-        "rustc": rustc,
-        "os": std::env::consts::OS,
-        "arch": std::env::consts::ARCH,
-        "cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
-    })
+    experiment::provenance::versions()
 }

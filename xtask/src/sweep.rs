@@ -10,9 +10,11 @@ use clap::{Args, ValueEnum};
 
 use experiment::Bins;
 use experiment::cell::{self, CellState};
+use experiment::fleet_spec::FleetKind;
 use experiment::grid::{PrefixGroups, Sharing, SweepName, WorkloadShape};
 use experiment::progress::Progress;
 use experiment::sweep::{CapacityScope, LiveSweep, SweepSettings};
+use experiment::virtual_sweep;
 use fleet::Ingress;
 
 use crate::fleetargs::FleetArgs;
@@ -157,11 +159,10 @@ pub struct SweepArgs {
     /// (`cargo xtask crosscheck`). The fleet flags must be the live sweep's.
     #[arg(long, requires = "virtual_time")]
     pub live_calibration: Option<PathBuf>,
-    /// Which capacity `--load` is a fraction of: `per-point` (each point's own capacity, found
-    /// by the capacity search on that point's workload; the default with `--virtual`, where a
-    /// search takes seconds) or `reference` (the calibration's, at ws 1 / skew 0; the live
-    /// default, where each search takes minutes, and with `--live-calibration`, whose rates
-    /// must be the live sweep's).
+    /// Which capacity `--load` is a fraction of: `per-point` (each point's own; live on an
+    /// emulated fleet, the measured reference capacity × the simulator's ratio of the point's to
+    /// the reference point's; the default) or `reference` (the calibration's at ws 1 / skew 0;
+    /// the default on other fleets and with `--live-calibration`).
     #[arg(long, value_enum)]
     pub capacity: Option<CapacityScope>,
     /// The fleet.
@@ -223,11 +224,16 @@ impl SweepArgs {
             capacity_scope: self
                 .capacity
                 // A cross-check (`--live-calibration`) must offer the live sweep's rates.
-                .unwrap_or(if self.virtual_time && self.live_calibration.is_none() {
-                    CapacityScope::PerPoint
-                } else {
-                    CapacityScope::Reference
-                }),
+                .unwrap_or(
+                    if self.live_calibration.is_none()
+                        && (self.virtual_time
+                            || self.fleet.spec(self.quick).kind == FleetKind::Emulated)
+                    {
+                        CapacityScope::PerPoint
+                    } else {
+                        CapacityScope::Reference
+                    },
+                ),
         }
     }
 
@@ -256,6 +262,9 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
         bail!("--reps must be at least 1");
     }
     let mut live = LiveSweep::start(&settings, bins, &sweep_dir, &interrupt::requested)?;
+    let (cal, points) = (&live.calibration, &live.points);
+    let own = virtual_sweep::simulated_point_capacities(&settings, cal, points, &sweep_dir)?;
+    live.at_point_capacities(own)?;
     let (points, policies) = (live.points.clone(), live.policies.clone());
     let total = points.len() * policies.len() * args.reps as usize;
     let mut progress = Progress::new(total, Duration::from_secs_f64(settings.run_s() + 4.0));

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{Scratch, build_bins, json, workspace_root, xtask};
+use common::{Scratch, assert_every_value_names_its_rule, build_bins, json, workspace_root, xtask};
 
 #[test]
 fn tiny_sweep_then_report_then_resume() {
@@ -58,7 +58,7 @@ fn tiny_sweep_then_report_then_resume() {
     assert!(cal["slo"]["ttft_ms"].as_f64().unwrap() > 0.0);
     assert_eq!(cal["capacity_tokens"].as_u64(), Some(3 * 4096 * 16));
     // Every derived value names its rule; the floors ran on reference-length prompts.
-    assert!(cal["index"]["ttl_rule"].is_string(), "{}", cal["index"]);
+    assert_every_value_names_its_rule(&sweep.join("calibration.json"));
     assert_eq!(cal["floor_prompts"]["prompt_tokens"], 1100);
     assert!(cal["bytes_per_token"]["value"].as_f64().unwrap() > 0.0);
 
@@ -78,6 +78,15 @@ fn tiny_sweep_then_report_then_resume() {
             assert!(meta["run"]["evidence_bounds"]["lateness"]["p99_wall_ms"].is_number());
             // The worker count the router reported when it came up (its default, 2).
             assert_eq!(meta["run"]["router_workers"], 2, "{}", dir.display());
+            // In front of real-time emulated engines the router asks for their level: granted,
+            // or refused with the reason (no CAP_SYS_NICE), never silently absent.
+            let sched = meta["run"]["router_scheduling"]
+                .as_str()
+                .unwrap_or_default();
+            assert!(
+                sched == "fifo:1" || sched.starts_with("other (fifo:1 refused: "),
+                "{sched}"
+            );
             let window = &meta["window"];
             assert!(window["measured_end_s"].as_f64() > window["measured_start_s"].as_f64());
             plan_fingerprints.push(meta["plan_fingerprint"].as_str().unwrap().to_string());

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{Scratch, json};
+use common::{Scratch, assert_every_value_names_its_rule, json};
 
 fn scratch(tag: &str) -> Scratch {
     Scratch::new(&format!("virtual-{tag}"))
@@ -130,6 +130,7 @@ fn same_seed_same_bytes_and_the_live_layout() {
     let slo = cal["slo"]["ttft_ms"].as_f64().unwrap();
     let floor = cal["floors"]["ttft_ms"].as_f64().unwrap();
     assert!((slo - 3.0 * floor).abs() < 1e-9 && floor > 0.0);
+    assert_every_value_names_its_rule(&a.join("calibration.json"));
     let record = json(&a.join("sweep.json"));
     assert_eq!(record["virtual"], true);
     assert!(record.get("jitter").is_none(), "{record:#}");

@@ -1,9 +1,10 @@
-//! `engine`: one emulated vLLM replica. Parses vLLM-like flags, starts the server, prints the
-//! readiness line (docs/CONTRACTS.md) and runs until SIGTERM/SIGINT.
+//! `engine`: one emulated vLLM replica (or, with `--cache-model llama-slots`, a llama.cpp
+//! `llama-server`'s slot cache). Parses vLLM-like flags, starts the server, prints the readiness
+//! line (docs/CONTRACTS.md) and runs until SIGTERM/SIGINT.
 
 use clap::Parser;
 use engine::server::{self, KvEventsConfig, ServerConfig};
-use engine::{Encoding, EngineConfig, StepModel};
+use engine::{CacheModel, Encoding, EngineConfig, StepModel};
 
 /// An emulated vLLM replica: paged KV cache with prefix caching, v1 scheduler, calibrated step times.
 #[derive(Parser, Debug)]
@@ -36,6 +37,25 @@ struct Args {
     /// Longest prompt + output.
     #[arg(long, default_value_t = 8192)]
     max_model_len: u32,
+    /// The KV cache modelled: `paged` (vLLM's paged prefix cache) or `llama-slots` (llama.cpp's
+    /// llama-server: per-slot caches chosen by prompt similarity; no KV events).
+    #[arg(long, default_value = "paged", value_parser = ["paged", "llama-slots"])]
+    cache_model: String,
+    /// llama-slots: parallel slots (llama-server's `-np`).
+    #[arg(long, default_value_t = 4)]
+    parallel_slots: u32,
+    /// llama-slots: the share of a prompt a slot's common prefix must exceed for the request to
+    /// prefer that slot (llama-server's `--slot-prompt-similarity`; 0 = least recently used only).
+    #[arg(long, default_value_t = 0.1)]
+    slot_prompt_similarity: f64,
+    /// llama-slots: KV cells shared by the slots (llama-server's `-c` with `--kv-unified`).
+    #[arg(long, default_value_t = 16384)]
+    ctx_tokens: u32,
+    /// Step-model preset the constant flags start from: `vllm-3090` (the default) or
+    /// `llama-tiny` (the tiny llama.cpp grid model on one CPU thread); a constant flag given
+    /// explicitly overrides the preset's value.
+    #[arg(long, default_value = "vllm-3090", value_parser = engine::config::STEP_MODEL_PRESETS.to_vec())]
+    step_model: String,
     /// Report prompt_tokens_details.cached_tokens in usage.
     #[arg(long)]
     enable_prompt_tokens_details: bool,
@@ -63,30 +83,36 @@ struct Args {
     /// Relative step-time jitter in [0, 1).
     #[arg(long, default_value_t = 0.0)]
     jitter: f64,
-    /// Step model: fixed per-step overhead, ms.
-    #[arg(long, default_value_t = StepModel::default().overhead_ms)]
-    step_overhead_ms: f64,
-    /// Step model: weight bytes read per step.
-    #[arg(long, default_value_t = StepModel::default().weight_bytes)]
-    weight_bytes: f64,
-    /// Step model: KV bytes per context token.
-    #[arg(long, default_value_t = StepModel::default().kv_bytes_per_token)]
-    kv_bytes_per_token: f64,
-    /// Step model: effective memory bandwidth, bytes/s.
-    #[arg(long, default_value_t = StepModel::default().bandwidth_bytes_per_s)]
-    bandwidth_bytes_per_s: f64,
-    /// Step model: compute per scheduled token, ms.
-    #[arg(long, default_value_t = StepModel::default().c_tok_ms)]
-    c_tok_ms: f64,
-    /// Step model: attention compute per prefill token per context token, ms.
-    #[arg(long, default_value_t = StepModel::default().c_attn_ms)]
-    c_attn_ms: f64,
-    /// Per-request frontend cost before scheduling, ms.
-    #[arg(long, default_value_t = StepModel::default().frontend_ms)]
-    frontend_ms: f64,
-    /// Cost of a /tokenize or render round trip, ms.
-    #[arg(long, default_value_t = StepModel::default().tokenize_ms)]
-    tokenize_ms: f64,
+    /// Step model: fixed per-step overhead, ms (default: the --step-model preset's).
+    #[arg(long)]
+    step_overhead_ms: Option<f64>,
+    /// Step model: weight bytes read per step (default: the --step-model preset's).
+    #[arg(long)]
+    weight_bytes: Option<f64>,
+    /// Step model: KV bytes per context token (default: the --step-model preset's).
+    #[arg(long)]
+    kv_bytes_per_token: Option<f64>,
+    /// Step model: effective memory bandwidth, bytes/s (default: the --step-model
+    /// preset's).
+    #[arg(long)]
+    bandwidth_bytes_per_s: Option<f64>,
+    /// Step model: compute per scheduled token, ms (default: the --step-model preset's).
+    #[arg(long)]
+    c_tok_ms: Option<f64>,
+    /// Step model: attention compute per prefill token per context token, ms (default: the
+    /// --step-model preset's).
+    #[arg(long)]
+    c_attn_ms: Option<f64>,
+    /// Step model: compute per context token of each decode, ms (default: the --step-model
+    /// preset's; 0 in vllm-3090).
+    #[arg(long)]
+    c_decode_ctx_ms: Option<f64>,
+    /// Per-request frontend cost before scheduling, ms (default: the --step-model preset's).
+    #[arg(long)]
+    frontend_ms: Option<f64>,
+    /// Cost of a /tokenize or render round trip, ms (default: the --step-model preset's).
+    #[arg(long)]
+    tokenize_ms: Option<f64>,
     /// Tokio worker threads for HTTP (the engine core has its own thread). One is as fast as
     /// two on a small shared machine and cheaper (REFERENCE.md §7).
     #[arg(long, default_value_t = 1)]
@@ -99,6 +125,16 @@ struct Args {
 }
 
 fn config(a: &Args) -> Result<ServerConfig, String> {
+    let cache_model = match a.cache_model.as_str() {
+        "llama-slots" => CacheModel::LlamaSlots {
+            slots: a.parallel_slots,
+            similarity: a.slot_prompt_similarity,
+            ctx_tokens: a.ctx_tokens,
+        },
+        _ => CacheModel::Paged,
+    };
+    let preset = StepModel::preset(&a.step_model)
+        .ok_or_else(|| format!("unknown --step-model {}", a.step_model))?;
     let kv_events = match (&a.kv_events_config, a.kv_events_port) {
         (Some(_), Some(_)) => {
             return Err("give either --kv-events-config or --kv-events-port, not both".into());
@@ -134,15 +170,19 @@ fn config(a: &Args) -> Result<ServerConfig, String> {
             max_num_seqs: a.max_num_seqs,
             max_model_len: a.max_model_len,
             seed: a.seed,
+            cache_model,
             model: StepModel {
-                overhead_ms: a.step_overhead_ms,
-                weight_bytes: a.weight_bytes,
-                kv_bytes_per_token: a.kv_bytes_per_token,
-                bandwidth_bytes_per_s: a.bandwidth_bytes_per_s,
-                c_tok_ms: a.c_tok_ms,
-                c_attn_ms: a.c_attn_ms,
-                frontend_ms: a.frontend_ms,
-                tokenize_ms: a.tokenize_ms,
+                overhead_ms: a.step_overhead_ms.unwrap_or(preset.overhead_ms),
+                weight_bytes: a.weight_bytes.unwrap_or(preset.weight_bytes),
+                kv_bytes_per_token: a.kv_bytes_per_token.unwrap_or(preset.kv_bytes_per_token),
+                bandwidth_bytes_per_s: a
+                    .bandwidth_bytes_per_s
+                    .unwrap_or(preset.bandwidth_bytes_per_s),
+                c_tok_ms: a.c_tok_ms.unwrap_or(preset.c_tok_ms),
+                c_attn_ms: a.c_attn_ms.unwrap_or(preset.c_attn_ms),
+                c_decode_ctx_ms: a.c_decode_ctx_ms.unwrap_or(preset.c_decode_ctx_ms),
+                frontend_ms: a.frontend_ms.unwrap_or(preset.frontend_ms),
+                tokenize_ms: a.tokenize_ms.unwrap_or(preset.tokenize_ms),
                 speed: a.speed,
                 slowdown: a.slowdown,
                 jitter: a.jitter,

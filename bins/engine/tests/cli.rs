@@ -149,3 +149,61 @@ fn scheduling_is_reported_and_in_effect() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("sched-fifo-priority"));
 }
+
+#[test]
+fn cache_model_flags_reach_the_readiness_line_and_metrics() {
+    let (_g, v) = spawn(&["--port", "0"]);
+    assert_eq!(v["cache_model"], "paged");
+    let addr = v["listening"].as_str().expect("listening").to_owned();
+    assert!(
+        get(&addr, "/metrics").contains("kvroute_engine_cache_model_info{cache_model=\"paged\"} 1")
+    );
+
+    let (_g, v) = spawn(&[
+        "--port",
+        "0",
+        "--cache-model",
+        "llama-slots",
+        "--parallel-slots",
+        "2",
+        "--slot-prompt-similarity",
+        "0.25",
+        "--ctx-tokens",
+        "4096",
+        "--step-model",
+        "llama-tiny",
+    ]);
+    assert_eq!(v["cache_model"], "llama-slots");
+    assert_eq!(v["kv_events"], serde_json::Value::Null);
+    let addr = v["listening"].as_str().expect("listening").to_owned();
+    let m = get(&addr, "/metrics");
+    assert!(
+        m.contains("kvroute_engine_cache_model_info{cache_model=\"llama-slots\",ctx_tokens=\"4096\",parallel_slots=\"2\",slot_prompt_similarity=\"0.25\"} 1"),
+        "{m}"
+    );
+    // The capacity a fleet reads: 4,096 cells of one token.
+    assert!(
+        m.contains("block_size=\"1\"") && m.contains("num_gpu_blocks=\"4096\""),
+        "{m}"
+    );
+
+    // llama.cpp publishes no KV events: asking for them is refused.
+    let out = Command::new(env!("CARGO_BIN_EXE_engine"))
+        .args([
+            "--port",
+            "0",
+            "--cache-model",
+            "llama-slots",
+            "--kv-events-port",
+            "0",
+        ])
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no KV events"));
+    let out = Command::new(env!("CARGO_BIN_EXE_engine"))
+        .args(["--port", "0", "--step-model", "gpt-5"])
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+}

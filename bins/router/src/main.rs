@@ -94,6 +94,11 @@ struct Args {
     /// Tokio worker threads (2 measured best on a 2-core machine; see docs/proxy-bench.md).
     #[arg(long, default_value_t = proxy::config::DEFAULT_WORKERS)]
     workers: usize,
+    /// Run every router thread under `SCHED_FIFO` at this priority (0: no). For a router that
+    /// shares its cores with real-time emulated engines (which run at 1); the readiness line's
+    /// `scheduling` says what was granted.
+    #[arg(long, default_value_t = 0)]
+    sched_fifo_priority: u8,
     /// Largest request body accepted; larger gets 413.
     #[arg(long, default_value_t = 8 << 20)]
     max_body_bytes: usize,
@@ -226,6 +231,7 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     cfg.max_body_bytes = a.max_body_bytes;
     cfg.health_interval_ms = a.health_interval_ms;
     cfg.workers = a.workers.max(1);
+    cfg.sched_fifo_priority = a.sched_fifo_priority;
     cfg.shutdown_grace_ms = a.shutdown_grace_ms;
     cfg.admin_host = a.admin_host;
     cfg.admin_port = a.admin_port;

@@ -19,8 +19,77 @@ pub struct EngineConfig {
     pub enable_kv_events: bool,
     /// Seed of the generated text and of the optional step-time jitter.
     pub seed: u64,
+    /// Which cache the replica models: vLLM's paged prefix cache (the default) or llama.cpp's
+    /// per-slot caches.
+    pub cache_model: CacheModel,
     /// Step-time model.
     pub model: StepModel,
+}
+
+/// The KV cache an emulated replica models.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum CacheModel {
+    /// vLLM's paged KV pool with automatic prefix caching: `num_gpu_blocks` blocks of
+    /// `block_size` tokens shared by every request, LRU eviction of free blocks, KV events.
+    #[default]
+    Paged,
+    /// llama.cpp's `llama-server` slots (`--cache-reuse 0 --cache-ram 0 --kv-unified`): at most
+    /// `slots` requests run at once; each slot keeps one contiguous token sequence (its last
+    /// request's prompt and the generated tokens it decoded); a request takes the idle slot with
+    /// the longest common prefix if that prefix is more than `similarity` of its prompt, else the
+    /// least recently used idle slot; `ctx_tokens` KV cells shared by every slot. The block pool,
+    /// `block_size`, `num_gpu_blocks` and `enable_prefix_caching` are unused, and no KV events are
+    /// recorded (llama.cpp publishes none). See [`crate::llama_slots`].
+    LlamaSlots {
+        /// Parallel slots (`-np`).
+        slots: u32,
+        /// `--slot-prompt-similarity`: the share of the prompt a slot's common prefix must
+        /// exceed for the request to prefer that slot (0 turns the match off: LRU only).
+        similarity: f64,
+        /// KV cells of the one unified pool (`-c` with `--kv-unified`).
+        ctx_tokens: u32,
+    },
+}
+
+impl CacheModel {
+    /// llama-server's settings as kvroute's llama fleet pins them (`fleet::llama::LlamaSpec`):
+    /// `-np 4 --slot-prompt-similarity 0.1 -c 16384`.
+    pub const LLAMA_FLEET: CacheModel = CacheModel::LlamaSlots {
+        slots: 4,
+        similarity: 0.1,
+        ctx_tokens: 16384,
+    };
+
+    /// The command-line and readiness-line name: `paged` or `llama-slots`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Paged => "paged",
+            Self::LlamaSlots { .. } => "llama-slots",
+        }
+    }
+
+    /// Checks the slot settings.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Self::LlamaSlots {
+            slots,
+            similarity,
+            ctx_tokens,
+        } = *self
+        {
+            if slots == 0 {
+                return Err("llama-slots needs at least 1 slot".into());
+            }
+            if !similarity.is_finite() || !(0.0..=1.0).contains(&similarity) {
+                return Err(format!(
+                    "slot prompt similarity must be in [0, 1], got {similarity}"
+                ));
+            }
+            if ctx_tokens < 2 {
+                return Err("llama-slots needs ctx_tokens of at least 2".into());
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Default KV pool size per replica: 2,048 blocks × 16 tokens = 32,768 tokens.
@@ -44,6 +113,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             enable_kv_events: true,
             seed: 0,
+            cache_model: CacheModel::Paged,
             model: StepModel::default(),
         }
     }
@@ -67,12 +137,26 @@ impl EngineConfig {
         if self.max_model_len < 2 {
             return Err("max_model_len must be at least 2".into());
         }
+        self.cache_model.validate()?;
         self.model.validate()
     }
 
-    /// KV capacity in tokens, not counting the null block.
+    /// KV capacity in tokens: the paged pool without the null block, or llama-slots' `ctx_tokens`.
     pub fn capacity_tokens(&self) -> u64 {
-        u64::from(self.num_gpu_blocks.saturating_sub(1)) * u64::from(self.block_size)
+        match self.cache_model {
+            CacheModel::Paged => {
+                u64::from(self.num_gpu_blocks.saturating_sub(1)) * u64::from(self.block_size)
+            }
+            CacheModel::LlamaSlots { ctx_tokens, .. } => u64::from(ctx_tokens),
+        }
+    }
+
+    /// Most requests running at once: `max_num_seqs`, and under llama-slots also the slots.
+    pub fn max_running(&self) -> u32 {
+        match self.cache_model {
+            CacheModel::Paged => self.max_num_seqs,
+            CacheModel::LlamaSlots { slots, .. } => self.max_num_seqs.min(slots),
+        }
     }
 }
 
@@ -96,6 +180,10 @@ pub struct StepModel {
     pub c_tok_ms: f64,
     /// Attention compute cost per prefill token per context token, ms.
     pub c_attn_ms: f64,
+    /// Compute cost per context token of each decode sequence, ms, added to `T_comp` (0 for
+    /// the vLLM model, whose decode attention is in the memory term; on a CPU a decode's
+    /// attention is compute that grows with its context).
+    pub c_decode_ctx_ms: f64,
     /// Per-request frontend cost (HTTP, chat template, tokenize, hashing) before the request
     /// reaches the scheduler, ms.
     pub frontend_ms: f64,
@@ -110,6 +198,10 @@ pub struct StepModel {
     pub jitter: f64,
 }
 
+/// `/apply-template` + `/tokenize` round trip of a 1,100-token chat on the tiny llama-server
+/// (`fleet::llama::tokenize_messages`), ms, measured with `scripts/llama_step_floors.py`.
+const TINY_TOKENIZE_MS: f64 = 5.3;
+
 impl Default for StepModel {
     fn default() -> Self {
         Self {
@@ -119,6 +211,7 @@ impl Default for StepModel {
             bandwidth_bytes_per_s: 690e9,
             c_tok_ms: 0.245,
             c_attn_ms: 3.8e-5,
+            c_decode_ctx_ms: 0.0,
             frontend_ms: 38.0,
             tokenize_ms: 26.0,
             speed: 1.0,
@@ -128,7 +221,45 @@ impl Default for StepModel {
     }
 }
 
+/// Names of the step-model presets [`StepModel::preset`] knows.
+pub const STEP_MODEL_PRESETS: &[&str] = &["vllm-3090", "llama-tiny"];
+
 impl StepModel {
+    /// The step model of one llama-server replica of kvroute's tiny grid model
+    /// (`tiny-words.gguf`: 4 layers × 256, F32) on one CPU thread, with the llama fleet's pinned
+    /// flags — fitted to floors measured with `scripts/llama_step_floors.py` (crates/engine
+    /// README, "llama-tiny"): CPU-bound, so the memory term is off (`weight_bytes` and
+    /// `kv_bytes_per_token` 0) and every cost is compute: a prefill of N fresh tokens costs
+    /// `0.72 + 0.1834·N + 2.515e-4·N²/2` ms, a step of d decodes with total context C costs
+    /// `0.72 + 0.1834·d + 0.00155·C` ms, and each request pays 6 ms of HTTP, chat template and
+    /// tokenization before its slot is chosen.
+    pub fn llama_tiny() -> Self {
+        Self {
+            overhead_ms: 0.72,
+            weight_bytes: 0.0,
+            kv_bytes_per_token: 0.0,
+            bandwidth_bytes_per_s: 1.0,
+            c_tok_ms: 0.1834,
+            c_attn_ms: 2.515e-4,
+            c_decode_ctx_ms: 0.001_55,
+            frontend_ms: 6.0,
+            tokenize_ms: TINY_TOKENIZE_MS,
+            speed: 1.0,
+            slowdown: 1.0,
+            jitter: 0.0,
+        }
+    }
+
+    /// A named preset: `vllm-3090` (the default, REFERENCE.md §1) or `llama-tiny`
+    /// ([`StepModel::llama_tiny`]).
+    pub fn preset(name: &str) -> Option<Self> {
+        match name {
+            "vllm-3090" => Some(Self::default()),
+            "llama-tiny" => Some(Self::llama_tiny()),
+            _ => None,
+        }
+    }
+
     /// Checks that every constant is finite and in range.
     pub fn validate(&self) -> Result<(), String> {
         let nonneg = [
@@ -137,6 +268,7 @@ impl StepModel {
             ("kv_bytes_per_token", self.kv_bytes_per_token),
             ("c_tok_ms", self.c_tok_ms),
             ("c_attn_ms", self.c_attn_ms),
+            ("c_decode_ctx_ms", self.c_decode_ctx_ms),
             ("frontend_ms", self.frontend_ms),
             ("tokenize_ms", self.tokenize_ms),
         ];
@@ -172,13 +304,23 @@ impl StepModel {
     }
 
     /// Step time in µs before speed, slowdown and jitter, for a batch described by its totals:
-    /// `num_tokens` scheduled tokens, `sum_ctx_tokens` context over scheduled sequences and
-    /// `prefill_attn` = Σ over prefill chunks of chunk · (ctx_before + chunk/2).
-    pub fn raw_step_us(&self, num_tokens: u64, sum_ctx_tokens: u64, prefill_attn: f64) -> f64 {
+    /// `num_tokens` scheduled tokens, `sum_ctx_tokens` context over scheduled sequences,
+    /// `prefill_attn` = Σ over prefill chunks of chunk · (ctx_before + chunk/2), and
+    /// `decode_ctx_tokens`, the context of the decodes between them (it enters only through
+    /// `c_decode_ctx_ms`, 0 in the vLLM model, which leaves its steps exactly as they were).
+    pub fn raw_step_us(
+        &self,
+        num_tokens: u64,
+        sum_ctx_tokens: u64,
+        prefill_attn: f64,
+        decode_ctx_tokens: u64,
+    ) -> f64 {
         let mem_ms = (self.weight_bytes + self.kv_bytes_per_token * sum_ctx_tokens as f64)
             / self.bandwidth_bytes_per_s
             * 1000.0;
-        let comp_ms = self.c_tok_ms * num_tokens as f64 + self.c_attn_ms * prefill_attn;
+        let comp_ms = self.c_tok_ms * num_tokens as f64
+            + self.c_attn_ms * prefill_attn
+            + self.c_decode_ctx_ms * decode_ctx_tokens as f64;
         (self.overhead_ms + mem_ms.max(comp_ms)) * 1000.0
     }
 

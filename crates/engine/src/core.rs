@@ -14,8 +14,9 @@ use rand_pcg::Pcg64Mcg;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::block_pool::{BlockId, BlockPool};
-use crate::config::EngineConfig;
+use crate::config::{CacheModel, EngineConfig};
 use crate::kv_events::KvEvent;
+use crate::llama_slots::SlotCache;
 use crate::tokenizer::{EOS_TOKEN_ID, NUM_GENERATED_WORDS, generated_token};
 
 /// Caller-chosen request id, unique among live requests.
@@ -77,7 +78,8 @@ pub fn block_hashes(tokens: &[u32], block_size: u32) -> Vec<u64> {
 }
 
 /// Checks a request against an engine's limits: non-empty prompt, `max_tokens ≥ 1`,
-/// prompt + `max_tokens` ≤ `max_model_len`, and small enough to fit the KV pool alone.
+/// prompt + `max_tokens` ≤ `max_model_len`, and small enough to fit the KV pool alone (under
+/// llama-slots: prompt + `max_tokens` ≤ `ctx_tokens` as well, reported as the context length).
 pub fn check_request(
     cfg: &EngineConfig,
     prompt_tokens: usize,
@@ -90,12 +92,19 @@ pub fn check_request(
         return Err(AddError::ZeroMaxTokens);
     }
     let total = prompt_tokens as u64 + u64::from(params.max_tokens);
-    if total > u64::from(cfg.max_model_len) {
+    let max_model_len = match cfg.cache_model {
+        CacheModel::Paged => cfg.max_model_len,
+        CacheModel::LlamaSlots { ctx_tokens, .. } => cfg.max_model_len.min(ctx_tokens),
+    };
+    if total > u64::from(max_model_len) {
         return Err(AddError::TooLong {
             prompt_tokens: prompt_tokens.min(u32::MAX as usize) as u32,
             max_tokens: params.max_tokens,
-            max_model_len: cfg.max_model_len,
+            max_model_len,
         });
+    }
+    if let CacheModel::LlamaSlots { .. } = cfg.cache_model {
+        return Ok(());
     }
     let needed = total.div_ceil(u64::from(cfg.block_size));
     let available = cfg.num_gpu_blocks - 1;
@@ -186,7 +195,8 @@ pub struct TokenOut {
     pub finish: Option<FinishReason>,
     /// Prompt length in tokens.
     pub prompt_tokens: u32,
-    /// Prompt tokens served from the prefix cache at first scheduling (block-aligned, ≤ n−1).
+    /// Prompt tokens served from the cache at first scheduling, ≤ n−1 (paged: block-aligned;
+    /// llama-slots: the common prefix with the chosen slot).
     pub cached_tokens: u32,
 }
 
@@ -271,12 +281,16 @@ struct Request {
     cached_tokens: Option<u32>,
     gen_key: u64,
     place: Where,
+    /// Under llama-slots, the slot serving the request once admitted.
+    llama_slot: Option<u32>,
 }
 
-/// One emulated vLLM engine: block pool, scheduler queues and step model.
+/// One emulated engine: block pool (or llama.cpp's slots), scheduler queues and step model.
 pub struct Engine {
     cfg: EngineConfig,
     pool: BlockPool,
+    /// `Some` under [`CacheModel::LlamaSlots`]: the slots replace the pool's prefix cache.
+    llama: Option<SlotCache>,
     slots: Vec<Option<Request>>,
     free_slots: Vec<u32>,
     index: HashMap<RequestId, u32, ahash::RandomState>,
@@ -318,7 +332,14 @@ impl Engine {
             cfg.enable_prefix_caching,
             cfg.enable_kv_events,
         );
+        let llama = match cfg.cache_model {
+            CacheModel::Paged => None,
+            CacheModel::LlamaSlots {
+                slots, similarity, ..
+            } => Some(SlotCache::new(slots, similarity)),
+        };
         Ok(Self {
+            llama,
             frontend_us: cfg.model.frontend_us(),
             step_scale: cfg.model.step_scale(),
             rng: Pcg64Mcg::seed_from_u64(cfg.seed),
@@ -373,9 +394,32 @@ impl Engine {
         self.index.len()
     }
 
-    /// `vllm:kv_cache_usage_perc` as a fraction.
+    /// `vllm:kv_cache_usage_perc` as a fraction; under llama-slots the share of `ctx_tokens`
+    /// held by the slots (idle slots' sequences and running requests' computed tokens).
     pub fn kv_usage(&self) -> f64 {
-        self.pool.usage()
+        match (&self.llama, self.cfg.cache_model) {
+            (Some(_), CacheModel::LlamaSlots { ctx_tokens, .. }) => {
+                self.llama_used_tokens() as f64 / f64::from(ctx_tokens)
+            }
+            _ => self.pool.usage(),
+        }
+    }
+
+    /// The llama.cpp slots, under [`CacheModel::LlamaSlots`].
+    pub fn llama_slots(&self) -> Option<&SlotCache> {
+        self.llama.as_ref()
+    }
+
+    /// KV cells in use under llama-slots: idle slots' tokens plus running requests' computed
+    /// tokens.
+    fn llama_used_tokens(&self) -> u64 {
+        let idle = self.llama.as_ref().map_or(0, SlotCache::idle_tokens);
+        let running: u64 = self
+            .running
+            .iter()
+            .map(|&s| u64::from(self.slots[s as usize].as_ref().expect("live").num_computed))
+            .sum();
+        idle + running
     }
 
     /// Whether `id` is live.
@@ -414,6 +458,7 @@ impl Engine {
             cached_tokens: None,
             gen_key,
             place: Where::Pending,
+            llama_slot: None,
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -450,6 +495,16 @@ impl Engine {
             Where::Waiting => self.waiting.retain(|&s| s != slot),
             Where::Running => self.running.retain(|&s| s != slot),
         }
+        if let (Some(cache), Some(ls)) = (&mut self.llama, req.llama_slot) {
+            // The slot keeps what the request computed so far, as llama.cpp's release does.
+            let mut decoded = req.tokens;
+            decoded.truncate(req.num_computed as usize);
+            cache.release(ls as usize, decoded);
+            self.free_slots.push(slot);
+            self.counters.aborted += 1;
+            self.stalled = false;
+            return true;
+        }
         self.pool.free_tail_first(&req.blocks);
         self.free_slots.push(slot);
         self.counters.aborted += 1;
@@ -458,8 +513,17 @@ impl Engine {
     }
 
     /// Clears the prefix cache if no request holds blocks (vLLM's rule). Records
-    /// `AllBlocksCleared`, fetched by the next step or [`Engine::take_events`].
+    /// `AllBlocksCleared`, fetched by the next step or [`Engine::take_events`]. Under
+    /// llama-slots (llama.cpp has no such endpoint): erases every slot if none is running, with
+    /// no event.
     pub fn reset_prefix_cache(&mut self) -> bool {
+        if let Some(cache) = &mut self.llama {
+            if !self.running.is_empty() {
+                return false;
+            }
+            cache.erase_idle();
+            return true;
+        }
         self.pool.reset()
     }
 
@@ -513,6 +577,7 @@ impl Engine {
         let mut num_tokens = 0u64;
         let mut sum_ctx = 0u64;
         let mut attn = 0f64;
+        let mut decode_ctx = 0u64;
         for &(slot, num_new, ctx_before) in &self.sched {
             num_tokens += u64::from(num_new);
             sum_ctx += u64::from(ctx_before + num_new);
@@ -520,11 +585,16 @@ impl Engine {
             // A prefill chunk is any scheduled work that does not reach the sequence's end
             // with a single token; a decode's attention cost is in the memory term.
             let is_decode = num_new == 1 && ctx_before + 1 == req.tokens.len() as u32;
-            if !is_decode {
+            if is_decode {
+                decode_ctx += u64::from(ctx_before + 1);
+            } else {
                 attn += f64::from(num_new) * (f64::from(ctx_before) + f64::from(num_new) / 2.0);
             }
         }
-        let raw = self.cfg.model.raw_step_us(num_tokens, sum_ctx, attn);
+        let raw = self
+            .cfg
+            .model
+            .raw_step_us(num_tokens, sum_ctx, attn, decode_ctx);
         let jitter = if self.cfg.model.jitter > 0.0 {
             1.0 + self.cfg.model.jitter * (2.0 * self.rng.random::<f64>() - 1.0)
         } else {
@@ -534,6 +604,10 @@ impl Engine {
     }
 
     fn schedule(&mut self, out: &mut StepOutput) {
+        if self.llama.is_some() {
+            self.schedule_llama(out);
+            return;
+        }
         self.sched.clear();
         let bs = self.cfg.block_size as usize;
         let mut budget = self.cfg.max_num_batched_tokens;
@@ -611,6 +685,70 @@ impl Engine {
             }
             self.sched.push((slot, num_new, num_computed));
             budget -= num_new;
+        }
+    }
+
+    /// llama-server's scheduling under [`CacheModel::LlamaSlots`]: running slots first (each
+    /// decode, or the next chunk of a prompt, within the batch budget), then waiting requests in
+    /// arrival order while a slot is idle — each takes the slot [`SlotCache::select`] picks and
+    /// skips the common prefix it keeps. A request is admitted only while the running requests'
+    /// prompts and `max_tokens` fit `ctx_tokens` together (llama.cpp admits and fails the batch
+    /// with "Context size has been exceeded"; the emulator waits instead). Then, as
+    /// `try_clear_idle_slots` does when a batch finds no room, idle slots are erased lowest id
+    /// first until the step's tokens fit.
+    fn schedule_llama(&mut self, out: &mut StepOutput) {
+        self.sched.clear();
+        let CacheModel::LlamaSlots { ctx_tokens, .. } = self.cfg.cache_model else {
+            unreachable!("schedule_llama runs under llama-slots only");
+        };
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut reserved = 0u64;
+        let mut in_use = 0u64;
+        for &slot in &self.running {
+            let req = self.slots[slot as usize].as_ref().expect("live");
+            reserved += req.num_prompt as u64 + u64::from(req.params.max_tokens);
+            let num_new = (req.tokens.len() as u32 - req.num_computed).min(budget);
+            in_use += u64::from(req.num_computed + num_new);
+            if num_new > 0 {
+                self.sched.push((slot, num_new, req.num_computed));
+                budget -= num_new;
+            }
+        }
+        let max_running = self.cfg.max_running() as usize;
+        let cache = self.llama.as_mut().expect("llama-slots");
+        while budget > 0 && self.running.len() < max_running {
+            let Some(&slot) = self.waiting.front() else {
+                break;
+            };
+            let req = self.slots[slot as usize].as_mut().expect("live");
+            let need = req.num_prompt as u64 + u64::from(req.params.max_tokens);
+            if reserved + need > u64::from(ctx_tokens) {
+                break;
+            }
+            let prompt = &req.tokens[..req.num_prompt as usize];
+            let Some((ls, _)) = cache.select(prompt) else {
+                break;
+            };
+            let num_computed = cache.acquire(ls, prompt);
+            self.counters.prefix_cache_queries_tokens += u64::from(req.num_prompt);
+            self.counters.prefix_cache_hits_tokens += u64::from(num_computed);
+            self.waiting.pop_front();
+            self.running.push(slot);
+            req.place = Where::Running;
+            req.llama_slot = Some(ls as u32);
+            req.num_computed = num_computed;
+            req.cached_tokens = Some(num_computed);
+            out.admitted.push(req.id);
+            let num_new = (req.tokens.len() as u32 - num_computed).min(budget);
+            self.sched.push((slot, num_new, num_computed));
+            budget -= num_new;
+            reserved += need;
+            in_use += u64::from(num_computed + num_new);
+        }
+        while in_use + cache.idle_tokens() > u64::from(ctx_tokens) {
+            if cache.purge_one_idle() == 0 {
+                break;
+            }
         }
     }
 
@@ -721,6 +859,16 @@ impl Engine {
                     FinishReason::Length => self.counters.finished_length += 1,
                 }
                 let req = self.slots[slot as usize].take().expect("live");
+                if let (Some(cache), Some(ls)) = (&mut self.llama, req.llama_slot) {
+                    // Prompt and generated tokens but the last: the one llama.cpp never decodes.
+                    let mut decoded = req.tokens;
+                    decoded.truncate(req.num_computed as usize);
+                    cache.release(ls as usize, decoded);
+                    self.index.remove(&req.id);
+                    self.free_slots.push(slot);
+                    any_finished = true;
+                    continue;
+                }
                 self.pool.free_tail_first(&req.blocks);
                 self.index.remove(&req.id);
                 self.free_slots.push(slot);

@@ -405,3 +405,47 @@ async fn disconnect_of_a_non_stream_request_aborts_it() {
     }
     srv.shutdown().await;
 }
+
+#[tokio::test]
+async fn llama_slots_serve_token_exact_hits_and_keep_an_aborted_prefix() {
+    let mut cfg = config(20.0, 2048);
+    cfg.engine.cache_model = engine::CacheModel::LLAMA_FLEET;
+    cfg.engine.model = engine::StepModel {
+        speed: 20.0,
+        ..engine::StepModel::llama_tiny()
+    };
+    let srv = start(cfg).await;
+    let body =
+        |p: &str, n: u32| json!({"prompt": p, "max_tokens": n, "ignore_eos": true}).to_string();
+    let p = prose(5, 300);
+    let (_, v) = call_json(srv.addr(), "POST", "/v1/completions", &body(&p, 3)).await;
+    let n = v["usage"]["prompt_tokens"].as_u64().expect("n");
+    assert!(v["usage"]["prompt_tokens_details"].is_null(), "unseen");
+    let (_, v) = call_json(srv.addr(), "POST", "/v1/completions", &body(&p, 3)).await;
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"],
+        n - 1,
+        "the slot's common prefix, not whole blocks"
+    );
+    // Idle slots still hold their sequences: the KV usage says so.
+    assert!(srv.metrics().kv_usage > 0.0);
+
+    // A client that disconnects mid-stream frees its slot, which keeps what was computed.
+    let q = prose(6, 400);
+    let stream =
+        json!({"prompt": q, "max_tokens": 4000, "ignore_eos": true, "stream": true}).to_string();
+    let (st, mut resp) = send(srv.addr(), "POST", "/v1/completions", &stream).await;
+    assert_eq!(st, 200);
+    let _ = resp.frame().await.expect("frame").expect("ok");
+    drop(resp);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while srv.metrics().running != 0 {
+        assert!(Instant::now() < deadline, "request not aborted");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(srv.metrics().aborted, 1);
+    let (_, v) = call_json(srv.addr(), "POST", "/v1/completions", &body(&q, 1)).await;
+    let nq = v["usage"]["prompt_tokens"].as_u64().expect("n");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], nq - 1);
+    srv.shutdown().await;
+}

@@ -68,6 +68,9 @@ pub struct AttemptResult {
     pub goodput_rps: f64,
     /// The router's worker threads, from its readiness line (`None` behind HAProxy).
     pub router_workers: Option<u64>,
+    /// How the router's threads were scheduled, from its readiness line (`None` behind
+    /// HAProxy).
+    pub router_scheduling: Option<String>,
 }
 
 /// Cycle the fleet, start the ingress (the router or HAProxy), drive the plan, sample evidence
@@ -132,6 +135,7 @@ pub fn run_attempt(
         );
     }
     let router_workers = ingress.router_workers();
+    let router_scheduling = ingress.router_scheduling();
     // The router flushes its rows on SIGTERM; HAProxy writes its per-server counts first.
     if let Some(warning) = ingress.finish(a.dir, Duration::from_secs(15))? {
         eprintln!("xtask: {warning}");
@@ -156,6 +160,7 @@ pub fn run_attempt(
         requests: rows.len(),
         goodput_rps: good as f64 / (window.measured_end_s - window.measured_start_s),
         router_workers,
+        router_scheduling,
     })
 }
 

@@ -24,8 +24,8 @@ use workload::{Message, Plan};
 use crate::attempt::{Attempt, run_attempt};
 use crate::bins::Bins;
 use crate::calibration::{
-    self, BytesPerToken, Calibration, FloorPrompts, IndexCalibration, REFERENCE_PROMPT_TOKENS,
-    ReplicaCalibration, SLO_FACTOR,
+    self, BytesPerToken, Calibration, DerivationRules, FloorPrompts, IndexCalibration,
+    REFERENCE_PROMPT_TOKENS, ReplicaCalibration, SLO_FACTOR,
 };
 use crate::capacity::{self, CapacitySettings};
 use crate::cell;
@@ -433,6 +433,10 @@ pub fn calibrate(
         git_rev: s.git_rev.clone(),
         versions: s.versions.clone(),
         capacity: None,
+        rules: Some(DerivationRules::live(
+            s.outlier_factor,
+            analysis::MetricsConfig::default().tokens_per_block,
+        )),
     };
     if let Some(c) = &s.capacity {
         calibration.capacity = Some(capacity::find_live(

@@ -342,6 +342,76 @@ pub struct Calibration {
     /// calibration ran without the capacity search (and in files written before it existed).
     #[serde(default)]
     pub capacity: Option<crate::capacity::Capacity>,
+    /// The rule behind each derived value that carries no rule of its own (floors, SLO, KV
+    /// capacity, outliers, node cap); `None` in files written before it was recorded.
+    #[serde(default)]
+    pub rules: Option<DerivationRules>,
+}
+
+/// `rules` in calibration.json: how the values without a rule field of their own were derived
+/// (the TTL, bytes per token, floor prompts and capacity carry theirs beside their value).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DerivationRules {
+    /// How `floors` came from the replicas' measurements.
+    pub floors: String,
+    /// How `slo` came from `floors`.
+    pub slo: String,
+    /// How `capacity_tokens` was read.
+    pub capacity_tokens: String,
+    /// Which replicas were set aside as throttling outliers, and by what test.
+    pub outliers: String,
+    /// How `index.node_cap` came from the reference run.
+    pub node_cap: String,
+}
+
+impl DerivationRules {
+    /// The rules of a live calibration as this build applies them: `outlier_factor` is its
+    /// `--outlier-factor`, `tokens_per_block` the analysis's node granularity.
+    pub fn live(outlier_factor: f64, tokens_per_block: u32) -> Self {
+        DerivationRules {
+            floors: "per replica, straight at it at concurrency 1 on unseen prompts of the \
+                     reference length (floor_prompts): TTFT p50 and per-request ITL p50; the \
+                     fleet's floors are the median over the replicas in use"
+                .into(),
+            slo: format!(
+                "SLO = {SLO_FACTOR} × each floor (slo_factor), rounded to the microsecond"
+            ),
+            capacity_tokens: "Σ over the replicas in use of num_gpu_blocks × block_size from \
+                              vllm:cache_config_info on /metrics (a llama.cpp fleet: \
+                              /props' n_ctx, the shared pool under --kv-unified, else × \
+                              total_slots)"
+                .into(),
+            outliers: format!(
+                "a replica whose TTFT or ITL floor exceeds the median of its peers' by more than \
+                 ×{outlier_factor} (--outlier-factor) is a throttling outlier and not used, \
+                 unless --include-outliers; needs ≥ 3 replicas"
+            ),
+            node_cap: Self::node_cap_rule(tokens_per_block),
+        }
+    }
+
+    /// The rules of a virtual-time calibration (`virtual_sweep::calibrate`).
+    pub fn simulated(tokens_per_block: u32) -> Self {
+        DerivationRules {
+            floors: "the simulator's floor run (sim::calibrate_plan) on unseen prompts of the \
+                     reference length (floor_prompts), one at a time: TTFT p50 and per-request \
+                     ITL p50"
+                .into(),
+            slo: format!("SLO = {SLO_FACTOR} × each floor (slo_factor), not rounded"),
+            capacity_tokens: "Σ over the simulated replicas of their configured blocks × block \
+                              size"
+                .into(),
+            outliers: "none: every simulated replica runs the same step-time model".into(),
+            node_cap: Self::node_cap_rule(tokens_per_block),
+        }
+    }
+
+    fn node_cap_rule(tokens_per_block: u32) -> String {
+        format!(
+            "⌈capacity_tokens ÷ {tokens_per_block} tokens per node × the reference run's honoured \
+             share⌉ (index.honoured_share)"
+        )
+    }
 }
 
 impl Calibration {
@@ -379,6 +449,41 @@ impl Calibration {
                 }
             ),
         }
+    }
+
+    /// The derived values that name no rule (empty for a calibration of this build): the TTL
+    /// (rule and evidence), bytes per token, floor prompts, capacity (when searched) and each
+    /// of `rules`.
+    pub fn values_without_rule(&self) -> Vec<&'static str> {
+        let named = |s: &str| !s.trim().is_empty();
+        let rules = self.rules.as_ref();
+        let rule_of = |f: fn(&DerivationRules) -> &String| rules.is_some_and(|r| named(f(r)));
+        [
+            ("index.ttl_rule", self.index.ttl_rule.is_some()),
+            ("index.ttl_evidence", self.index.ttl_evidence.is_some()),
+            (
+                "bytes_per_token.rule",
+                self.bytes_per_token
+                    .as_ref()
+                    .is_some_and(|b| named(&b.rule)),
+            ),
+            (
+                "floor_prompts.rule",
+                self.floor_prompts.as_ref().is_some_and(|f| named(&f.rule)),
+            ),
+            (
+                "capacity.rule",
+                self.capacity.as_ref().is_none_or(|c| named(&c.rule)),
+            ),
+            ("rules.floors", rule_of(|r| &r.floors)),
+            ("rules.slo", rule_of(|r| &r.slo)),
+            ("rules.capacity_tokens", rule_of(|r| &r.capacity_tokens)),
+            ("rules.outliers", rule_of(|r| &r.outliers)),
+            ("rules.node_cap", rule_of(|r| &r.node_cap)),
+        ]
+        .into_iter()
+        .filter_map(|(name, ok)| (!ok).then_some(name))
+        .collect()
     }
 
     /// The measured bytes per token; refused when the calibration predates its measurement.
@@ -1186,6 +1291,28 @@ pub(crate) mod tests {
             source: "test".into(),
         });
         cal
+    }
+
+    /// Every derived value names its rule; a file from before `rules` says which do not.
+    #[test]
+    fn values_without_rule_names_the_unruled_ones() {
+        let mut cal = current_calibration();
+        assert!(cal.values_without_rule().contains(&"rules.floors"));
+        assert!(cal.values_without_rule().contains(&"floor_prompts.rule"));
+        cal.rules = Some(DerivationRules::live(1.3, 16));
+        cal.floor_prompts = Some(FloorPrompts {
+            prompt_tokens: REFERENCE_PROMPT_TOKENS,
+            rule: "r".into(),
+            prompts: 12,
+            tokenize_calls: 30,
+        });
+        assert_eq!(cal.values_without_rule(), Vec::<&str>::new());
+        cal.rules.as_mut().unwrap().node_cap.clear();
+        cal.bytes_per_token = None;
+        assert_eq!(
+            cal.values_without_rule(),
+            vec!["bytes_per_token.rule", "rules.node_cap"]
+        );
     }
 
     /// Calibrations written before TTL rules still read (so old directories stay readable), but

@@ -29,6 +29,7 @@
 //! - [`trace_sweep`]: the trace sweep's settings, point, `trace-plan.json` and engine limits.
 //! - [`publish`]: a finished sweep or fault run → `docs/measurements/<name>/`.
 //! - [`progress`]: count-and-ETA lines for long loops.
+//! - [`provenance`]: the git revision and tool versions results record.
 
 pub mod attempt;
 pub mod bins;
@@ -42,6 +43,7 @@ pub mod gate;
 pub mod grid;
 pub mod plan_file;
 pub mod progress;
+pub mod provenance;
 pub mod publish;
 pub mod sweep;
 pub mod trace_sweep;

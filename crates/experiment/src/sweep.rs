@@ -509,6 +509,9 @@ pub struct LiveSweep<'a> {
     pub policies: Vec<String>,
     /// The points, in order.
     pub points: Vec<Point>,
+    /// Points with a capacity of their own ([`LiveSweep::at_point_capacities`]) and the
+    /// calibration their cells run under (`calibration` with that capacity).
+    own_calibrations: Vec<(String, Calibration)>,
     fleet: Fleet,
 }
 
@@ -522,13 +525,6 @@ impl<'a> LiveSweep<'a> {
         should_stop: &dyn Fn() -> bool,
     ) -> Result<LiveSweep<'a>> {
         let s = settings;
-        if s.capacity_scope == CapacityScope::PerPoint && s.needs_capacity() {
-            // Refused, not approximated: a live search per point is several minutes of fleet
-            // time each and is not built; the virtual sweep has it.
-            bail!(
-                "--capacity per-point is virtual-only for now (a live capacity search per point takes minutes each); run the live sweep with --capacity reference, or the virtual one with --virtual"
-            );
-        }
         // The policies first: a bad name is refused before the calibration runs.
         let policies = match s.ingress {
             Ingress::Router => grid::policies(&s.policies, s.quick)?,
@@ -596,13 +592,40 @@ impl<'a> LiveSweep<'a> {
             routing,
             policies,
             points,
+            own_calibrations: Vec::new(),
             fleet,
         })
     }
 
+    /// Gives the named points capacities of their own (`CapacityScope::PerPoint`:
+    /// `virtual_sweep::simulated_point_capacities`): each such point's rate, window and recorded
+    /// capacity come from its own, as in the virtual sweep.
+    pub fn at_point_capacities(&mut self, capacities: Vec<(String, Capacity)>) -> Result<()> {
+        for (name, capacity) in capacities {
+            let Some(i) = self.points.iter().position(|p| p.name == name) else {
+                bail!("point {name} is not in this sweep");
+            };
+            let (point, cal) =
+                self.settings
+                    .at_point_capacity(&self.points[i], &self.calibration, capacity)?;
+            self.points[i] = point;
+            self.own_calibrations.push((name, cal));
+        }
+        Ok(())
+    }
+
+    /// The calibration `point`'s cells run under: its own capacity's, else the sweep's.
+    fn calibration_of(&self, point: &Point) -> &Calibration {
+        self.own_calibrations
+            .iter()
+            .find(|(n, _)| *n == point.name)
+            .map_or(&self.calibration, |(_, c)| c)
+    }
+
     /// The plan of `point`, written once and replayed by every cell of it.
     pub fn plan_for(&self, point: &Point) -> Result<PlanFile> {
-        self.settings.plan_for(point, &self.calibration, &self.dir)
+        self.settings
+            .plan_for(point, self.calibration_of(point), &self.dir)
     }
 
     /// Stops the fleet.
@@ -625,7 +648,7 @@ impl<'a> LiveSweep<'a> {
         should_stop: &dyn Fn() -> bool,
     ) -> Result<String> {
         let s = self.settings;
-        let cal = &self.calibration;
+        let cal = &self.calibration_of(point).clone();
         let sweep_dir = self.dir.as_path();
         let dir = cell::rep_dir(sweep_dir, &point.name, policy, rep);
         let window = s.window_for(point, cal)?;
@@ -771,6 +794,7 @@ impl<'a> LiveSweep<'a> {
                     run["router"] = serde_json::to_value(&router)?;
                     // What the router ran with (its readiness line): issue #18's worker count.
                     run["router_workers"] = serde_json::json!(result.router_workers);
+                    run["router_scheduling"] = serde_json::json!(result.router_scheduling);
                     run["routing"] = serde_json::to_value(&self.routing)?;
                     run["evidence_bounds"] = serde_json::to_value(&cell_bounds)?;
                     run["driver"] = serde_json::to_value(&driver)?;

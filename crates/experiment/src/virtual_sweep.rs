@@ -237,6 +237,9 @@ pub fn calibrate(
         git_rev,
         versions,
         capacity: None,
+        rules: Some(calibration::DerivationRules::simulated(
+            analysis::MetricsConfig::default().tokens_per_block,
+        )),
     })
 }
 
@@ -254,11 +257,12 @@ pub fn find_capacity(
     let speed = base.engine.model.speed;
     let spec = capacity::reference_spec(s.seed, cal.capacity_tokens);
     let start = capacity::start_estimate(cal, speed, spec.output_tokens)?;
-    find_capacity_of(s, base, cal, work, &spec, "ws1-s0", start)
+    find_capacity_of(s, base, cal, work, &spec, "ws1-s0", start, None)
 }
 
 /// [`find_capacity`] on `spec`'s workload (a grid point's, named `point` in the steps' names),
-/// from `start` (rate, model req/s, and why).
+/// from `start` (rate, model req/s, and why), to `resolution` (`None`: the search's default).
+#[allow(clippy::too_many_arguments)]
 pub fn find_capacity_of(
     s: &SweepSettings,
     base: &sim::SimConfig,
@@ -267,12 +271,16 @@ pub fn find_capacity_of(
     spec: &WorkloadSpec,
     point: &str,
     start: (f64, String),
+    resolution: Option<f64>,
 ) -> Result<Capacity> {
     let started = std::time::Instant::now();
+    let routing = cal.routing()?;
+    let defaults = CapacitySettings::defaults(s.quick);
     let c = CapacitySettings {
         warmup_s: s.warmup_s,
         measure_s: s.measure_s,
-        ..CapacitySettings::defaults(s.quick)
+        resolution: resolution.unwrap_or(defaults.resolution),
+        ..defaults
     };
     let speed = base.engine.model.speed;
     let (start_rps, start_rule) = start;
@@ -308,6 +316,9 @@ pub fn find_capacity_of(
         let mut cfg = base.clone();
         cfg.policy = policies::PolicySpec::named(&step.policy);
         cfg.policy.seed = s.seed;
+        // The calibration's routing (TTL, node cap, bytes per token), as every sweep cell and
+        // every live step gets it.
+        routing.configure_sim(&mut cfg);
         cfg.engine.seed = s.fleet.engine_seed;
         cfg.driver = sim::DriverModel {
             warmup_s,
@@ -409,13 +420,14 @@ fn point_capacities(
                             return Ok((name.clone(), c));
                         }
                         let work = dir.join("calibration-runs").join(name);
-                        let c = find_capacity_of(s, base, cal, &work, spec, name, start)
+                        let c = find_capacity_of(s, base, cal, &work, spec, name, start, None)
                             .with_context(|| format!("the capacity of point {name}"))?;
                         cell::write_atomic(
                             &record(name),
                             serde_json::to_string_pretty(&PointCapacity {
                                 slo: cal.slo,
                                 capacity: c.clone(),
+                                simulated: None,
                             })?
                             .as_bytes(),
                         )?;
@@ -454,6 +466,7 @@ fn point_capacities(
             serde_json::to_string_pretty(&PointCapacity {
                 slo: cal.slo,
                 capacity: c.clone(),
+                simulated: None,
             })?
             .as_bytes(),
         )
@@ -470,6 +483,204 @@ pub struct PointCapacity {
     pub slo: Slo,
     /// The capacity, its rule and its curve.
     pub capacity: Capacity,
+    /// A live point's capacity scaled from the simulator's ([`simulated_point_capacities`]);
+    /// absent for a search's own result.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub simulated: Option<SimulatedScaling>,
+}
+
+/// How a live point's capacity came from the simulator: the live reference capacity × the
+/// point's simulated capacity ÷ the reference point's simulated capacity.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SimulatedScaling {
+    /// The live calibration's capacity at the reference point, model req/s.
+    pub live_reference_rps: f64,
+    /// The simulator's capacity at the reference point (same SLO and routing), model req/s.
+    pub simulated_reference_rps: f64,
+    /// The simulator's capacity at this point, model req/s.
+    pub simulated_point_rps: f64,
+    /// Relative resolution of both simulated searches.
+    pub resolution: f64,
+}
+
+impl SimulatedScaling {
+    /// The live point's capacity, model req/s, to 1/1000.
+    pub fn live_point_rps(&self) -> f64 {
+        let r = self.live_reference_rps * self.simulated_point_rps / self.simulated_reference_rps;
+        (r * 1000.0).round() / 1000.0
+    }
+}
+
+/// Resolution of the simulated searches behind a live sweep's per-point capacities: their ratio
+/// carries both searches' errors, and a simulated step costs well under a second.
+pub const SIMULATED_RESOLUTION: f64 = 0.05;
+
+/// Each `--load` point's own capacity for a **live** sweep of an emulated fleet under
+/// [`CapacityScope::PerPoint`] (empty otherwise), as `(point name, capacity)`. A live search per
+/// point would take minutes of fleet time each; the simulator runs the same engine core, and at
+/// the quick fleet's capacity it reproduced session-affinity's live cells exactly and
+/// prefix-affinity's within 3% (docs/results.md, "Live vs virtual"). So each point's live
+/// capacity is the live reference capacity × the simulator's capacity at that point ÷ the
+/// simulator's at the reference point, both searched with the live calibration's SLO and routing
+/// to [`SIMULATED_RESOLUTION`] (steps under `<dir>/calibration-runs/simulated/`). The reference
+/// point's own workload keeps the live capacity as measured. Each point's `capacity.json` records
+/// the three rates ([`SimulatedScaling`]); a resume with the same workloads and SLO reuses them.
+/// Other fleets are refused: the simulator models the emulator only.
+pub fn simulated_point_capacities(
+    s: &SweepSettings,
+    cal: &Calibration,
+    points: &[Point],
+    dir: &Path,
+) -> Result<Vec<(String, Capacity)>> {
+    if s.capacity_scope != CapacityScope::PerPoint || !s.needs_capacity() {
+        return Ok(Vec::new());
+    }
+    if s.fleet.kind != FleetKind::Emulated {
+        bail!(
+            "--capacity per-point on a live sweep scales the simulator's per-point capacities to the measured reference capacity, and the simulator models the emulated engine only; run this fleet with --capacity reference"
+        );
+    }
+    let live = cal.capacity.clone().ok_or_else(|| {
+        anyhow!("a per-point capacity scales the reference capacity, and the calibration has none")
+    })?;
+    let base = EmulatedFleet::of(&s.fleet)?.base_config(&cal.used_replicas)?;
+    let reference_spec = capacity::reference_spec(s.seed, cal.capacity_tokens);
+    let mut searches: Vec<(String, WorkloadSpec)> = vec![("reference".to_string(), reference_spec)];
+    let mut of_point: Vec<(String, Option<String>)> = Vec::new();
+    for p in points.iter().filter(|p| p.load_fraction.is_some()) {
+        let spec = s.spec_for(p, cal);
+        if spec == reference_spec {
+            of_point.push((p.name.clone(), None));
+            continue;
+        }
+        let owner = match searches.iter().find(|(_, sp)| *sp == spec) {
+            Some((name, _)) => name.clone(),
+            None => {
+                let name = p.name.split("-load").next().unwrap_or(&p.name).to_string();
+                searches.push((name.clone(), spec));
+                name
+            }
+        };
+        of_point.push((p.name.clone(), Some(owner)));
+    }
+    let runs = dir.join("calibration-runs").join("simulated");
+    let record = |name: &str| runs.join(name).join("capacity.json");
+    let start = (
+        live.rate_rps,
+        format!(
+            "the live reference capacity ({} req/s, the calibration's)",
+            live.rate_rps
+        ),
+    );
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut found: Vec<(String, Capacity)> = Vec::new();
+    for chunk in searches.chunks(threads.max(1)) {
+        let results: Vec<Result<(String, Capacity)>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|(name, spec)| {
+                    let (start, base, record, runs) = (start.clone(), &base, &record, &runs);
+                    scope.spawn(move || -> Result<(String, Capacity)> {
+                        if let Some(c) = std::fs::read_to_string(record(name))
+                            .ok()
+                            .and_then(|t| serde_json::from_str::<PointCapacity>(&t).ok())
+                            .filter(|c| c.capacity.workload == spec.name() && c.slo == cal.slo)
+                        {
+                            return Ok((name.clone(), c.capacity));
+                        }
+                        let work = runs.join(name);
+                        let c = find_capacity_of(
+                            s,
+                            base,
+                            cal,
+                            &work,
+                            spec,
+                            name,
+                            start,
+                            Some(SIMULATED_RESOLUTION),
+                        )
+                        .with_context(|| format!("the simulated capacity of {name}"))?;
+                        let text = serde_json::to_string_pretty(&PointCapacity {
+                            slo: cal.slo,
+                            capacity: c.clone(),
+                            simulated: None,
+                        })?;
+                        cell::write_atomic(&record(name), text.as_bytes())?;
+                        Ok((name.clone(), c))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("a capacity search panicked")))
+                })
+                .collect()
+        });
+        for r in results {
+            found.push(r?);
+        }
+    }
+    let simulated_reference = found
+        .iter()
+        .find(|(n, _)| n == "reference")
+        .map(|(_, c)| c.rate_rps)
+        .ok_or_else(|| anyhow!("the simulated reference search found nothing"))?;
+    let mut out = Vec::new();
+    for (point, owner) in of_point {
+        let (capacity, simulated) = match owner {
+            None => (live.clone(), None),
+            Some(owner) => {
+                let Some((_, sim_point)) = found.iter().find(|(n, _)| *n == owner) else {
+                    continue;
+                };
+                let scaling = SimulatedScaling {
+                    live_reference_rps: live.rate_rps,
+                    simulated_reference_rps: simulated_reference,
+                    simulated_point_rps: sim_point.rate_rps,
+                    resolution: SIMULATED_RESOLUTION,
+                };
+                let mut c = sim_point.clone();
+                c.rate_rps = scaling.live_point_rps();
+                c.failing_rps =
+                    (c.failing_rps * c.rate_rps / sim_point.rate_rps * 1000.0).round() / 1000.0;
+                c.rule = format!(
+                    "live capacity at the reference point ({} req/s) × this point's simulated capacity ({} req/s) ÷ the reference point's simulated capacity ({} req/s), both simulated with the live calibration's SLO and routing to {:.0}% resolution; the simulated search's rule: {}",
+                    live.rate_rps,
+                    sim_point.rate_rps,
+                    simulated_reference,
+                    SIMULATED_RESOLUTION * 100.0,
+                    sim_point.rule
+                );
+                (c, Some(scaling))
+            }
+        };
+        eprintln!(
+            "xtask: capacity of {point}: {} req/s (model time; {})",
+            capacity.rate_rps,
+            match &simulated {
+                Some(sc) => format!(
+                    "{} × {} ÷ {} simulated",
+                    sc.live_reference_rps, sc.simulated_point_rps, sc.simulated_reference_rps
+                ),
+                None => "the reference point's, measured live".into(),
+            }
+        );
+        std::fs::create_dir_all(dir.join(&point))?;
+        cell::write_atomic(
+            &dir.join(&point).join("capacity.json"),
+            serde_json::to_string_pretty(&PointCapacity {
+                slo: cal.slo,
+                capacity: capacity.clone(),
+                simulated,
+            })?
+            .as_bytes(),
+        )
+        .with_context(|| format!("recording the capacity of {point}"))?;
+        out.push((point, capacity));
+    }
+    Ok(out)
 }
 
 /// What every repetition of a virtual sweep shares.
@@ -838,6 +1049,59 @@ mod tests {
             slowdowns: slowdowns.to_vec(),
             model: sim::DEFAULT_MODEL.into(),
         }
+    }
+
+    /// A live sweep's per-point capacities: the reference point keeps the live capacity; a
+    /// skewed point gets the live capacity × the simulator's ratio, recorded with its three
+    /// rates; a resume reuses the searches; a fleet the simulator does not model is refused.
+    #[test]
+    fn live_points_scale_the_simulators_ratio_to_the_measured_reference() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/measurements");
+        let cal =
+            Calibration::read(&root.join("pressure-grid-quick-capacity/calibration.json")).unwrap();
+        let live_rps = cal.capacity.as_ref().unwrap().rate_rps;
+        let mut s = SweepSettings {
+            load_fractions: Some(vec![1.0]),
+            points: vec!["ws1-s0-load1.0".into(), "ws1-s1.4-load1.0".into()],
+            capacity_scope: CapacityScope::PerPoint,
+            fleet: FleetSpec {
+                model: cal.fleet.model.clone(),
+                ..FleetSpec::test_emulated()
+            },
+            ..SweepSettings::test_quick()
+        };
+        let points = s.sweep_points(&cal).unwrap();
+        let dir = Scratch::new("live-per-point");
+        let found = simulated_point_capacities(&s, &cal, &points, &dir.0).unwrap();
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert_eq!(found[0].0, "ws1-s0-load1.0");
+        assert_eq!(
+            found[0].1.rate_rps, live_rps,
+            "the reference point keeps the live one"
+        );
+        let record: PointCapacity = serde_json::from_str(
+            &std::fs::read_to_string(dir.0.join("ws1-s1.4-load1.0/capacity.json")).unwrap(),
+        )
+        .unwrap();
+        let scaling = record.simulated.clone().expect("scaled from the simulator");
+        assert_eq!(scaling.live_reference_rps, live_rps);
+        assert_eq!(found[1].1.rate_rps, scaling.live_point_rps());
+        assert_eq!(record.capacity.rate_rps, scaling.live_point_rps());
+        assert!(
+            scaling.simulated_point_rps < scaling.simulated_reference_rps,
+            "skew 1.4's convoy lowers the capacity: {scaling:?}"
+        );
+        assert!(
+            record.capacity.rule.contains("simulated capacity"),
+            "{}",
+            record.capacity.rule
+        );
+        // A resume finds both searches recorded and reuses them.
+        let again = simulated_point_capacities(&s, &cal, &points, &dir.0).unwrap();
+        assert_eq!(again[1].1.rate_rps, found[1].1.rate_rps);
+        s.fleet.kind = FleetKind::Static;
+        let e = simulated_point_capacities(&s, &cal, &points, &dir.0).unwrap_err();
+        assert!(e.to_string().contains("--capacity reference"), "{e}");
     }
 
     #[test]

@@ -512,6 +512,16 @@ impl Fleet {
         self.source.engine()
     }
 
+    /// The `SCHED_FIFO` priority its replicas' threads run at on this machine's cores: emulated
+    /// replicas [`EMULATED_SCHED_FIFO_PRIORITY`]; `None` for the others (their processes keep
+    /// the default policy, or run elsewhere).
+    pub fn replica_sched_fifo_priority(&self) -> Option<u8> {
+        match &self.source {
+            Source::Emulated(_) => Some(EMULATED_SCHED_FIFO_PRIORITY),
+            _ => None,
+        }
+    }
+
     /// What meta records of the replicas' engine settings: a llama fleet's pinned flags
     /// ([`LlamaSpec::meta`]); `null` for the other sources.
     pub fn engine_meta(&self) -> serde_json::Value {

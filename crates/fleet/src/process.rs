@@ -35,6 +35,9 @@ pub struct Readiness {
     /// The router's worker threads (`--workers`, else its default); routers only.
     #[serde(default)]
     pub workers: Option<u64>,
+    /// How the router's threads are scheduled (`other`, `fifo:N`, or a refusal); routers only.
+    #[serde(default)]
+    pub scheduling: Option<String>,
 }
 
 impl Readiness {

@@ -59,6 +59,10 @@ pub struct RouterConfig {
     pub health_interval_ms: u64,
     /// Tokio worker threads (default [`DEFAULT_WORKERS`]).
     pub workers: usize,
+    /// `SCHED_FIFO` priority asked for every thread of [`crate::server::run_blocking`] (0: the
+    /// default time-sharing policy). For a router sharing cores with real-time emulated
+    /// engines; see the `rt-sched` crate.
+    pub sched_fifo_priority: u8,
     /// How long graceful shutdown waits for in-flight responses before cutting them.
     pub shutdown_grace_ms: u64,
     /// Capacity of the row queue.
@@ -185,6 +189,7 @@ impl RouterConfig {
             max_body_bytes: 8 << 20,
             health_interval_ms: 1000,
             workers: DEFAULT_WORKERS,
+            sched_fifo_priority: 0,
             shutdown_grace_ms: 30_000,
             rows_queue: crate::rows::DEFAULT_QUEUE_ROWS,
             admin_host: "127.0.0.1".into(),

@@ -628,6 +628,11 @@ pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
     // cold caches; `examples/decide_cost.rs`), and two measured lower CPU per request and lower
     // first-event p99 at 50 and 200 streams (docs/proxy-bench.md).
     let workers = cfg.workers.max(1);
+    // Before the runtime: its worker and blocking threads inherit the policy.
+    let scheduling = rt_sched::request_fifo(cfg.sched_fifo_priority);
+    if let rt_sched::Scheduling::Refused { .. } = &scheduling {
+        eprintln!("router: scheduling {}", scheduling.describe());
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .enable_all()
@@ -645,6 +650,7 @@ pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
                 "listening": router.local_addr().to_string(),
                 "admin": router.admin_addr().to_string(),
                 "workers": workers,
+                "scheduling": scheduling.describe(),
             })
         );
         use std::io::Write;

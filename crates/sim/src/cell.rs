@@ -307,6 +307,29 @@ fn meta_json(
         .map(|i| cfg.slowdown(i))
         .collect();
     let r = &cfg.router;
+    let mut fleet = serde_json::json!({
+        "source": "virtual",
+        "replicas": cfg.replicas,
+        "speed": cfg.engine.model.speed,
+        "slowdowns": slowdowns,
+        "capacity_tokens": cfg.capacity_tokens(),
+        "num_gpu_blocks": cfg.engine.num_gpu_blocks,
+        "block_size": cfg.engine.block_size,
+    });
+    // The paged (vLLM) model's meta stays as it was; llama.cpp's slot model is recorded.
+    if let engine::CacheModel::LlamaSlots {
+        slots,
+        similarity,
+        ctx_tokens,
+    } = cfg.engine.cache_model
+    {
+        fleet["cache_model"] = serde_json::json!({
+            "name": cfg.engine.cache_model.name(),
+            "parallel_slots": slots,
+            "slot_prompt_similarity": similarity,
+            "ctx_tokens": ctx_tokens,
+        });
+    }
     let written = Meta {
         sweep: meta.sweep.clone(),
         point: meta.point.clone(),
@@ -315,15 +338,7 @@ fn meta_json(
         workload_name: w.workload_name.clone(),
         workload_fingerprint: w.workload_fingerprint.clone(),
         plan_fingerprint: w.plan_fingerprint.clone(),
-        fleet: serde_json::json!({
-            "source": "virtual",
-            "replicas": cfg.replicas,
-            "speed": cfg.engine.model.speed,
-            "slowdowns": slowdowns,
-            "capacity_tokens": cfg.capacity_tokens(),
-            "num_gpu_blocks": cfg.engine.num_gpu_blocks,
-            "block_size": cfg.engine.block_size,
-        }),
+        fleet,
         slo: meta.slo,
         window: summary.window,
         git_rev: meta.git_rev.clone(),

@@ -341,6 +341,14 @@ fn run(cfg: &SimConfig, src: Source<'_>) -> Result<SimOutput, SimError> {
     spec.tokens_per_block = cfg.engine.block_size;
     let policy = Routing::build(&spec)?;
     let keying = policy.keying();
+    if keying == Keying::ExactTokens && cfg.engine.cache_model != engine::CacheModel::Paged {
+        return Err(SimError::Config(format!(
+            "policy {} needs the engines' KV events, and the {} cache model (llama.cpp's \
+             llama-server) publishes none",
+            spec.name,
+            cfg.engine.cache_model.name()
+        )));
+    }
     if keying == Keying::BeliefBytes
         && let Source::Plan { book, .. } = src
         && !book.has_belief_keys()

@@ -745,3 +745,75 @@ fn shared_open_loop_arrivals_go_out_on_time() {
     assert!(out.outcomes.iter().all(|o| o.sent_us == o.scheduled_us));
     assert!(overlaps(&out.outcomes) > 0);
 }
+
+/// The simulator takes the engine's cache model as it is: under llama.cpp's slots the cache is
+/// per slot and token-exact, session affinity keeps a conversation on its replica (and, with
+/// few enough conversations, on its slot), round-robin scatters conversations and finds less;
+/// rows stay deterministic, meta records the slot settings, and a policy that needs KV events
+/// is refused (llama-server publishes none).
+#[test]
+fn llama_slots_replicas_cache_per_slot_and_refuse_kv_event_policies() {
+    let llama = |policy: &str| {
+        let mut cfg = SimConfig::new(2, policy);
+        cfg.engine.cache_model = engine::CacheModel::LLAMA_FLEET;
+        cfg.engine.max_model_len = 16384;
+        cfg.engine.model = engine::StepModel::llama_tiny();
+        cfg
+    };
+    let cfg = llama("session-affinity");
+    assert_eq!(cfg.capacity_tokens(), 2 * 16384);
+    // 6 users on 8 slots: every conversation can keep a slot.
+    let plan = closed_plan(cfg.capacity_tokens(), 0.5, 0.0, 6, 6, 5);
+    let affinity = simulate(&cfg, &plan).expect("simulate");
+    let rr = simulate(&llama("round-robin"), &plan).expect("simulate");
+    fn later_cached(out: &sim::SimOutput) -> (f64, Vec<&sim::rows::Outcome>) {
+        let later: Vec<_> = out.outcomes.iter().filter(|o| o.turn >= 2).collect();
+        let cached: u64 = later.iter().map(|o| u64::from(o.cached_tokens)).sum();
+        let prompt: u64 = later
+            .iter()
+            .filter_map(|o| o.prompt_tokens)
+            .map(u64::from)
+            .sum();
+        (cached as f64 / prompt as f64, later)
+    }
+    let (share_aff, later) = later_cached(&affinity);
+    let (share_rr, _) = later_cached(&rr);
+    assert!(!later.is_empty());
+    eprintln!(
+        "llama slots: later turns cached {share_aff:.3} (session affinity), {share_rr:.3} (round-robin)"
+    );
+    assert!(
+        share_aff > 0.5,
+        "session affinity found {share_aff:.2} cached"
+    );
+    assert!(
+        share_aff > share_rr,
+        "{share_aff:.2} vs round-robin {share_rr:.2}"
+    );
+    assert!(
+        later.iter().any(|o| o.cached_tokens % 16 != 0),
+        "slot hits are token-exact, not block-aligned"
+    );
+
+    let dir = Scratch::new("llama-slots");
+    let mut files = Vec::new();
+    for k in 0..2 {
+        let out = dir.path().join(format!("cell-{k}"));
+        run_cell(&cfg, &plan, &out, &CellMeta::default()).expect("cell");
+        files.push(std::fs::read(out.join("client.csv")).expect("client"));
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("meta.json")).expect("meta"))
+                .expect("json");
+        assert_eq!(meta["fleet"]["cache_model"]["name"], "llama-slots");
+        assert_eq!(meta["fleet"]["cache_model"]["parallel_slots"], 4);
+    }
+    assert!(files[0] == files[1], "rows differ between identical runs");
+
+    match simulate(&llama("exact-residency"), &plan) {
+        Err(SimError::Config(m)) => assert!(m.contains("publishes none"), "{m}"),
+        other => panic!(
+            "exact-residency ran on llama slots: {:?}",
+            other.map(|o| o.policy)
+        ),
+    }
+}

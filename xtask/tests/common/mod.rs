@@ -76,3 +76,15 @@ pub fn xtask(args: &[&str]) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// Asserts that every value the calibration at `path` derived names its rule.
+#[allow(dead_code)] // each test binary compiles `common` on its own
+pub fn assert_every_value_names_its_rule(path: &Path) {
+    let cal = experiment::calibration::Calibration::read(path).unwrap();
+    assert_eq!(
+        cal.values_without_rule(),
+        Vec::<&str>::new(),
+        "{}",
+        path.display()
+    );
+}

@@ -8,6 +8,7 @@
 
 use std::fmt::Write as _;
 
+use crate::config::CacheModel;
 use crate::core::Counters;
 
 /// A Prometheus histogram with fixed bucket bounds (seconds).
@@ -150,6 +151,26 @@ fn counter(out: &mut String, name: &str, labels: &str, help: &str, v: u64) {
     let _ = writeln!(
         out,
         "# HELP {name}_total {help}\n# TYPE {name}_total counter\n{name}_total{{{labels}}} {v}"
+    );
+}
+
+/// Appends `kvroute_engine_cache_model_info{cache_model=…}` 1: which cache the replica models
+/// (`paged`, or `llama-slots` with its `parallel_slots`, `slot_prompt_similarity` and
+/// `ctx_tokens`).
+pub fn render_cache_model(out: &mut String, cache_model: &CacheModel) {
+    let labels = match *cache_model {
+        CacheModel::Paged => "cache_model=\"paged\"".to_string(),
+        CacheModel::LlamaSlots {
+            slots,
+            similarity,
+            ctx_tokens,
+        } => format!(
+            "cache_model=\"llama-slots\",ctx_tokens=\"{ctx_tokens}\",parallel_slots=\"{slots}\",slot_prompt_similarity=\"{similarity}\""
+        ),
+    };
+    let _ = writeln!(
+        out,
+        "# HELP kvroute_engine_cache_model_info The KV cache this emulated replica models.\n# TYPE kvroute_engine_cache_model_info gauge\nkvroute_engine_cache_model_info{{{labels}}} 1"
     );
 }
 

@@ -32,7 +32,7 @@ use self::api::{ApiError, Formatter, GenRequest, Kind};
 use self::engine_loop::{Clock, Command, Emit};
 pub use self::events::KvEventsConfig;
 use self::metrics::MetricsState;
-use crate::config::EngineConfig;
+use crate::config::{CacheModel, EngineConfig};
 use crate::core::{Engine, RequestId};
 
 /// Everything one emulated replica needs to start.
@@ -95,6 +95,7 @@ struct AppState {
 /// A running replica. Dropping it stops the engine thread; [`Server::shutdown`] also waits.
 pub struct Server {
     addr: SocketAddr,
+    cache_model: CacheModel,
     kv_events: Option<String>,
     kv_replay: Option<String>,
     scheduling: sched::Scheduling,
@@ -144,11 +145,12 @@ impl Server {
         // Written by hand to keep the documented key order (serde_json sorts object keys).
         let opt = |v: &Option<String>| serde_json::to_string(v).expect("string or null");
         format!(
-            "{{\"listening\":{},\"kv_events\":{},\"kv_replay\":{},\"scheduling\":{}}}",
+            "{{\"listening\":{},\"kv_events\":{},\"kv_replay\":{},\"scheduling\":{},\"cache_model\":\"{}\"}}",
             serde_json::to_string(&self.addr.to_string()).expect("string"),
             opt(&self.kv_events),
             opt(&self.kv_replay),
-            serde_json::to_string(&self.scheduling.describe()).expect("string")
+            serde_json::to_string(&self.scheduling.describe()).expect("string"),
+            self.cache_model.name()
         )
     }
 
@@ -190,6 +192,11 @@ pub async fn start(cfg: ServerConfig) -> Result<Server, StartError> {
     if cfg.served_model_names.is_empty() {
         return Err(StartError::Config(
             "at least one served model name is needed".into(),
+        ));
+    }
+    if cfg.kv_events.is_some() && cfg.engine.cache_model != CacheModel::Paged {
+        return Err(StartError::Config(
+            "the llama-slots cache model records no KV events (llama.cpp's llama-server publishes none): drop --kv-events-config/--kv-events-port".into(),
         ));
     }
     let mut engine_cfg = cfg.engine.clone();
@@ -273,6 +280,7 @@ pub async fn start(cfg: ServerConfig) -> Result<Server, StartError> {
     }));
     Ok(Server {
         addr: local,
+        cache_model: cfg.engine.cache_model,
         kv_events,
         kv_replay,
         scheduling: cfg.scheduling.clone(),
@@ -417,12 +425,13 @@ async fn handle(
         (Method::GET, "/metrics") => {
             // Copy under the lock, render outside it: the engine thread takes this lock per step.
             let snapshot = st.metrics.lock().expect("metrics lock").clone();
-            let text = metrics::render(
-                &snapshot,
-                &st.served[0],
-                st.engine_cfg.block_size,
-                st.engine_cfg.num_gpu_blocks,
-            );
+            // Under llama-slots the cache is `ctx_tokens` cells of one token each.
+            let (block_size, num_gpu_blocks) = match st.engine_cfg.cache_model {
+                CacheModel::Paged => (st.engine_cfg.block_size, st.engine_cfg.num_gpu_blocks),
+                CacheModel::LlamaSlots { ctx_tokens, .. } => (1, ctx_tokens),
+            };
+            let mut text = metrics::render(&snapshot, &st.served[0], block_size, num_gpu_blocks);
+            metrics::render_cache_model(&mut text, &st.engine_cfg.cache_model);
             full(
                 StatusCode::OK,
                 "text/plain; version=0.0.4; charset=utf-8",

@@ -106,6 +106,17 @@ impl IngressProcess {
         }
     }
 
+    /// How the router's (or the picker's) threads were scheduled, as its readiness line
+    /// reported it (`None` for HAProxy; the picker reports none).
+    pub fn router_scheduling(&self) -> Option<String> {
+        match self {
+            IngressProcess::Router(guard) | IngressProcess::EnvoyEpp(guard) => {
+                guard.readiness().and_then(|r| r.scheduling.clone())
+            }
+            IngressProcess::Haproxy(_) => None,
+        }
+    }
+
     /// The router or picker process, to check it is still running (`None` for HAProxy).
     pub fn router_process(&mut self) -> Option<&mut ChildGuard> {
         match self {

@@ -110,6 +110,12 @@ pub fn start_router(
 ) -> Result<(ChildGuard, String, String)> {
     check_kv_events(fleet.engine(), settings)?;
     let mut cmd = router_command(router_bin, &fleet.replicas(), settings, rows)?;
+    if let Some(priority) = fleet.replica_sched_fifo_priority() {
+        // Real-time emulated engines on the same cores preempt every ordinary thread, so a
+        // router left at SCHED_OTHER waits behind them at each wake-up (docs/proxy-bench.md,
+        // "The router's overhead in a live cell"); at their level it does not.
+        cmd.args(["--sched-fifo-priority", &priority.to_string()]);
+    }
     if !fleet.engine().keeps_connections_alive() {
         // llama-server closes a connection after each streamed response (schema::engine).
         cmd.arg("--no-upstream-keep-alive");
