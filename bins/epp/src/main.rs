@@ -89,6 +89,10 @@ struct Args {
     /// How long SIGTERM/SIGINT waits for open exchanges, milliseconds.
     #[arg(long, default_value_t = 30_000)]
     shutdown_grace_ms: u64,
+    /// Run every thread (and the Envoy of --envoy) under SCHED_FIFO at this priority, as the
+    /// router does in front of real-time emulated engines (0 = SCHED_OTHER, the default).
+    #[arg(long, default_value_t = 0)]
+    sched_fifo_priority: u8,
     /// Admin listener address (the router's admin API: `/admin/replicas…`, `/metrics`,
     /// `/health`). A non-loopback address needs --admin-token-file.
     #[arg(long, default_value = "127.0.0.1")]
@@ -180,6 +184,7 @@ fn config(a: Args) -> Result<epp::EppConfig, String> {
     r.shutdown_grace_ms = a.shutdown_grace_ms;
     r.max_in_flight_per_replica = a.max_in_flight_per_replica;
     r.kv_events_format = a.kv_events_format.parse()?;
+    r.sched_fifo_priority = a.sched_fifo_priority;
     proxy::config::check_admin_exposure(&a.admin_host, a.admin_token_file.is_some())?;
     r.admin_host = a.admin_host;
     r.admin_port = a.admin_port;

@@ -248,15 +248,22 @@ impl Epp {
     }
 }
 
-/// Runs the picker until SIGTERM or SIGINT: a runtime with `cfg.router.workers` threads, the
-/// readiness line `{"listening":"GRPC","admin":"HOST:PORT","workers":N}` on stdout, then a
+/// Runs the picker until SIGTERM or SIGINT: `SCHED_FIFO` when asked (`sched_fifo_priority`, as
+/// the router), a runtime with `cfg.router.workers` threads, the readiness line
+/// `{"listening":"GRPC","admin":"HOST:PORT","workers":N,"scheduling":"other"}` on stdout, then a
 /// graceful shutdown that flushes the rows. With `cfg.envoy`, Envoy is started in front of the
 /// replicas first and the line names its listener:
-/// `{"listening":"ENVOY","epp":"GRPC","admin":"HOST:PORT","envoy_admin":"ADMIN","workers":N}`;
+/// `{"listening":"ENVOY","epp":"GRPC","admin":"…","envoy_admin":"ADMIN","workers":N,"scheduling":…}`;
 /// Envoy is killed before the picker shuts down (and with it, should the picker die: it is the
 /// picker's child, in its process group, killed on drop).
 pub fn run_blocking(cfg: EppConfig) -> Result<(), EppError> {
     let workers = cfg.router.workers.max(1);
+    // Before the runtime, as the router does: its threads inherit the policy, and so does the
+    // Envoy it starts (a child process keeps its parent's scheduling).
+    let scheduling = rt_sched::request_fifo(cfg.router.sched_fifo_priority);
+    if let rt_sched::Scheduling::Refused { .. } = &scheduling {
+        eprintln!("epp: scheduling {}", scheduling.describe());
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .enable_all()
@@ -293,12 +300,17 @@ pub fn run_blocking(cfg: EppConfig) -> Result<(), EppError> {
             Some(e) => serde_json::json!({
                 "listening": e.listen_addr().to_string(),
                 "epp": epp.local_addr().to_string(),
+                "admin": epp.admin_addr().to_string(),
                 "envoy_admin": e.admin_addr().to_string(),
                 "workers": workers,
+                "scheduling": scheduling.describe(),
             }),
-            None => {
-                serde_json::json!({"listening": epp.local_addr().to_string(), "workers": workers})
-            }
+            None => serde_json::json!({
+                "listening": epp.local_addr().to_string(),
+                "admin": epp.admin_addr().to_string(),
+                "workers": workers,
+                "scheduling": scheduling.describe(),
+            }),
         };
         println!("{line}");
         use std::io::Write;

@@ -63,6 +63,11 @@ pub fn start_envoy_epp(
     check_kv_events(fleet.engine(), &settings)?;
     let mut cmd = router_command(epp_bin, &fleet.replicas(), &settings, rows)?;
     cmd.arg("--envoy").arg("--envoy-dir").arg(dir);
+    if let Some(priority) = fleet.replica_sched_fifo_priority() {
+        // As for the router: in front of real-time emulated engines, the picker and its Envoy
+        // (which inherits the policy) run at their level, not behind them.
+        cmd.args(["--sched-fifo-priority", &priority.to_string()]);
+    }
     let mut guard = ChildGuard::spawn("epp", cmd, log)?;
     let ready = guard
         .wait_ready(Duration::from_secs(30), should_stop)
