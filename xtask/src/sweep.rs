@@ -20,8 +20,7 @@ use fleet::Ingress;
 use crate::fleetargs::FleetArgs;
 use crate::{env, interrupt, report};
 
-/// `--ingress`: what sits in front of the replicas (the command-line face of
-/// [`fleet::Ingress`]).
+/// `--ingress`: what sits in front of the replicas (the command-line face of [`fleet::Ingress`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum IngressArg {
     /// kvroute's router (policy from `--policies`).
