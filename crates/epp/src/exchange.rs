@@ -301,9 +301,11 @@ impl Exchange {
                     // Trailers follow the body: its last chunk does not end the stream.
                     out = self.decide(true, false).await;
                 }
-                out.push(response(processing_response::Response::RequestTrailers(
-                    TrailersResponse::default(),
-                )));
+                if !self.refused {
+                    out.push(response(processing_response::Response::RequestTrailers(
+                        TrailersResponse::default(),
+                    )));
+                }
                 out
             }
             Some(R::ResponseHeaders(ref h)) => {
@@ -392,8 +394,9 @@ impl Exchange {
         immediate(status, kind, &message)
     }
 
-    /// The eligible endpoints, least outstanding first (ties by id), without `first`.
-    fn fallback_list(&self, first: u32) -> Vec<SocketAddr> {
+    /// Up to `count` eligible endpoints (inside the subset, if any), least outstanding first
+    /// (ties by id), without replica `first`.
+    fn fallback_list(&self, first: u32, count: usize) -> Vec<SocketAddr> {
         let mut reps: Vec<_> = self
             .shared()
             .replicas()
@@ -406,122 +409,27 @@ impl Exchange {
             })
             .collect();
         reps.sort_unstable_by_key(|(o, id, _)| (*o, *id));
-        reps.into_iter()
-            .take(self.picker.fallbacks)
-            .map(|(_, _, ep)| ep)
-            .collect()
+        reps.into_iter().take(count).map(|(_, _, ep)| ep).collect()
     }
 
-    /// Decides and answers: the request headers' answer, then the buffered body.
-    async fn decide(&mut self, has_body: bool, body_ends: bool) -> Vec<ProcessingResponse> {
-        let t_body = self.shared().clock.now_ns();
-        self.decided = true;
-        let body: Vec<u8> = self.body.concat();
-        let picker = self.picker.clone();
-        let shared = &picker.shared;
-        // Replicas outside the proxy's subset are shown to the policy as already tried.
-        let excluded: Vec<u32> = match &self.subset {
-            Some(subset) => shared
-                .replicas()
-                .iter()
-                .filter(|r| endpoint_of(&r.url).is_ok_and(|ep| !subset.contains(&ep)))
-                .map(|r| r.id)
-                .collect(),
-            None => Vec::new(),
-        };
-        let mut tokenize_ns = 0;
-        let (keys, tokens_per_block, session) = match self.endpoint {
-            Some(endpoint) => {
-                let parsed = match parse(endpoint, &body) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        shared.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
-                        return vec![self.refuse(400, "bad_request", e.to_string())];
-                    }
-                };
-                if self.session.is_none() {
-                    self.session = parsed.user.as_deref().map(str::to_string);
-                }
-                let model = shared
-                    .settings
-                    .model
-                    .as_deref()
-                    .or(parsed.model.as_deref())
-                    .unwrap_or("");
-                let RouteKeys {
-                    keys,
-                    tokens_per_block,
-                    tokenize_ns: t,
-                } = route_keys(shared, &parsed, model, body.len()).await;
-                if let (Some(ns), Some(row)) = (t, self.row.as_mut()) {
-                    row.tokenize_ms = Some(ns as f64 / 1e6);
-                    tokenize_ns = ns;
-                }
-                (keys, tokens_per_block, self.session.clone())
-            }
-            None => (
-                Vec::new(),
-                f64::from(shared.settings.block_tokens),
-                self.session.clone(),
-            ),
-        };
-        if let Some(row) = self.row.as_mut() {
-            row.session_id = session.clone();
-        }
-        let route_req = RouteRequest {
-            session_id: session.as_deref(),
-            block_keys: &keys,
-            tokens_per_block,
-            now_us: shared.clock.now_us(),
-        };
-        let routed = match shared.route_excluding(&route_req, &excluded) {
-            Ok(r) => r,
-            Err(NoRoute::AtCeiling(ceiling)) => {
-                shared.metrics.overloaded.fetch_add(1, Ordering::Relaxed);
-                return vec![self.refuse(
-                    429,
-                    "overload",
-                    format!(
-                        "every eligible replica has {ceiling} requests in flight (--max-in-flight-per-replica); retry after {OVERLOAD_RETRY_AFTER_S} s"
-                    ),
-                )];
-            }
-            Err(NoRoute::Policy(e)) => {
-                shared.metrics.no_replica.fetch_add(1, Ordering::Relaxed);
-                return vec![self.refuse(
-                    503,
-                    "no_replica",
-                    format!("no replica available: {e:?}"),
-                )];
-            }
-        };
-        let d = &routed.decision;
-        let Ok(primary) = endpoint_of(&routed.guard.replica().url) else {
-            return vec![self.refuse(
-                503,
-                "no_replica",
-                "the picked replica has no ip:port endpoint".into(),
-            )];
-        };
-        let mut list = vec![primary];
-        list.extend(self.fallback_list(d.replica));
+    /// The answers that send the request to `list` (picked first): the request headers' answer
+    /// (the list as `x-gateway-destination-endpoint` and under `envoy.lb`, `content-length` when
+    /// there is a body), then the buffered body chunk by chunk (`body_ends`: the last chunk ends
+    /// the stream, i.e. no trailers follow).
+    fn answers(
+        &mut self,
+        list: &[SocketAddr],
+        has_body: bool,
+        body_ends: bool,
+    ) -> Vec<ProcessingResponse> {
         let value = list
             .iter()
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join(",");
-        if let Some(row) = self.row.as_mut() {
-            row.attempts = 1;
-            row.replica = Some(d.replica);
-            row.branch = Some(d.branch.as_str());
-            row.predicted_match_tokens = Some(d.predicted_match_tokens);
-            row.outstanding_chosen = Some(d.outstanding_chosen);
-            row.outstanding_min = Some(d.outstanding_min);
-            row.decide_ns = Some(routed.decide_ns);
-        }
         let mut set_headers = vec![set_header(DESTINATION_ENDPOINT, &value)];
         if has_body {
-            set_headers.push(set_header("content-length", &body.len().to_string()));
+            set_headers.push(set_header("content-length", &self.body_len.to_string()));
         }
         let mut lb = Struct::default();
         lb.fields
@@ -566,6 +474,119 @@ impl Exchange {
                 )));
             }
         }
+        out
+    }
+
+    /// Decides and answers: the request headers' answer, then the buffered body.
+    async fn decide(&mut self, has_body: bool, body_ends: bool) -> Vec<ProcessingResponse> {
+        let t_body = self.shared().clock.now_ns();
+        self.decided = true;
+        let Some(endpoint) = self.endpoint else {
+            // Not an LLM request (`GET /v1/models`, …): the policy is not asked, as the router
+            // does not ask it; the least-loaded eligible replica, no row.
+            let list = self.fallback_list(u32::MAX, self.picker.fallbacks + 1);
+            if list.is_empty() {
+                self.shared()
+                    .metrics
+                    .no_replica
+                    .fetch_add(1, Ordering::Relaxed);
+                return vec![self.refuse(503, "no_replica", "no replica available".into())];
+            }
+            return self.answers(&list, has_body, body_ends);
+        };
+        let body: Vec<u8> = self.body.concat();
+        let picker = self.picker.clone();
+        let shared = &picker.shared;
+        // Replicas outside the proxy's subset are shown to the policy as already tried.
+        let excluded: Vec<u32> = match &self.subset {
+            Some(subset) => shared
+                .replicas()
+                .iter()
+                .filter(|r| endpoint_of(&r.url).is_ok_and(|ep| !subset.contains(&ep)))
+                .map(|r| r.id)
+                .collect(),
+            None => Vec::new(),
+        };
+        let mut tokenize_ns = 0;
+        // The parsed body borrows it: keys and session outlive the parse.
+        let (keys, tokens_per_block, session) = {
+            let parsed = match parse(endpoint, &body) {
+                Ok(p) => p,
+                Err(e) => {
+                    shared.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
+                    return vec![self.refuse(400, "bad_request", e.to_string())];
+                }
+            };
+            if self.session.is_none() {
+                self.session = parsed.user.as_deref().map(str::to_string);
+            }
+            let model = shared
+                .settings
+                .model
+                .as_deref()
+                .or(parsed.model.as_deref())
+                .unwrap_or("");
+            let RouteKeys {
+                keys,
+                tokens_per_block,
+                tokenize_ns: t,
+            } = route_keys(shared, &parsed, model, body.len()).await;
+            if let (Some(ns), Some(row)) = (t, self.row.as_mut()) {
+                row.tokenize_ms = Some(ns as f64 / 1e6);
+                tokenize_ns = ns;
+            }
+            (keys, tokens_per_block, self.session.clone())
+        };
+        if let Some(row) = self.row.as_mut() {
+            row.session_id = session.clone();
+        }
+        let route_req = RouteRequest {
+            session_id: session.as_deref(),
+            block_keys: &keys,
+            tokens_per_block,
+            now_us: shared.clock.now_us(),
+        };
+        let routed = match shared.route_excluding(&route_req, &excluded) {
+            Ok(r) => r,
+            Err(NoRoute::AtCeiling(ceiling)) => {
+                shared.metrics.overloaded.fetch_add(1, Ordering::Relaxed);
+                return vec![self.refuse(
+                    429,
+                    "overload",
+                    format!(
+                        "every eligible replica has {ceiling} requests in flight (--max-in-flight-per-replica); retry after {OVERLOAD_RETRY_AFTER_S} s"
+                    ),
+                )];
+            }
+            Err(NoRoute::Policy(e)) => {
+                shared.metrics.no_replica.fetch_add(1, Ordering::Relaxed);
+                return vec![self.refuse(
+                    503,
+                    "no_replica",
+                    format!("no replica available: {e:?}"),
+                )];
+            }
+        };
+        let d = &routed.decision;
+        let Ok(primary) = endpoint_of(&routed.guard.replica().url) else {
+            return vec![self.refuse(
+                503,
+                "no_replica",
+                "the picked replica has no ip:port endpoint".into(),
+            )];
+        };
+        let mut list = vec![primary];
+        list.extend(self.fallback_list(d.replica, picker.fallbacks));
+        if let Some(row) = self.row.as_mut() {
+            row.attempts = 1;
+            row.replica = Some(d.replica);
+            row.branch = Some(d.branch.as_str());
+            row.predicted_match_tokens = Some(d.predicted_match_tokens);
+            row.outstanding_chosen = Some(d.outstanding_chosen);
+            row.outstanding_min = Some(d.outstanding_min);
+            row.decide_ns = Some(routed.decide_ns);
+        }
+        let out = self.answers(&list, has_body, body_ends);
         self.picked = Some(Picked {
             branch: d.branch.as_str(),
             decide_ns: routed.decide_ns,
