@@ -20,14 +20,15 @@ use fleet::Ingress;
 use crate::fleetargs::FleetArgs;
 use crate::{env, interrupt, report};
 
-/// `--ingress`: what sits in front of the replicas (the command-line face of
-/// [`fleet::Ingress`]).
+/// `--ingress`: what sits in front of the replicas (the command-line face of [`fleet::Ingress`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum IngressArg {
     /// kvroute's router (policy from `--policies`).
     Router,
     /// HAProxy with bounded-load consistent hashing on `x-session-id`.
     Haproxy,
+    /// Envoy with kvroute's endpoint picker (`epp-bin`; Envoy from `scripts/envoy.sh`).
+    EnvoyEpp,
 }
 
 impl From<IngressArg> for Ingress {
@@ -35,6 +36,7 @@ impl From<IngressArg> for Ingress {
         match arg {
             IngressArg::Router => Ingress::Router,
             IngressArg::Haproxy => Ingress::Haproxy,
+            IngressArg::EnvoyEpp => Ingress::EnvoyEpp,
         }
     }
 }
@@ -54,9 +56,9 @@ pub struct SweepArgs {
     /// Policies to compare, comma-separated (default: all nine; three with --quick).
     #[arg(long, value_delimiter = ',')]
     pub policies: Vec<String>,
-    /// What sits in front of the replicas: kvroute's router (policies from `--policies`) or
+    /// What sits in front of the replicas: kvroute's router (policies from `--policies`),
     /// HAProxy with bounded-load consistent hashing on `x-session-id` (one policy,
-    /// `haproxy-session-bounded`).
+    /// `haproxy-session-bounded`), or Envoy + kvroute's endpoint picker (cells `envoy-epp-<policy>`).
     #[arg(long, value_enum, default_value_t = IngressArg::Router)]
     pub ingress: IngressArg,
     /// HAProxy's load bound c (`hash-balance-factor` = c × 100), with `--ingress haproxy`

@@ -22,6 +22,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         "proxy",
         &["kv-index", "policies", "schema", "prom-text", "rt-sched"],
     ),
+    ("epp", &["proxy", "policies", "rt-sched"]),
     ("driver", &["workload", "schema", "trace"]),
     ("fleet", &["schema", "prom-text"]),
     ("analysis", &["workload", "schema"]),

@@ -125,11 +125,12 @@ pub fn run_attempt(
         None => EvidenceSampler::start(evidence_base, &evidence_path)?,
     };
     let evidence = sampler.finish()?;
-    if let IngressProcess::Router(router) = &mut ingress
+    if let Some(router) = ingress.router_process()
         && let Some(status) = router.try_wait()?
     {
         bail!(
-            "the router exited during the run ({status}); see its log {}",
+            "the {} exited during the run ({status}); see its log {}",
+            router.name(),
             router.log_path().display()
         );
     }

@@ -436,6 +436,7 @@ pub fn record_file_name(ingress: Ingress) -> &'static str {
     match ingress {
         Ingress::Router => "sweep.json",
         Ingress::Haproxy => "sweep-haproxy.json",
+        Ingress::EnvoyEpp => "sweep-envoy-epp.json",
     }
 }
 
@@ -536,6 +537,15 @@ impl<'a> LiveSweep<'a> {
                 }
                 vec![fleet::ingress::haproxy::POLICY.to_string()]
             }
+            // The router's policies, decided by the endpoint picker behind Envoy; the cells are
+            // named `envoy-epp-<policy>` beside the router's.
+            Ingress::EnvoyEpp => {
+                fleet::ingress::envoy_epp::check_bin(&bins.router.with_file_name("epp"))?;
+                grid::policies(&s.policies, s.quick)?
+                    .iter()
+                    .map(|p| fleet::ingress::envoy_epp::cell_policy(p))
+                    .collect()
+            }
         };
         let cal = s.calibration_for(bins, dir, should_stop)?;
         let routing = cal
@@ -548,7 +558,9 @@ impl<'a> LiveSweep<'a> {
             })?;
         cal.write(&dir.join("calibration.json"))?;
         let points = s.sweep_points(&cal)?;
-        let kv_events = policies.iter().any(|p| grid::needs_kv_events(p));
+        let kv_events = policies
+            .iter()
+            .any(|p| grid::needs_kv_events(fleet::ingress::envoy_epp::picker_policy(p)));
         let source = s
             .fleet
             .source(&bins.engine, kv_events, Some(&cal.used_replicas))?;
@@ -646,7 +658,11 @@ impl<'a> LiveSweep<'a> {
             Arrival::Open { .. } => ("open", None),
             Arrival::Trace { .. } => ("replay", None),
         };
-        let router = s.router_settings(&self.routing, policy, rep);
+        let router = s.router_settings(
+            &self.routing,
+            fleet::ingress::envoy_epp::picker_policy(policy),
+            rep,
+        );
         let cell_bounds = bounds(
             cal,
             s.fleet.kind,
@@ -992,5 +1008,6 @@ mod tests {
         // HAProxy cells keep their own record beside the router grid's.
         assert_eq!(record_file_name(Ingress::Router), "sweep.json");
         assert_eq!(record_file_name(Ingress::Haproxy), "sweep-haproxy.json");
+        assert_eq!(record_file_name(Ingress::EnvoyEpp), "sweep-envoy-epp.json");
     }
 }

@@ -840,7 +840,9 @@ pub fn check(s: &SweepSettings) -> Result<()> {
         );
     }
     if !matches!(s.ingress, Ingress::Router) {
-        bail!("--virtual models kvroute's router only; HAProxy ingress is live-only");
+        bail!(
+            "--virtual models kvroute's router only; the HAProxy and Envoy ingresses are live-only"
+        );
     }
     if s.reps == 0 {
         bail!("--reps must be at least 1");

@@ -182,14 +182,15 @@ fn release_bin(name: &str) -> PathBuf {
     bin
 }
 
-/// Two cells through [`IngressProcess`] on three emulated engines, one with HAProxy and one
-/// with the router (session-bounded), the same open-loop plan for a few seconds: every
-/// request streams through HAProxy whole, its cell has HAProxy's counts and no router rows,
-/// and the two TTFTs are printed side by side. Needs `haproxy` and the release binaries
-/// (`cargo build --release -p engine-bin -p router-bin -p driver-bin`); run with
-/// `cargo test -p fleet --test ingress -- --ignored`.
+/// Three cells through [`IngressProcess`] on three emulated engines — HAProxy, the router
+/// (session-bounded) and Envoy with the endpoint picker (session-bounded) — the same open-loop
+/// plan for a few seconds: every request streams through HAProxy whole, its cell has HAProxy's
+/// counts and no router rows; every request streams through Envoy whole with one picker row
+/// each; the TTFTs are printed side by side. Needs `haproxy`, Envoy (`bash scripts/envoy.sh`)
+/// and the release binaries (`cargo build --release -p engine-bin -p router-bin -p driver-bin
+/// -p epp-bin`); run with `cargo test -p fleet --test ingress -- --ignored`.
 #[test]
-#[ignore = "needs the release binaries; about 10 s"]
+#[ignore = "needs the release binaries; about 15 s"]
 fn the_driver_streams_through_haproxy_to_emulated_engines() {
     let (engine_bin, router_bin, driver_bin) = (
         release_bin("engine"),
@@ -235,7 +236,7 @@ fn the_driver_streams_through_haproxy_to_emulated_engines() {
         ..RouterSettings::default()
     };
     let mut rows_by_ingress = Vec::new();
-    for ingress in [Ingress::Haproxy, Ingress::Router] {
+    for ingress in [Ingress::Haproxy, Ingress::Router, Ingress::EnvoyEpp] {
         // Each pass on a fresh fleet, as a sweep cycles it per cell.
         fleet.cycle(&never).unwrap();
         let cell = dir.path().join(format!("{ingress:?}"));
@@ -292,8 +293,48 @@ fn the_driver_streams_through_haproxy_to_emulated_engines() {
         &std::fs::read_to_string(haproxy_cell.join("haproxy-stats.json")).unwrap(),
     )
     .unwrap();
+    let via_envoy = rows_by_ingress.pop().unwrap();
     let via_router = rows_by_ingress.pop().unwrap();
     let rows = rows_by_ingress.pop().unwrap();
+    // Envoy + the endpoint picker: every request streamed whole, one picker row each.
+    let envoy_cell = dir.path().join("EnvoyEpp");
+    assert!(envoy_cell.join("envoy.json").is_file());
+    let picker_rows = analysis::read_router_csv(&envoy_cell.join("router.csv")).unwrap();
+    assert!(via_envoy.len() > 40, "{} rows", via_envoy.len());
+    assert_eq!(picker_rows.len(), via_envoy.len());
+    let ids: std::collections::HashSet<&str> =
+        picker_rows.iter().map(|r| r.request_id.as_str()).collect();
+    assert!(
+        via_envoy
+            .iter()
+            .all(|c| ids.contains(c.request_id.as_str())),
+        "every client row joins its picker row by x-request-id"
+    );
+    let failed: Vec<_> = via_envoy
+        .iter()
+        .filter(|r| r.error.is_some() || r.status != 200)
+        .collect();
+    assert!(failed.is_empty(), "{failed:?}");
+    assert!(
+        picker_rows
+            .iter()
+            .all(|r| r.policy == "session-bounded" && r.upstream_status == Some(200)),
+        "{picker_rows:?}"
+    );
+    let ttft_envoy: Vec<f64> = via_envoy.iter().filter_map(|r| r.ttft_ms).collect();
+    let overhead: Vec<f64> = picker_rows.iter().filter_map(|r| r.overhead_us).collect();
+    let decide: Vec<f64> = picker_rows
+        .iter()
+        .filter_map(|r| r.decide_ns.map(|d| d as f64))
+        .collect();
+    eprintln!(
+        "through Envoy + the endpoint picker (session-bounded): {} requests, TTFT p50 {:.2} ms; picker overhead_us p50 {:.0} p99 {:.0}, decide_ns p50 {:.0}",
+        via_envoy.len(),
+        analysis::stats::median(&ttft_envoy).unwrap_or(f64::NAN),
+        analysis::stats::quantile(&overhead, 0.5).unwrap_or(f64::NAN),
+        analysis::stats::quantile(&overhead, 0.99).unwrap_or(f64::NAN),
+        analysis::stats::quantile(&decide, 0.5).unwrap_or(f64::NAN),
+    );
     let ttft_router: Vec<f64> = via_router.iter().filter_map(|r| r.ttft_ms).collect();
     eprintln!(
         "through the router (session-bounded): {} requests, TTFT p50 {:.2} ms",

@@ -124,12 +124,6 @@ impl Router {
     /// a tokio runtime.
     pub async fn start(cfg: RouterConfig) -> Result<Router, RouterError> {
         let policy = policies::build(&cfg.policy).map_err(RouterError::Config)?;
-        if !(cfg.bytes_per_token.is_finite() && cfg.bytes_per_token > 0.0) {
-            return Err(RouterError::Config(format!(
-                "bytes per token must be a positive number, got {}",
-                cfg.bytes_per_token
-            )));
-        }
         check_admin_exposure(&cfg.admin_host, cfg.admin_token.is_some())
             .map_err(RouterError::Config)?;
         if cfg.max_connections == 0 {
@@ -146,43 +140,7 @@ impl Router {
                 return Err(RouterError::Config(format!("the {name} must be ≥ 1 ms")));
             }
         }
-        if cfg.max_in_flight_per_replica == Some(0) {
-            return Err(RouterError::Config(
-                "the per-replica in-flight ceiling must be ≥ 1".into(),
-            ));
-        }
-        let rows = match &cfg.rows {
-            Some(p) => RowSink::create(p, cfg.rows_queue)?,
-            None => RowSink::disabled(),
-        };
-        let settings = Settings {
-            model: cfg.model.clone(),
-            block_bytes: cfg.block_bytes,
-            block_tokens: cfg.policy.tokens_per_block,
-            belief_tokens_per_block: policies::belief_tokens_per_block(
-                cfg.block_bytes,
-                cfg.bytes_per_token,
-            ),
-            exact_salt: cfg.policy.salt.clone(),
-            kv_events_format: cfg.kv_events_format,
-            scrape_kv_usage: cfg.policy.residency_branch,
-            max_body_bytes: cfg.max_body_bytes,
-            body_read_timeout: Duration::from_millis(cfg.body_read_timeout_ms),
-            upstream_head_timeout: Duration::from_millis(cfg.upstream_head_timeout_ms),
-            upstream_idle_timeout: Duration::from_millis(cfg.upstream_idle_timeout_ms),
-            health_fails_to_down: cfg.health_fails_to_down.max(1),
-            health_oks_to_up: cfg.health_oks_to_up.max(1),
-            max_in_flight_per_replica: cfg.max_in_flight_per_replica.unwrap_or(u32::MAX),
-            upstream_keep_alive: cfg.upstream_keep_alive,
-        };
-        let salt = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64)
-            ^ u64::from(std::process::id()) << 32;
-        let shared = Arc::new(
-            Shared::new(policy, &cfg.replicas, rows, settings, salt)
-                .map_err(RouterError::Config)?,
-        );
+        let shared = shared_from_config(&cfg, policy)?;
 
         // Subscribe before taking traffic, so exact residency sees every event from the start.
         for r in shared.replicas() {
@@ -512,7 +470,88 @@ async fn admin_accept_loop(
     }
 }
 
-async fn health_loop(shared: std::sync::Weak<Shared>, every: Duration, timeout: Duration) {
+/// Serves the admin API ([`crate::admin::handle`]: `/admin/replicas…`, `/metrics`, `/health`)
+/// on `listener` for `shared`, as the router's admin listener does (at most
+/// [`ADMIN_MAX_CONNECTIONS`], hyper's header-read timer), until `stop` turns true; connections
+/// still open then are cut. The endpoint picker (`epp`) runs its admin listener here.
+pub fn spawn_admin(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    auth: Arc<AdminAuth>,
+    header_read_timeout: Duration,
+    stop: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    let watch = Watches {
+        kill: stop.clone(),
+        stop,
+    };
+    tokio::spawn(admin_accept_loop(
+        listener,
+        shared,
+        auth,
+        watch,
+        Arc::new(ConnCount::default()),
+        header_read_timeout,
+    ))
+}
+
+/// The request path's shared state for `cfg` with the built `policy` (checking the bytes per
+/// token and the in-flight ceiling): the row sink (`cfg.rows`),
+/// the [`Settings`] derived from the configuration, and the replica table. Nothing is started
+/// (no KV subscriber, no health checks: [`start_replica_tasks`] and [`health_loop`] do that).
+/// The router and the endpoint picker (`epp`) build their state here.
+pub fn shared_from_config(
+    cfg: &RouterConfig,
+    policy: Box<dyn policies::Policy>,
+) -> Result<Arc<Shared>, RouterError> {
+    if !(cfg.bytes_per_token.is_finite() && cfg.bytes_per_token > 0.0) {
+        return Err(RouterError::Config(format!(
+            "bytes per token must be a positive number, got {}",
+            cfg.bytes_per_token
+        )));
+    }
+    if cfg.max_in_flight_per_replica == Some(0) {
+        return Err(RouterError::Config(
+            "the per-replica in-flight ceiling must be ≥ 1".into(),
+        ));
+    }
+    let rows = match &cfg.rows {
+        Some(p) => RowSink::create(p, cfg.rows_queue)?,
+        None => RowSink::disabled(),
+    };
+    let settings = Settings {
+        model: cfg.model.clone(),
+        block_bytes: cfg.block_bytes,
+        block_tokens: cfg.policy.tokens_per_block,
+        belief_tokens_per_block: policies::belief_tokens_per_block(
+            cfg.block_bytes,
+            cfg.bytes_per_token,
+        ),
+        exact_salt: cfg.policy.salt.clone(),
+        kv_events_format: cfg.kv_events_format,
+        scrape_kv_usage: cfg.policy.residency_branch,
+        max_body_bytes: cfg.max_body_bytes,
+        body_read_timeout: Duration::from_millis(cfg.body_read_timeout_ms),
+        upstream_head_timeout: Duration::from_millis(cfg.upstream_head_timeout_ms),
+        upstream_idle_timeout: Duration::from_millis(cfg.upstream_idle_timeout_ms),
+        health_fails_to_down: cfg.health_fails_to_down.max(1),
+        health_oks_to_up: cfg.health_oks_to_up.max(1),
+        max_in_flight_per_replica: cfg.max_in_flight_per_replica.unwrap_or(u32::MAX),
+        upstream_keep_alive: cfg.upstream_keep_alive,
+    };
+    let salt = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ u64::from(std::process::id()) << 32;
+    Ok(Arc::new(
+        Shared::new(policy, &cfg.replicas, rows, settings, salt).map_err(RouterError::Config)?,
+    ))
+}
+
+/// Probes every replica's `/health` every `every` (each probe bounded by `timeout`) and feeds
+/// the health hysteresis (and, for the residency branch, the KV-usage scrape) until the state
+/// is dropped.
+pub async fn health_loop(shared: std::sync::Weak<Shared>, every: Duration, timeout: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

@@ -511,55 +511,15 @@ async fn proxy_llm(
         .or(parsed.model.as_deref())
         .unwrap_or("");
 
-    let mut keys = Vec::new();
-    let mut tokenize_ns = 0;
-    let tokens_per_block = match shared.keying {
-        Keying::None => f64::from(shared.settings.block_tokens),
-        Keying::BeliefBytes => {
-            let mut rendered = Vec::with_capacity(body.len());
-            parsed.render_into(&mut rendered);
-            kv_index::hash::byte_block_keys_into(
-                &parsed.key_salt(model.as_bytes()),
-                &rendered,
-                shared.settings.block_bytes,
-                &mut keys,
-            );
-            // The router never sees engine tokens: matched bytes become predicted tokens through
-            // the bytes-per-token estimate (a fixed 4 under-predicted ~2.5–10% of every hit).
-            shared.settings.belief_tokens_per_block
-        }
-        Keying::ExactTokens => {
-            let block_tokens = shared.settings.block_tokens;
-            let tokens = match parsed.given_tokens() {
-                Some(t) => Some(t.to_vec()),
-                None => {
-                    let t0 = shared.clock.now_ns();
-                    let r = tokenize(shared, &parsed, model).await;
-                    tokenize_ns = shared.clock.now_ns() - t0;
-                    row.tokenize_ms = Some(tokenize_ns as f64 / 1e6);
-                    match r {
-                        Ok(t) => Some(t),
-                        Err(_) => {
-                            shared
-                                .metrics
-                                .tokenize_errors
-                                .fetch_add(1, Ordering::Relaxed);
-                            None
-                        }
-                    }
-                }
-            };
-            if let Some(t) = tokens {
-                kv_index::hash::token_block_keys_into(
-                    &parsed.key_salt(shared.settings.exact_salt.as_bytes()),
-                    &t,
-                    block_tokens as usize,
-                    &mut keys,
-                );
-            }
-            f64::from(block_tokens)
-        }
-    };
+    let RouteKeys {
+        keys,
+        tokens_per_block,
+        tokenize_ns,
+    } = route_keys(shared, &parsed, model, body.len()).await;
+    if let Some(ns) = tokenize_ns {
+        row.tokenize_ms = Some(ns as f64 / 1e6);
+    }
+    let tokenize_ns = tokenize_ns.unwrap_or(0);
     let session = row.session_id.as_deref();
     let mut route_req = RouteRequest {
         session_id: session,
@@ -715,6 +675,83 @@ async fn proxy_llm(
         excluded.push(replica.id);
         last_failure = Some(failure.message);
         shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A request's block keys as the router's policy asks for them ([`Shared::keying`]).
+#[derive(Debug, Clone, Default)]
+pub struct RouteKeys {
+    /// The block keys (empty for [`Keying::None`], or when tokenizing failed).
+    pub keys: Vec<u64>,
+    /// Engine tokens one matched block stands for.
+    pub tokens_per_block: f64,
+    /// The `/tokenize` round trip, nanoseconds, when one was made.
+    pub tokenize_ns: Option<u64>,
+}
+
+/// Computes a parsed request's block keys as the policy's keying asks (DESIGN.md §3.1): none;
+/// belief keys from the canonical rendering; or exact keys from a replica's `/tokenize` (a
+/// pre-tokenised prompt skips the round trip; a failed one is counted in `tokenize_errors` and
+/// leaves no keys). `model` salts belief keys; `body_len` sizes the rendering buffer. Shared by
+/// the router's request path and the endpoint picker (`epp`).
+pub async fn route_keys(
+    shared: &Shared,
+    parsed: &ParsedRequest<'_>,
+    model: &str,
+    body_len: usize,
+) -> RouteKeys {
+    let mut keys = Vec::new();
+    let mut tokenize_ns = None;
+    let tokens_per_block = match shared.keying {
+        Keying::None => f64::from(shared.settings.block_tokens),
+        Keying::BeliefBytes => {
+            let mut rendered = Vec::with_capacity(body_len);
+            parsed.render_into(&mut rendered);
+            kv_index::hash::byte_block_keys_into(
+                &parsed.key_salt(model.as_bytes()),
+                &rendered,
+                shared.settings.block_bytes,
+                &mut keys,
+            );
+            // The router never sees engine tokens: matched bytes become predicted tokens through
+            // the bytes-per-token estimate (a fixed 4 under-predicted ~2.5–10% of every hit).
+            shared.settings.belief_tokens_per_block
+        }
+        Keying::ExactTokens => {
+            let block_tokens = shared.settings.block_tokens;
+            let tokens = match parsed.given_tokens() {
+                Some(t) => Some(t.to_vec()),
+                None => {
+                    let t0 = shared.clock.now_ns();
+                    let r = tokenize(shared, parsed, model).await;
+                    tokenize_ns = Some(shared.clock.now_ns() - t0);
+                    match r {
+                        Ok(t) => Some(t),
+                        Err(_) => {
+                            shared
+                                .metrics
+                                .tokenize_errors
+                                .fetch_add(1, Ordering::Relaxed);
+                            None
+                        }
+                    }
+                }
+            };
+            if let Some(t) = tokens {
+                kv_index::hash::token_block_keys_into(
+                    &parsed.key_salt(shared.settings.exact_salt.as_bytes()),
+                    &t,
+                    block_tokens as usize,
+                    &mut keys,
+                );
+            }
+            f64::from(block_tokens)
+        }
+    };
+    RouteKeys {
+        keys,
+        tokens_per_block,
+        tokenize_ns,
     }
 }
 

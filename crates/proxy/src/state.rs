@@ -400,6 +400,15 @@ impl Shared {
         })
     }
 
+    /// Takes one unit of `replica`'s outstanding load outside a decision: the endpoint picker
+    /// moves a request's load here when the proxy served it from a fallback endpoint.
+    pub fn take_load(&self, replica: &Arc<Replica>) -> LoadGuard {
+        replica.outstanding.fetch_add(1, Ordering::AcqRel);
+        LoadGuard {
+            replica: replica.clone(),
+        }
+    }
+
     /// Tells the policy which replica actually got the request.
     pub fn served(&self, req: &RouteRequest<'_>, replica: ReplicaId) {
         self.core.lock().policy.on_served(req, replica);

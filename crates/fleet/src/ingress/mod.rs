@@ -1,9 +1,11 @@
-//! What sits in front of the fleet during a cell: kvroute's router or HAProxy.
+//! What sits in front of the fleet during a cell: kvroute's router, HAProxy, or Envoy with
+//! kvroute's endpoint picker.
 //!
-//! Each kind of ingress has its own launcher module ([`router`], [`haproxy`]); neither knows
-//! the other. [`IngressProcess`] is the one place that chooses between them, so a new kind
+//! Each kind of ingress has its own launcher module ([`router`], [`haproxy`], [`envoy_epp`],
+//! which reuses the router's command line); none knows HAProxy's or the others' processes. [`IngressProcess`] is the one place that chooses between them, so a new kind
 //! (Envoy, several routers behind one address) is a new module and a new variant here.
 
+pub mod envoy_epp;
 pub mod haproxy;
 pub mod router;
 
@@ -28,6 +30,9 @@ pub enum Ingress {
     Router,
     /// HAProxy with bounded-load consistent hashing on `x-session-id`.
     Haproxy,
+    /// Envoy deciding through kvroute's endpoint picker (the router's policy and rows).
+    #[serde(rename = "envoy-epp")]
+    EnvoyEpp,
 }
 
 /// The process in front of the fleet during one cell: kvroute's router or HAProxy. A sweep
@@ -38,13 +43,17 @@ pub enum IngressProcess {
     Router(ChildGuard),
     /// HAProxy (no `router.csv`; `haproxy-stats.json` instead).
     Haproxy(Haproxy),
+    /// The endpoint picker and its Envoy, one process group (`router.csv` from the picker).
+    EnvoyEpp(ChildGuard),
 }
 
 impl IngressProcess {
     /// Starts `ingress` in front of `fleet` for the cell in `dir`: `router_bin` through
-    /// [`start_router`] with `router` (rows into `dir/router.csv`, log `dir/router.log`), or
-    /// HAProxy with `haproxy` (config and log in `dir`). `should_stop` (a Ctrl-C flag) is polled
-    /// while waiting for it. Returns it and the URL to point the driver at.
+    /// [`start_router`] with `router` (rows into `dir/router.csv`, log `dir/router.log`),
+    /// HAProxy with `haproxy` (config and log in `dir`), or the `epp` binary beside `router_bin`
+    /// (the same cargo profile directory) with `--envoy` and `router`'s flags (rows into
+    /// `dir/router.csv`, log `dir/epp.log`, Envoy's in `dir/envoy.log`). `should_stop` (a
+    /// Ctrl-C flag) is polled while waiting for it. Returns it and the URL to point the driver at.
     pub fn start(
         ingress: Ingress,
         router_bin: &Path,
@@ -71,28 +80,54 @@ impl IngressProcess {
                 let url = h.url().to_string();
                 (IngressProcess::Haproxy(h), url)
             }
+            Ingress::EnvoyEpp => {
+                let (guard, url) = envoy_epp::start_envoy_epp(
+                    &router_bin.with_file_name("epp"),
+                    fleet,
+                    router,
+                    &dir.join("router.csv"),
+                    &dir.join("epp.log"),
+                    dir,
+                    should_stop,
+                )?;
+                (IngressProcess::EnvoyEpp(guard), url)
+            }
         })
     }
 
-    /// The router's worker threads, as its readiness line reported them (`None` for HAProxy).
+    /// The router's (or the picker's) worker threads, as its readiness line reported them
+    /// (`None` for HAProxy).
     pub fn router_workers(&self) -> Option<u64> {
         match self {
-            IngressProcess::Router(guard) => guard.readiness().and_then(|r| r.workers),
+            IngressProcess::Router(guard) | IngressProcess::EnvoyEpp(guard) => {
+                guard.readiness().and_then(|r| r.workers)
+            }
             IngressProcess::Haproxy(_) => None,
         }
     }
 
-    /// How the router's threads were scheduled, as its readiness line reported it (`None` for
-    /// HAProxy).
+    /// How the router's (or the picker's) threads were scheduled, as its readiness line
+    /// reported it (`None` for HAProxy; the picker reports none).
     pub fn router_scheduling(&self) -> Option<String> {
         match self {
-            IngressProcess::Router(guard) => guard.readiness().and_then(|r| r.scheduling.clone()),
+            IngressProcess::Router(guard) | IngressProcess::EnvoyEpp(guard) => {
+                guard.readiness().and_then(|r| r.scheduling.clone())
+            }
             IngressProcess::Haproxy(_) => None,
         }
     }
 
-    /// Stops it once the driver is done: the router on SIGTERM (it flushes its rows first);
-    /// HAProxy after its per-server counts are written to `dir/haproxy-stats.json`. Either is
+    /// The router or picker process, to check it is still running (`None` for HAProxy).
+    pub fn router_process(&mut self) -> Option<&mut ChildGuard> {
+        match self {
+            IngressProcess::Router(guard) | IngressProcess::EnvoyEpp(guard) => Some(guard),
+            IngressProcess::Haproxy(_) => None,
+        }
+    }
+
+    /// Stops it once the driver is done: the router on SIGTERM (it flushes its rows first); the
+    /// picker and its Envoy on SIGTERM to their group (Envoy exits at once, the picker flushes
+    /// its rows); HAProxy after its per-server counts are written to `dir/haproxy-stats.json`. Either is
     /// killed when it has not exited within `grace`; then the answer is a warning to show
     /// (its output may be cut).
     pub fn finish(self, dir: &Path, grace: Duration) -> Result<Option<String>> {
@@ -100,6 +135,10 @@ impl IngressProcess {
             IngressProcess::Router(mut guard) => {
                 let status = guard.terminate(grace);
                 ("router", guard.log_path().to_path_buf(), status)
+            }
+            IngressProcess::EnvoyEpp(mut guard) => {
+                let status = guard.terminate(grace);
+                ("endpoint picker", guard.log_path().to_path_buf(), status)
             }
             IngressProcess::Haproxy(mut h) => {
                 h.write_stats(&dir.join("haproxy-stats.json"))?;
