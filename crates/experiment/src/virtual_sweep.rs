@@ -532,7 +532,8 @@ pub fn simulated_point_capacities(
     points: &[Point],
     dir: &Path,
 ) -> Result<Vec<(String, Capacity)>> {
-    if s.capacity_scope != CapacityScope::PerPoint || !s.needs_capacity() {
+    let any_load_point = points.iter().any(|p| p.load_fraction.is_some());
+    if s.capacity_scope != CapacityScope::PerPoint || !s.needs_capacity() || !any_load_point {
         return Ok(Vec::new());
     }
     if s.fleet.kind != FleetKind::Emulated {

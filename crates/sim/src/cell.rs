@@ -368,14 +368,12 @@ fn meta_json(
         }),
     };
     let json = |e: serde_json::Error| SimError::Io(format!("meta.json: {e}"));
-    // A JSON value (its keys sorted), not the struct, so that a sweep can still set `accepted`
-    // and `set_aside_reason` after its drift check; the summary rides along under `sim`.
+    // A JSON value, so that a sweep can still set `accepted`, `set_aside_reason` and `drift`
+    // (null: the simulator runs no drift check) after its own check; the summary rides along
+    // under `run.sim`. `write_meta` writes it back through `schema::Meta`, so the file is the
+    // one type's bytes, as every live writer's is.
     let mut value = serde_json::to_value(&written).map_err(json)?;
-    if let Some(fields) = value.as_object_mut() {
-        // The simulator runs no drift check; a sweep that does records its verdict here.
-        fields.remove("drift");
-        fields.insert("sim".into(), serde_json::to_value(summary).map_err(json)?);
-    }
+    value["run"]["sim"] = serde_json::to_value(summary).map_err(json)?;
     Ok(value)
 }
 
@@ -457,9 +455,13 @@ pub(crate) fn write_workload_rows(
     Ok((summary, meta_value))
 }
 
-/// Writes `meta.json` into `dir` atomically: the last file of a repetition.
+/// Writes `meta.json` into `dir` atomically, through [`schema::Meta`] (the one type every
+/// writer serializes, so readers see the same bytes a live sweep writes): the last file of a
+/// repetition. Fails when `meta` is not a `Meta`.
 pub fn write_meta(dir: &Path, meta: &serde_json::Value) -> Result<(), SimError> {
-    let text = serde_json::to_vec_pretty(meta).map_err(|e| SimError::Io(e.to_string()))?;
+    let io = |e: serde_json::Error| SimError::Io(format!("meta.json: {e}"));
+    let typed: Meta = serde_json::from_value(meta.clone()).map_err(io)?;
+    let text = serde_json::to_vec_pretty(&typed).map_err(io)?;
     write_atomic(&dir.join("meta.json"), &text)
 }
 
