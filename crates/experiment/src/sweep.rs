@@ -537,6 +537,8 @@ impl<'a> LiveSweep<'a> {
                 vec![fleet::ingress::haproxy::POLICY.to_string()]
             }
         };
+        // Refused before the calibration starts a fleet: exact residency needs KV events.
+        s.fleet.check_policies(&policies)?;
         let cal = s.calibration_for(bins, dir, should_stop)?;
         let routing = cal
             .routing()
