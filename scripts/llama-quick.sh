@@ -4,7 +4,7 @@
 # llama-server replicas (`--fleet llama`), each step resumable (rerun the script after an
 # interruption: finished cells are skipped, a matching calibration is reused).
 #
-#   bash scripts/llama-quick.sh            # the real llama.cpp fleet (~20 min on 2 cores)
+#   bash scripts/llama-quick.sh            # the real llama.cpp fleet (22 min measured on 2 shared cores)
 #   bash scripts/llama-quick.sh emulated   # the same steps on its emulated twin
 #                                          # (`--fleet emulated --cache-model llama-slots`, speed 1)
 #   bash scripts/llama-quick.sh virtual    # the twin's grid in virtual time (seconds), judged by

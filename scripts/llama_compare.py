@@ -3,6 +3,9 @@
 and its emulated twin (or the virtual one), cell by cell (point × policy, repetition 1).
 
 Usage: python3 scripts/llama_compare.py REAL_SWEEP_DIR OTHER_SWEEP_DIR [LABEL_A LABEL_B]
+       python3 scripts/llama_compare.py --report SWEEP_DIR...   (goodput beside attainment, TTFT
+       and ITL p50, engine prefix-hit rate, busiest replica's share and measured requests per
+       cell, from each sweep's report.json and rows, one column group per sweep)
 
 Reads each cell's client rows (`client.csv` or the published `client.csv.gz`), every successful
 row (warm-up included: the cache does not know about the window). The two sides' tokenizers and
@@ -78,7 +81,51 @@ def cells(sweep):
                 yield point, policy, cell
 
 
+def measured(cell):
+    """Measured requests of a closed-loop repetition: rows outside the warm-up sent in the window."""
+    meta_path = os.path.join(cell, "meta.json")
+    rows = rows_of(cell)
+    if rows is None or not os.path.exists(meta_path):
+        return None
+    import json
+
+    w = json.load(open(meta_path))["window"]
+    lo, hi = w["measured_start_s"], w["measured_end_s"]
+    return sum(1 for r in rows if r["warmup"] in ("0", "false") and r["sent_s"] and lo <= float(r["sent_s"]) < hi)
+
+
+def report(sweeps):
+    import json
+
+    reps = {d: json.load(open(os.path.join(d, "report.json"))) for d in sweeps}
+    names = [os.path.basename(d.rstrip("/")) for d in sweeps]
+    print("| point | policy | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(sweeps))
+    first = reps[sweeps[0]]
+    for p in first["points"]:
+        for c in p["cells"]:
+            cols = []
+            for d in sweeps:
+                pt = next((q for q in reps[d]["points"] if q["point"] == p["point"]), None)
+                cc = pt and next((x for x in pt["cells"] if x["policy"] == c["policy"]), None)
+                if not cc or not cc["goodput_rps"]:
+                    cols.append("—")
+                    continue
+                med = lambda k: cc[k]["median"] if cc.get(k) else float("nan")
+                mech = cc["mechanism"]["all"]
+                n = measured(os.path.join(d, p["point"], c["policy"], "rep-1"))
+                cols.append(
+                    f"{med('goodput_rps'):.2f} ({100 * med('slo_attainment'):.0f}%); TTFT {med('ttft_p50_ms'):.0f} ms, "
+                    f"ITL {med('itl_p50_ms'):.1f} ms; hit {100 * mech['prefix_hit_rate']['median']:.0f}%, "
+                    f"busiest {100 * mech['busiest_share']['median']:.0f}%; n={n}"
+                )
+            print(f"| {p['point']} | {c['policy']} | " + " | ".join(cols) + " |")
+
+
 def main():
+    if sys.argv[1] == "--report":
+        report(sys.argv[2:])
+        return
     a, b = sys.argv[1], sys.argv[2]
     la, lb = (sys.argv[3], sys.argv[4]) if len(sys.argv) > 4 else ("real", "emulated")
     print(f"| point | policy | requests {la} / {lb} | later turns | hit {la} / {lb} | part {la} / {lb} | miss {la} / {lb} | Σcached/Σprompt {la} / {lb} | class agrees (joined) |")
