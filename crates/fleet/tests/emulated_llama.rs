@@ -4,7 +4,7 @@
 //! meta, and, like llama-server, publish no KV events: exact residency is refused before the
 //! router starts, and a replica asked for events is refused before it is spawned.
 //!
-//! Builds the engine release binary first (a no-op when fresh). About a second once built.
+//! Builds the engine release binary first (a no-op when fresh). 0.2 s once built.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
