@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use experiment::fleet_spec::{
-    DEFAULT_SPEED, FleetKind, FleetSpec, default_blocks, default_replicas,
+    CacheModelKind, FleetKind, FleetSpec, default_blocks, default_replicas, default_speed,
 };
 
 /// The fleet a command runs against.
@@ -18,9 +18,12 @@ pub struct FleetArgs {
     /// Replicas (emulated, command). Default: 5, or 3 with --quick.
     #[arg(long)]
     pub replicas: Option<usize>,
-    /// Emulator speed-up: every modelled duration is divided by it.
-    #[arg(long, default_value_t = DEFAULT_SPEED)]
-    pub speed: f64,
+    /// Emulator speed-up (durations ÷ it). Default: 6, or 1 with `--cache-model llama-slots`.
+    #[arg(long)]
+    pub speed: Option<f64>,
+    /// Emulated engines' KV cache: `paged` (vLLM's) or `llama-slots` (the llama fleet's twin).
+    #[arg(long, value_enum, default_value_t = CacheModelKind::Paged)]
+    pub cache_model: CacheModelKind,
     /// Per-replica emulated slowdown factors, e.g. `1,1,1,1,1.5` (a throttled card).
     #[arg(long, value_delimiter = ',')]
     pub slowdowns: Vec<f64>,
@@ -70,10 +73,11 @@ pub struct FleetArgs {
 impl FleetArgs {
     /// The fleet these flags describe, with the defaults of a `--quick` or full run.
     pub fn spec(&self, quick: bool) -> FleetSpec {
+        let or = |p: &Option<PathBuf>, d: fn() -> PathBuf| p.clone().unwrap_or_else(d);
         FleetSpec {
             kind: self.fleet,
             replicas: self.replicas.unwrap_or_else(|| default_replicas(quick)),
-            speed: self.speed,
+            speed: self.speed.unwrap_or(default_speed(self.cache_model)),
             slowdowns: self.slowdowns.clone(),
             num_gpu_blocks: self.num_gpu_blocks.unwrap_or_else(|| default_blocks(quick)),
             model: self.model.clone(),
@@ -86,14 +90,9 @@ impl FleetArgs {
             urls: self.urls.clone(),
             kv_events: self.kv_events.clone(),
             ready_timeout_s: self.ready_timeout_s,
-            llama_server: self
-                .llama_server
-                .clone()
-                .unwrap_or_else(fleet::llama::default_server_bin),
-            model_gguf: self
-                .model_gguf
-                .clone()
-                .unwrap_or_else(fleet::llama::default_tiny_model),
+            llama_server: or(&self.llama_server, fleet::llama::default_server_bin),
+            model_gguf: or(&self.model_gguf, fleet::llama::default_tiny_model),
+            cache_model: self.cache_model,
         }
     }
 }

@@ -171,7 +171,10 @@ mod tests {
         };
         assert!(args.quick);
         assert_eq!(args.reps, 3);
-        assert_eq!(args.fleet.speed, experiment::fleet_spec::DEFAULT_SPEED);
+        assert_eq!(
+            args.fleet.spec(false).speed,
+            experiment::fleet_spec::DEFAULT_SPEED
+        );
         assert!(Cli::try_parse_from(["xtask", "sweep", "pressure-grid", "--open-loop"]).is_err());
         assert!(Cli::try_parse_from(["xtask", "sweep", "nonsense"]).is_err());
     }

@@ -62,6 +62,9 @@ pub struct CalibrateSettings {
     pub outlier_factor: f64,
     /// Unseen-prompt requests per replica for the floors.
     pub requests_per_replica: u32,
+    /// Concurrent floor requests per replica (closed-loop users): 1, or a llama fleet's slots
+    /// ([`FleetSpec::default_floor_users`]).
+    pub floor_users: u32,
     /// Closed-loop users of the reference load.
     pub users: u32,
     /// Mean think time of the reference load, s of model time (wall = think ÷ speed).
@@ -93,12 +96,14 @@ impl CalibrateSettings {
         git_rev: Option<String>,
         versions: serde_json::Value,
     ) -> CalibrateSettings {
+        let floor_users = fleet.default_floor_users();
         CalibrateSettings {
             fleet,
             out,
             include_outliers: false,
             outlier_factor: DEFAULT_OUTLIER_FACTOR,
             requests_per_replica: default_requests_per_replica(quick),
+            floor_users,
             users: DEFAULT_USERS,
             think_model_s: DEFAULT_THINK_MODEL_S,
             warmup_s: grid::default_warmup_s(quick),
@@ -168,8 +173,9 @@ pub fn calibrate(
         phase_line(
             1,
             &format!(
-                "floors: {} replicas × {requests} unseen requests, one at a time",
-                s.fleet.replica_count()
+                "floors: {} replicas × {requests} unseen requests, {} at a time",
+                s.fleet.replica_count(),
+                s.floor_users
             ),
             started.elapsed(),
             None,
@@ -202,8 +208,11 @@ pub fn calibrate(
         }
         let dir = work.join(format!("floors/replica-{}", info.index));
         cell::clear(&dir)?;
-        let (spec, arrival) =
-            calibration::floors_workload(s.seed + 1000 + info.index as u64, requests);
+        let (spec, arrival) = calibration::floors_workload(
+            s.seed + 1000 + info.index as u64,
+            requests,
+            s.floor_users,
+        );
         let mut plan =
             Plan::build(&spec, &arrival).map_err(|e| anyhow!("the floors' plan: {e}"))?;
         let fit = calibration::fit_floor_prompts(&mut plan, REFERENCE_PROMPT_TOKENS, &mut |m| {
@@ -436,6 +445,7 @@ pub fn calibrate(
         rules: Some(DerivationRules::live(
             s.outlier_factor,
             analysis::MetricsConfig::default().tokens_per_block,
+            s.floor_users,
         )),
     };
     if let Some(c) = &s.capacity {

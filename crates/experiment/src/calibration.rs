@@ -367,12 +367,20 @@ pub struct DerivationRules {
 impl DerivationRules {
     /// The rules of a live calibration as this build applies them: `outlier_factor` is its
     /// `--outlier-factor`, `tokens_per_block` the analysis's node granularity.
-    pub fn live(outlier_factor: f64, tokens_per_block: u32) -> Self {
+    /// `floor_users` is the floors' concurrency per replica (`CalibrateSettings::floor_users`).
+    pub fn live(outlier_factor: f64, tokens_per_block: u32, floor_users: u32) -> Self {
         DerivationRules {
-            floors: "per replica, straight at it at concurrency 1 on unseen prompts of the \
-                     reference length (floor_prompts): TTFT p50 and per-request ITL p50; the \
-                     fleet's floors are the median over the replicas in use"
-                .into(),
+            floors: format!(
+                "per replica, straight at it at concurrency {floor_users} ({}) on unseen prompts \
+                 of the reference length (floor_prompts): TTFT p50 and per-request ITL p50; the \
+                 fleet's floors are the median over the replicas in use",
+                if floor_users > 1 {
+                    "closed-loop users, no think time: every slot of a llama.cpp replica busy, \
+                     as under load, since its decode batch shares one thread"
+                } else {
+                    "one request at a time"
+                }
+            ),
             slo: format!(
                 "SLO = {SLO_FACTOR} × each floor (slo_factor), rounded to the microsecond"
             ),
@@ -774,8 +782,11 @@ pub fn reference_workload(
 /// The floors' workload for one replica: single-turn conversations, many more than `requests`
 /// so that prompts are (almost all) unseen — the few repeats are filtered out by their cached
 /// tokens — with a context prefix long enough to be trimmed to [`REFERENCE_PROMPT_TOKENS`]
-/// ([`fit_floor_prompts`]); one user, no think time.
-pub fn floors_workload(seed: u64, requests: u32) -> (WorkloadSpec, ArrivalSpec) {
+/// ([`fit_floor_prompts`]); `users` closed-loop users (1: one request at a time; a llama fleet:
+/// one per slot, `FleetSpec::default_floor_users`), no think time, `requests` in all (rounded
+/// up to a whole number per user).
+pub fn floors_workload(seed: u64, requests: u32, users: u32) -> (WorkloadSpec, ArrivalSpec) {
+    let users = users.max(1);
     let user_tokens = WorkloadSpec::default().user_tokens;
     let spec = WorkloadSpec {
         seed,
@@ -786,9 +797,9 @@ pub fn floors_workload(seed: u64, requests: u32) -> (WorkloadSpec, ArrivalSpec) 
         ..WorkloadSpec::default()
     };
     let arrival = ArrivalSpec::Closed {
-        users: 1,
+        users,
         think_mean_s: 0.0,
-        requests_per_user: requests,
+        requests_per_user: requests.div_ceil(users),
     };
     (spec, arrival)
 }
@@ -1299,7 +1310,7 @@ pub(crate) mod tests {
         let mut cal = current_calibration();
         assert!(cal.values_without_rule().contains(&"rules.floors"));
         assert!(cal.values_without_rule().contains(&"floor_prompts.rule"));
-        cal.rules = Some(DerivationRules::live(1.3, 16));
+        cal.rules = Some(DerivationRules::live(1.3, 16, 1));
         cal.floor_prompts = Some(FloorPrompts {
             prompt_tokens: REFERENCE_PROMPT_TOKENS,
             rule: "r".into(),
@@ -1467,7 +1478,17 @@ pub(crate) mod tests {
     /// floors send counts exactly the reference length after fitting (today's prompts: ~1,288).
     #[test]
     fn the_floors_prompts_are_fitted_to_exactly_the_reference_length() {
-        let (spec, arrival) = floors_workload(1007, 12);
+        let (spec, arrival) = floors_workload(1007, 12, 1);
+        // Four users (a llama replica's slots) send the same 12 requests, three each.
+        let (_, four) = floors_workload(1007, 12, 4);
+        assert_eq!(
+            four,
+            ArrivalSpec::Closed {
+                users: 4,
+                think_mean_s: 0.0,
+                requests_per_user: 3
+            }
+        );
         let mut plan = Plan::build(&spec, &arrival).unwrap();
         let mut count = |m: &[Message<'_>]| Ok(sim::prompts::engine_tokens(m).len() as u64);
         let before: Vec<u64> = sent_conversations(&plan)

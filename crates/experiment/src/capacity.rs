@@ -721,6 +721,7 @@ pub fn find_live(
     let started = Instant::now();
     // Unknown names are refused before anything runs.
     grid::policies(&c.policies, false)?;
+    s.fleet.check_policies(&c.policies)?;
     let speed = s.fleet.effective_speed();
     let routing = cal.routing()?;
     let cell_bounds = bounds(cal, s.fleet.kind, speed, c.lateness_share_of_itl_floor);

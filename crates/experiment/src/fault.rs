@@ -399,6 +399,7 @@ impl<'a> FaultRun<'a> {
         } else {
             grid::policies(&s.policies, s.quick)?
         };
+        s.fleet.check_policies(&policies)?;
         let kv_events = policies.iter().any(|p| grid::needs_kv_events(p));
         let setup = setup(s, bins, dir, kv_events, should_stop)?;
         // Refuse a policy the setup cannot route before any fleet starts.

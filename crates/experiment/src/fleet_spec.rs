@@ -9,7 +9,9 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
-use fleet::{CommandSpec, EmulatedSpec, FleetOptions, LlamaSpec, Source, StaticSpec};
+use fleet::{
+    CommandSpec, EmulatedCache, EmulatedSpec, FleetOptions, LlamaSpec, Source, StaticSpec,
+};
 use schema::EngineKind;
 
 use crate::calibration::FleetKey;
@@ -52,6 +54,32 @@ pub enum FleetKind {
     Llama,
 }
 
+/// The KV cache an emulated fleet's engines model (`--cache-model`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "kebab-case")]
+pub enum CacheModelKind {
+    /// vLLM's paged prefix cache (the emulator's default).
+    #[default]
+    Paged,
+    /// llama.cpp's slots with the llama fleet's pinned settings and the llama-tiny step model
+    /// ([`EmulatedCache::llama_fleet`]): the emulated twin of `--fleet llama`.
+    LlamaSlots,
+}
+
+/// Emulator speed of an emulated llama-slots fleet by default: 1, the real llama fleet's, so a
+/// plan's wall-clock think times and rates are the same on both.
+pub const LLAMA_SLOTS_SPEED: f64 = 1.0;
+
+/// The emulator speed by default for a cache model: [`DEFAULT_SPEED`], or
+/// [`LLAMA_SLOTS_SPEED`] for llama-slots.
+pub fn default_speed(cache_model: CacheModelKind) -> f64 {
+    match cache_model {
+        CacheModelKind::Paged => DEFAULT_SPEED,
+        CacheModelKind::LlamaSlots => LLAMA_SLOTS_SPEED,
+    }
+}
+
 /// The fleet a procedure runs against (defaults already applied).
 #[derive(Debug, Clone, PartialEq)]
 pub struct FleetSpec {
@@ -89,6 +117,8 @@ pub struct FleetSpec {
     pub llama_server: PathBuf,
     /// The GGUF model a llama fleet serves (as `--model`).
     pub model_gguf: PathBuf,
+    /// The KV cache an emulated fleet's engines model.
+    pub cache_model: CacheModelKind,
 }
 
 impl FleetSpec {
@@ -101,11 +131,70 @@ impl FleetSpec {
     }
 
     /// The engine's pinned flags for meta's `fleet.engine_flags` (a llama fleet's
-    /// `LlamaSpec::meta`); `null` otherwise.
+    /// `LlamaSpec::meta`, an emulated llama-slots fleet's `EmulatedCache::meta`); `null`
+    /// otherwise.
     pub fn engine_flags(&self) -> serde_json::Value {
         match self.kind {
             FleetKind::Llama => self.llama_spec(self.replica_count()).meta(),
+            FleetKind::Emulated => self.emulated_cache().meta(),
             _ => serde_json::Value::Null,
+        }
+    }
+
+    /// Concurrent floor requests per replica in a calibration: a llama fleet's slots (real or
+    /// emulated), 1 otherwise. llama.cpp decodes every busy slot in one batch on the replica's
+    /// thread, so its inter-token gap grows with the busy slots, which one request at a time
+    /// never sees (one request: ITL 1.95 ms; the reference run with four slots busy: 29.2 ms,
+    /// docs/engines.md); a paged engine's batch is wide enough that one request is its floor.
+    pub fn default_floor_users(&self) -> u32 {
+        match (self.kind, self.cache_model) {
+            (FleetKind::Llama, _) => self.llama_spec(1).parallel,
+            (FleetKind::Emulated, CacheModelKind::LlamaSlots) => match self.emulated_cache() {
+                EmulatedCache::LlamaSlots { parallel_slots, .. } => parallel_slots,
+                EmulatedCache::Paged => 1,
+            },
+            _ => 1,
+        }
+    }
+
+    /// The cache the emulated engines model: the paged default, or llama-slots with the llama
+    /// fleet's pinned settings.
+    pub fn emulated_cache(&self) -> EmulatedCache {
+        match self.cache_model {
+            CacheModelKind::Paged => EmulatedCache::Paged,
+            CacheModelKind::LlamaSlots => EmulatedCache::llama_fleet(),
+        }
+    }
+
+    /// Why this fleet's replicas cannot feed a policy that needs KV events, or `None`.
+    pub fn no_kv_events_reason(&self) -> Option<&'static str> {
+        match self.kind {
+            FleetKind::Llama => EngineKind::LlamaCpp.no_kv_events_reason(),
+            FleetKind::Emulated => self.emulated_cache().no_kv_events_reason(),
+            FleetKind::Command | FleetKind::Static => None,
+        }
+    }
+
+    /// Refuses `policies` that need KV events on a fleet that publishes none (a llama fleet,
+    /// an emulated llama-slots one), before any process starts.
+    pub fn check_policies(&self, policies: &[String]) -> Result<()> {
+        if let Some(reason) = self.no_kv_events_reason()
+            && let Some(p) = policies.iter().find(|p| crate::grid::needs_kv_events(p))
+        {
+            bail!(
+                "policy {p} needs the engines' KV events and cannot run on this fleet ({}): {reason}. Use a policy that keeps its own belief of residency (prefix-affinity, prefix-hash) or the session policies",
+                self.describe()
+            );
+        }
+        Ok(())
+    }
+
+    /// `llama`, `emulated`, `emulated llama-slots`, … (for messages).
+    fn describe(&self) -> String {
+        let kind = format!("{:?}", self.kind).to_lowercase();
+        match (self.kind, self.cache_model) {
+            (FleetKind::Emulated, CacheModelKind::LlamaSlots) => format!("{kind} llama-slots"),
+            _ => kind,
         }
     }
 
@@ -158,17 +247,31 @@ impl FleetSpec {
                 self.slowdowns.len()
             );
         }
+        if self.cache_model != CacheModelKind::Paged && self.kind != FleetKind::Emulated {
+            bail!(
+                "--cache-model applies to --fleet emulated (a real fleet's cache is its engine's)"
+            );
+        }
+        if kv_events && let Some(reason) = self.no_kv_events_reason() {
+            bail!(
+                "a policy needs KV events, which this fleet ({}) cannot publish: {reason}",
+                self.describe()
+            );
+        }
         Ok(match self.kind {
             FleetKind::Emulated => Source::Emulated(EmulatedSpec {
                 engine_bin: engine_bin.to_path_buf(),
                 replicas: keep.len(),
                 speed: self.speed,
                 slowdowns: keep.iter().map(|&i| self.slowdown(i)).collect(),
-                num_gpu_blocks: Some(self.num_gpu_blocks),
+                // llama-slots sizes its pool by --ctx-tokens; the blocks are unused there.
+                num_gpu_blocks: (self.cache_model == CacheModelKind::Paged)
+                    .then_some(self.num_gpu_blocks),
                 model: self.model.clone(),
                 seed: self.engine_seed,
                 kv_events,
                 extra_args: Vec::new(),
+                cache: self.emulated_cache(),
             }),
             FleetKind::Command => {
                 let Some(template) = self.command.clone() else {
@@ -220,10 +323,15 @@ impl FleetSpec {
             replicas: n,
             speed: self.effective_speed(),
             slowdowns: (0..n).map(|i| self.slowdown(i)).collect(),
-            num_gpu_blocks: matches!(self.kind, FleetKind::Emulated).then_some(self.num_gpu_blocks),
+            num_gpu_blocks: (self.kind == FleetKind::Emulated
+                && self.cache_model == CacheModelKind::Paged)
+                .then_some(self.num_gpu_blocks),
             model: self.model.clone(),
             detail: match self.kind {
-                FleetKind::Emulated => None,
+                FleetKind::Emulated => match self.emulated_cache() {
+                    EmulatedCache::Paged => None,
+                    cache => Some(format!("engine {}", cache.args().join(" "))),
+                },
                 FleetKind::Command => self.command.clone(),
                 FleetKind::Static => Some(self.urls.join(",")),
                 FleetKind::Llama => Some(self.llama_spec(n).key()),
@@ -259,6 +367,7 @@ impl FleetSpec {
             ready_timeout_s: 120.0,
             llama_server: PathBuf::from("llama-server"),
             model_gguf: PathBuf::from("m.gguf"),
+            cache_model: CacheModelKind::Paged,
         }
     }
 }
@@ -314,5 +423,82 @@ mod tests {
             panic!("not llama")
         };
         assert_eq!(l.replicas, 2);
+        let exact = vec!["round-robin".to_string(), "exact-residency".to_string()];
+        assert!(
+            spec.check_policies(&exact)
+                .unwrap_err()
+                .to_string()
+                .contains("llama.cpp's llama-server publishes no KV events")
+        );
+        // The cache model belongs to emulated fleets only.
+        spec.cache_model = CacheModelKind::LlamaSlots;
+        assert!(spec.source(Path::new("engine"), false, None).is_err());
+    }
+
+    #[test]
+    fn an_emulated_llama_fleet_runs_the_llama_fleets_slots_without_kv_events() {
+        let paged = emulated();
+        let spec = FleetSpec {
+            cache_model: CacheModelKind::LlamaSlots,
+            speed: default_speed(CacheModelKind::LlamaSlots),
+            ..emulated()
+        };
+        // The engines get the llama fleet's pinned slot settings and the llama-tiny step model.
+        let Source::Emulated(e) = spec.source(Path::new("engine"), false, None).unwrap() else {
+            panic!("not emulated")
+        };
+        let pinned = LlamaSpec::new(PathBuf::new(), PathBuf::new(), "m", 3);
+        assert_eq!(e.num_gpu_blocks, None);
+        assert_eq!(e.speed, 1.0);
+        assert_eq!(
+            e.cache.args().join(" "),
+            format!(
+                "--cache-model llama-slots --parallel-slots {} --slot-prompt-similarity {} --ctx-tokens {} --step-model llama-tiny",
+                pinned.parallel, pinned.slot_prompt_similarity, pinned.ctx_size_tokens
+            )
+        );
+        assert_eq!(
+            e.cache.args().join(" "),
+            "--cache-model llama-slots --parallel-slots 4 --slot-prompt-similarity 0.1 --ctx-tokens 16384 --step-model llama-tiny"
+        );
+        // Meta records it; the key tells it from the paged fleet (a calibration of one is not
+        // the other's); the engine API stays vLLM's (the emulator's).
+        let flags = spec.engine_flags();
+        assert_eq!(flags["cache_model"], "llama-slots");
+        assert_eq!(flags["parallel_slots"], 4);
+        assert_eq!(flags["ctx_size_tokens"], 16384);
+        assert_eq!(flags["step_model"], "llama-tiny");
+        assert!(paged.engine_flags().is_null());
+        assert_ne!(spec.key(), paged.key());
+        assert_eq!(spec.key().num_gpu_blocks, None);
+        assert!(
+            spec.key()
+                .detail
+                .unwrap()
+                .contains("--cache-model llama-slots")
+        );
+        assert_eq!(spec.engine(), EngineKind::Vllm);
+        // Exact residency is refused, as on the real llama fleet: no KV events.
+        let e = spec.source(Path::new("engine"), true, None).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("emulated llama-slots) cannot publish: the emulator's llama-slots cache model publishes no KV events"),
+            "{e}"
+        );
+        let policies: Vec<String> = ["round-robin", "prefix-affinity", "exact-residency"]
+            .map(String::from)
+            .to_vec();
+        let e = spec.check_policies(&policies).unwrap_err().to_string();
+        assert!(
+            e.starts_with("policy exact-residency needs the engines' KV events and cannot run on this fleet (emulated llama-slots)"),
+            "{e}"
+        );
+        assert!(spec.check_policies(&policies[..2]).is_ok());
+        // Its floors, like the real llama fleet's, are measured with every slot busy.
+        assert_eq!(
+            (spec.default_floor_users(), paged.default_floor_users()),
+            (4, 1)
+        );
+        assert!(paged.check_policies(&policies).is_ok());
     }
 }

@@ -547,6 +547,8 @@ impl<'a> LiveSweep<'a> {
                     .collect()
             }
         };
+        // Refused before the calibration starts a fleet: exact residency needs KV events.
+        s.fleet.check_policies(&policies)?;
         let cal = s.calibration_for(bins, dir, should_stop)?;
         let routing = cal
             .routing()

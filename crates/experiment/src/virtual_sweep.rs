@@ -66,6 +66,8 @@ pub struct EmulatedFleet {
     pub slowdowns: Vec<f64>,
     /// Model name (served by the replicas; the router's salt).
     pub model: String,
+    /// The KV cache and step model the engines run (`--cache-model`).
+    pub cache: fleet::EmulatedCache,
 }
 
 impl EmulatedFleet {
@@ -79,6 +81,7 @@ impl EmulatedFleet {
             speed: spec.speed,
             slowdowns: spec.slowdowns.clone(),
             model: spec.model.clone(),
+            cache: spec.emulated_cache(),
         })
     }
 
@@ -104,6 +107,22 @@ impl EmulatedFleet {
     pub fn base_config(&self, used: &[usize]) -> Result<sim::SimConfig> {
         let mut cfg = sim::SimConfig::new(used.len() as u32, "round-robin");
         cfg.engine.num_gpu_blocks = self.num_gpu_blocks;
+        if let fleet::EmulatedCache::LlamaSlots {
+            parallel_slots,
+            slot_prompt_similarity,
+            ctx_tokens,
+            step_model,
+        } = &self.cache
+        {
+            // The engines' `--cache-model llama-slots … --step-model …`, as the live fleet.
+            cfg.engine.cache_model = engine::CacheModel::LlamaSlots {
+                slots: *parallel_slots,
+                similarity: *slot_prompt_similarity,
+                ctx_tokens: *ctx_tokens,
+            };
+            cfg.engine.model = engine::StepModel::preset(step_model)
+                .ok_or_else(|| anyhow!("unknown step model {step_model}"))?;
+        }
         cfg.engine.model.speed = self.speed;
         // No step-time jitter: an invented noise level would only make deterministic
         // repetitions look like measured ones.
@@ -147,7 +166,7 @@ pub fn calibrate(
     versions: serde_json::Value,
 ) -> Result<Calibration> {
     let mut count = |m: &[Message<'_>]| Ok(sim::prompts::engine_tokens(m).len() as u64);
-    let (spec, arrival) = calibration::floors_workload(r.seed + 1000, CALIBRATION_REQUESTS);
+    let (spec, arrival) = calibration::floors_workload(r.seed + 1000, CALIBRATION_REQUESTS, 1);
     let mut floors_plan = Plan::build(&spec, &arrival).map_err(|e| anyhow!("{e}"))?;
     let floor_prompts =
         calibration::fit_floor_prompts(&mut floors_plan, REFERENCE_PROMPT_TOKENS, &mut count)?;
@@ -882,6 +901,8 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
     }
     // Checked before the calibration and its capacity search, which take a while.
     let policies = grid::policies(&s.policies, s.quick)?;
+    // The simulator refuses exact keying on llama-slots too; say so before calibrating.
+    s.fleet.check_policies(&policies)?;
     let fleet = EmulatedFleet::of(&s.fleet)?;
     let used = fleet.used_replicas();
     let base = fleet.base_config(&used)?;
@@ -1049,6 +1070,7 @@ mod tests {
             speed: 6.0,
             slowdowns: slowdowns.to_vec(),
             model: sim::DEFAULT_MODEL.into(),
+            cache: fleet::EmulatedCache::Paged,
         }
     }
 
@@ -1115,6 +1137,38 @@ mod tests {
         assert_eq!(base.slowdowns, [1.0, 1.2, 1.0]);
         assert_eq!(base.engine.num_gpu_blocks, 1024);
         assert_eq!(base.engine.model.jitter, 0.0, "no invented step-time noise");
+    }
+
+    /// `--fleet emulated --cache-model llama-slots --virtual`: the simulated engines run the
+    /// llama fleet's slots and the llama-tiny step model at the fleet's speed; exact residency
+    /// is refused before anything runs.
+    #[test]
+    fn an_emulated_llama_fleet_is_simulated_with_its_slots() {
+        let spec = FleetSpec {
+            cache_model: crate::fleet_spec::CacheModelKind::LlamaSlots,
+            speed: 1.0,
+            ..FleetSpec::test_emulated()
+        };
+        let f = EmulatedFleet::of(&spec).unwrap();
+        let base = f.base_config(&f.used_replicas()).unwrap();
+        assert_eq!(base.engine.cache_model, engine::CacheModel::LLAMA_FLEET);
+        let tiny = engine::StepModel::llama_tiny();
+        assert_eq!(
+            (base.engine.model.c_tok_ms, base.engine.model.speed),
+            (tiny.c_tok_ms, 1.0)
+        );
+        assert_eq!(base.capacity_tokens(), 3 * 16384);
+        let s = SweepSettings {
+            fleet: spec,
+            policies: vec!["prefix-affinity".into(), "exact-residency".into()],
+            ..SweepSettings::test_quick()
+        };
+        let dir = Scratch::new("virtual-llama-refused");
+        let e = prepare(&s, &dir.0).err().unwrap().to_string();
+        assert!(
+            e.contains("cannot run on this fleet (emulated llama-slots)"),
+            "{e}"
+        );
     }
 
     /// A tiny cell, run twice with one seed and once with the next repetition's: the same bytes,

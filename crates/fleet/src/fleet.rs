@@ -48,6 +48,17 @@ impl Source {
         }
     }
 
+    /// Why this source's replicas cannot feed a policy that needs KV events (exact residency),
+    /// or `None` when they can: a llama fleet, and an emulated one with the llama-slots cache
+    /// model, publish none.
+    pub fn no_kv_events_reason(&self) -> Option<&'static str> {
+        match self {
+            Source::Llama(_) => EngineKind::LlamaCpp.no_kv_events_reason(),
+            Source::Emulated(spec) => spec.cache.no_kv_events_reason(),
+            Source::Command(_) | Source::Static(_) => None,
+        }
+    }
+
     /// Number of replicas this source provides.
     pub fn replicas(&self) -> usize {
         match self {
@@ -87,12 +98,116 @@ pub struct EmulatedSpec {
     pub kv_events: bool,
     /// Extra flags passed verbatim to every engine.
     pub extra_args: Vec<String>,
+    /// The KV cache the engines model (`--cache-model`): vLLM's paged prefix cache, or
+    /// llama.cpp's slots with the llama-tiny step model (an emulated llama fleet).
+    pub cache: EmulatedCache,
 }
 
 impl EmulatedSpec {
     /// The slowdown of replica `index` (1.0 when not given).
     pub fn slowdown(&self, index: usize) -> f64 {
         self.slowdowns.get(index).copied().unwrap_or(1.0)
+    }
+}
+
+/// The KV cache an emulated replica models, as `engine` flags.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum EmulatedCache {
+    /// vLLM's paged prefix cache (`--cache-model paged`, the engine's default; KV events when
+    /// asked).
+    #[default]
+    Paged,
+    /// llama.cpp's `llama-server` slots (`--cache-model llama-slots --parallel-slots N
+    /// --slot-prompt-similarity F --ctx-tokens N --step-model S`): no KV events.
+    LlamaSlots {
+        /// `--parallel-slots` (llama-server's `-np`).
+        parallel_slots: u32,
+        /// `--slot-prompt-similarity`.
+        slot_prompt_similarity: f64,
+        /// `--ctx-tokens` (llama-server's `-c` with `--kv-unified`).
+        ctx_tokens: u32,
+        /// `--step-model` preset (`llama-tiny`: the tiny grid model on one CPU thread).
+        step_model: String,
+    },
+}
+
+impl EmulatedCache {
+    /// The llama fleet's pinned slot settings ([`LlamaSpec::new`]'s `-np`,
+    /// `--slot-prompt-similarity` and `-c`) with the step model fitted to its tiny model
+    /// (`llama-tiny`): the emulated twin of `--fleet llama`.
+    pub fn llama_fleet() -> EmulatedCache {
+        let pinned = LlamaSpec::new(PathBuf::new(), PathBuf::new(), "", 0);
+        EmulatedCache::LlamaSlots {
+            parallel_slots: pinned.parallel,
+            slot_prompt_similarity: pinned.slot_prompt_similarity,
+            ctx_tokens: pinned.ctx_size_tokens,
+            step_model: "llama-tiny".into(),
+        }
+    }
+
+    /// `paged` or `llama-slots` (the engine's `--cache-model`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            EmulatedCache::Paged => "paged",
+            EmulatedCache::LlamaSlots { .. } => "llama-slots",
+        }
+    }
+
+    /// The engine flags (none for the paged default).
+    pub fn args(&self) -> Vec<String> {
+        match self {
+            EmulatedCache::Paged => Vec::new(),
+            EmulatedCache::LlamaSlots {
+                parallel_slots,
+                slot_prompt_similarity,
+                ctx_tokens,
+                step_model,
+            } => vec![
+                "--cache-model".into(),
+                "llama-slots".into(),
+                "--parallel-slots".into(),
+                parallel_slots.to_string(),
+                "--slot-prompt-similarity".into(),
+                slot_prompt_similarity.to_string(),
+                "--ctx-tokens".into(),
+                ctx_tokens.to_string(),
+                "--step-model".into(),
+                step_model.clone(),
+            ],
+        }
+    }
+
+    /// What meta records as `fleet.engine_flags`: `null` for the paged default, else the
+    /// cache model and its settings.
+    pub fn meta(&self) -> serde_json::Value {
+        match self {
+            EmulatedCache::Paged => serde_json::Value::Null,
+            EmulatedCache::LlamaSlots {
+                parallel_slots,
+                slot_prompt_similarity,
+                ctx_tokens,
+                step_model,
+            } => serde_json::json!({
+                "engine": "emulator",
+                "cache_model": self.name(),
+                "parallel_slots": parallel_slots,
+                "slot_prompt_similarity": slot_prompt_similarity,
+                "ctx_size_tokens": ctx_tokens,
+                "step_model": step_model,
+                "args": self.args(),
+                "capacity_rule": "capacity_tokens = --ctx-tokens per replica (the emulator's /metrics: block_size 1, num_gpu_blocks = ctx tokens)",
+            }),
+        }
+    }
+
+    /// Why these engines cannot feed a policy that needs KV events, or `None` when they can.
+    pub fn no_kv_events_reason(&self) -> Option<&'static str> {
+        match self {
+            EmulatedCache::Paged => None,
+            EmulatedCache::LlamaSlots { .. } => Some(
+                "the emulator's llama-slots cache model publishes no KV events, as llama.cpp's llama-server publishes none (its per-slot caches are not visible outside the process)",
+            ),
+        }
     }
 }
 
@@ -522,11 +637,18 @@ impl Fleet {
         }
     }
 
+    /// Why these replicas cannot feed a policy that needs KV events ([`Source::no_kv_events_reason`]).
+    pub fn no_kv_events_reason(&self) -> Option<&'static str> {
+        self.source.no_kv_events_reason()
+    }
+
     /// What meta records of the replicas' engine settings: a llama fleet's pinned flags
-    /// ([`LlamaSpec::meta`]); `null` for the other sources.
+    /// ([`LlamaSpec::meta`]), an emulated fleet's cache model when it is not the paged default
+    /// ([`EmulatedCache::meta`]); `null` for the other sources.
     pub fn engine_meta(&self) -> serde_json::Value {
         match &self.source {
             Source::Llama(spec) => spec.meta(),
+            Source::Emulated(spec) => spec.cache.meta(),
             _ => serde_json::Value::Null,
         }
     }
@@ -616,7 +738,11 @@ impl Fleet {
                 if let Some(blocks) = spec.num_gpu_blocks {
                     cmd.args(["--num-gpu-blocks", &blocks.to_string()]);
                 }
+                cmd.args(spec.cache.args());
                 if spec.kv_events {
+                    if let Some(reason) = spec.cache.no_kv_events_reason() {
+                        bail!("KV events were asked of an emulated fleet that has none: {reason}");
+                    }
                     let kv_port = previous
                         .and_then(|p| p.kv_events.as_deref())
                         .and_then(port_of)
@@ -862,6 +988,7 @@ mod tests {
             seed: 0,
             kv_events: false,
             extra_args: vec![],
+            cache: EmulatedCache::Paged,
         };
         assert!(Fleet::new(Source::Emulated(spec.clone()), FleetOptions::new("/tmp")).is_err());
         let slow = EmulatedSpec {

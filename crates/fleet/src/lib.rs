@@ -34,7 +34,9 @@ pub mod process;
 
 pub use driver_process::{DriverSettings, start_driver, wait_driver};
 pub use evidence::{CheckStatus, EvidenceBounds, EvidenceConfig, EvidenceSampler, EvidenceSummary};
-pub use fleet::{CommandSpec, EmulatedSpec, Fleet, FleetOptions, ReplicaInfo, Source, StaticSpec};
+pub use fleet::{
+    CommandSpec, EmulatedCache, EmulatedSpec, Fleet, FleetOptions, ReplicaInfo, Source, StaticSpec,
+};
 pub use gpu::{FleetGpus, GpuBackend};
 pub use ingress::{Ingress, IngressProcess, RouterSettings};
 pub use llama::LlamaSpec;

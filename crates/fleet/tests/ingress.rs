@@ -16,7 +16,7 @@ use fleet::ingress::haproxy::{INSTALL_HINT, haproxy_bin};
 use fleet::ingress::{
     Haproxy, HaproxySettings, Ingress, IngressProcess, RouterSettings, ServerStat,
 };
-use fleet::{DriverSettings, EmulatedSpec, Fleet, FleetOptions, Source};
+use fleet::{DriverSettings, EmulatedCache, EmulatedSpec, Fleet, FleetOptions, Source};
 
 /// A scratch directory removed when the test ends (pass or fail).
 fn temp_dir(name: &str) -> tempfile::TempDir {
@@ -209,6 +209,7 @@ fn the_driver_streams_through_haproxy_to_emulated_engines() {
         seed: 1,
         kv_events: false,
         extra_args: Vec::new(),
+        cache: EmulatedCache::Paged,
     });
     let options = FleetOptions {
         ready_timeout: Duration::from_secs(120),

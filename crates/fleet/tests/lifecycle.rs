@@ -10,7 +10,10 @@ use std::time::Duration;
 use fleet::evidence::{CheckStatus, EvidenceBounds, EvidenceConfig, EvidenceSampler};
 use fleet::fleet::never;
 use fleet::gpu::{FleetGpus, ScriptedGpus, ThrottleReasons};
-use fleet::{ChildGuard, CommandSpec, EmulatedSpec, Fleet, FleetOptions, Source, StaticSpec, http};
+use fleet::{
+    ChildGuard, CommandSpec, EmulatedCache, EmulatedSpec, Fleet, FleetOptions, Source, StaticSpec,
+    http,
+};
 
 const FAKE: &str = env!("CARGO_BIN_EXE_fake-replica");
 
@@ -33,6 +36,7 @@ fn emulated(replicas: usize, extra: &[&str]) -> EmulatedSpec {
         seed: 7,
         kv_events: true,
         extra_args: extra.iter().map(|s| s.to_string()).collect(),
+        cache: EmulatedCache::Paged,
     }
 }
 

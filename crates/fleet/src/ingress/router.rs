@@ -85,11 +85,30 @@ pub fn router_command(
 /// Refuses a policy that needs KV events (exact residency) in front of an engine that publishes
 /// none, naming the engine's reason, before any process starts.
 pub fn check_kv_events(engine: EngineKind, settings: &RouterSettings) -> Result<()> {
+    refuse_without_kv_events(engine.as_str(), engine.no_kv_events_reason(), settings)
+}
+
+/// [`check_kv_events`] for a whole fleet: its engine's reason, then its source's (an emulated
+/// fleet with the llama-slots cache model speaks vLLM's API but publishes no events).
+pub fn check_fleet_kv_events(fleet: &Fleet, settings: &RouterSettings) -> Result<()> {
+    check_kv_events(fleet.engine(), settings)?;
+    refuse_without_kv_events(
+        "llama-slots emulated",
+        fleet.no_kv_events_reason(),
+        settings,
+    )
+}
+
+fn refuse_without_kv_events(
+    fleet: &str,
+    reason: Option<&str>,
+    settings: &RouterSettings,
+) -> Result<()> {
     if settings.kv_events
-        && let Some(reason) = engine.no_kv_events_reason()
+        && let Some(reason) = reason
     {
         bail!(
-            "policy {} needs the engines' KV events and cannot run on a {engine} fleet: {reason}. Use a policy that keeps its own belief of residency (prefix-affinity, prefix-hash) or the session policies",
+            "policy {} needs the engines' KV events and cannot run on a {fleet} fleet: {reason}. Use a policy that keeps its own belief of residency (prefix-affinity, prefix-hash) or the session policies",
             settings.policy
         );
     }
@@ -108,7 +127,7 @@ pub fn start_router(
     log: &Path,
     should_stop: &dyn Fn() -> bool,
 ) -> Result<(ChildGuard, String, String)> {
-    check_kv_events(fleet.engine(), settings)?;
+    check_fleet_kv_events(fleet, settings)?;
     let mut cmd = router_command(router_bin, &fleet.replicas(), settings, rows)?;
     if let Some(priority) = fleet.replica_sched_fifo_priority() {
         // Real-time emulated engines on the same cores preempt every ordinary thread, so a
