@@ -237,13 +237,9 @@ impl SweepArgs {
     }
 
     fn dir(&self) -> PathBuf {
-        let name = self.sweep_dir_name.clone().unwrap_or_else(|| {
-            if self.quick {
-                format!("{}-quick", self.name.as_str())
-            } else {
-                self.name.as_str().to_string()
-            }
-        });
+        let quick = if self.quick { "-quick" } else { "" };
+        let name = (self.sweep_dir_name.clone())
+            .unwrap_or_else(|| format!("{}{quick}", self.name.as_str()));
         self.out.join(name)
     }
 }
