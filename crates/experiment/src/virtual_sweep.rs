@@ -367,6 +367,84 @@ pub fn find_capacity_of(
     Ok(cap)
 }
 
+/// One capacity search a per-point sweep needs: a name and the workload searched.
+type Search = (String, WorkloadSpec);
+
+/// The `--load` points' distinct workloads, each named after the first point that has it
+/// (its name without `-load<f>`), and each point's owner among them: one capacity search serves
+/// every point that differs only in its load fraction.
+fn searches_by_workload(
+    s: &SweepSettings,
+    cal: &Calibration,
+    points: &[Point],
+) -> (Vec<Search>, Vec<(String, String)>) {
+    let mut searches: Vec<Search> = Vec::new();
+    let mut of_point = Vec::new();
+    for p in points.iter().filter(|p| p.load_fraction.is_some()) {
+        let spec = s.spec_for(p, cal);
+        let owner = match searches.iter().find(|(_, sp)| *sp == spec) {
+            Some((name, _)) => name.clone(),
+            None => {
+                let name = p.name.split("-load").next().unwrap_or(&p.name).to_string();
+                searches.push((name.clone(), spec));
+                name
+            }
+        };
+        of_point.push((p.name.clone(), owner));
+    }
+    (searches, of_point)
+}
+
+/// Runs `search` for each named workload, as many at once as there are cores, each recorded in
+/// `<records>/<name>/capacity.json`; a record of the same workload under the same SLO is reused
+/// (a resume). Returns `(name, capacity)` in the order given.
+fn searched_in_parallel(
+    searches: &[Search],
+    slo: Slo,
+    records: &Path,
+    search: &(dyn Fn(&str, &WorkloadSpec) -> Result<Capacity> + Sync),
+) -> Result<Vec<(String, Capacity)>> {
+    let record = |name: &str| records.join(name).join("capacity.json");
+    let one = |name: &String, spec: &WorkloadSpec| -> Result<(String, Capacity)> {
+        let reused = std::fs::read_to_string(record(name))
+            .ok()
+            .and_then(|t| serde_json::from_str::<PointCapacity>(&t).ok())
+            .filter(|c| c.capacity.workload == spec.name() && c.slo == slo);
+        if let Some(c) = reused {
+            return Ok((name.clone(), c.capacity));
+        }
+        let c = search(name, spec)?;
+        let text = serde_json::to_string_pretty(&PointCapacity {
+            slo,
+            capacity: c.clone(),
+            simulated: None,
+        })?;
+        cell::write_atomic(&record(name), text.as_bytes())?;
+        Ok((name.clone(), c))
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut found = Vec::new();
+    for chunk in searches.chunks(threads.max(1)) {
+        let results: Vec<Result<(String, Capacity)>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|(name, spec)| scope.spawn(|| one(name, spec)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("a capacity search panicked")))
+                })
+                .collect()
+        });
+        for r in results {
+            found.push(r?);
+        }
+    }
+    Ok(found)
+}
+
 /// Each `--load` point's own capacity under [`CapacityScope::PerPoint`] (empty otherwise), as
 /// `(point name, capacity)`: the reference search ([`find_capacity_of`]) on the point's workload,
 /// started at the reference capacity (the reference point's own workload takes the
@@ -389,33 +467,12 @@ fn point_capacities(
         .capacity
         .as_ref()
         .ok_or_else(|| anyhow!("a per-point capacity search starts from the reference capacity, and the calibration has none"))?;
-    // One search per distinct workload, named after the first point that has it.
-    let mut searches: Vec<(String, WorkloadSpec)> = Vec::new();
-    let mut of_point: Vec<(String, String)> = Vec::new();
-    for p in points.iter().filter(|p| p.load_fraction.is_some()) {
-        let spec = s.spec_for(p, cal);
-        let owner = match searches.iter().find(|(_, sp)| *sp == spec) {
-            Some((name, _)) => name.clone(),
-            None => {
-                let name = p.name.split("-load").next().unwrap_or(&p.name).to_string();
-                searches.push((name.clone(), spec));
-                name
-            }
-        };
-        of_point.push((p.name.clone(), owner));
-    }
-    // The search's record sits with its steps; each point it serves gets a copy.
-    let record = |name: &str| {
-        dir.join("calibration-runs")
-            .join(name)
-            .join("capacity.json")
-    };
-    let reusable = |name: &str, spec: &WorkloadSpec| -> Option<Capacity> {
-        let text = std::fs::read_to_string(record(name)).ok()?;
-        let c: PointCapacity = serde_json::from_str(&text).ok()?;
-        (c.capacity.workload == spec.name() && c.slo == cal.slo).then_some(c.capacity)
-    };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (searches, of_point) = searches_by_workload(s, cal, points);
+    let order: Vec<String> = searches.iter().map(|(name, _)| name.clone()).collect();
+    // The reference point's own workload: its capacity is the calibration's, not searched.
+    let (given, to_search): (Vec<_>, Vec<_>) = searches
+        .into_iter()
+        .partition(|(_, spec)| reference.workload == spec.name());
     let start = (
         reference.rate_rps,
         format!(
@@ -423,49 +480,22 @@ fn point_capacities(
             reference.rate_rps
         ),
     );
-    let mut found: Vec<(String, Capacity)> = Vec::new();
-    for chunk in searches.chunks(threads.max(1)) {
-        let results: Vec<Result<(String, Capacity)>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = chunk
-                .iter()
-                .map(|(name, spec)| {
-                    let start = start.clone();
-                    scope.spawn(move || -> Result<(String, Capacity)> {
-                        // The reference point's own workload: its capacity is the calibration's.
-                        if reference.workload == spec.name() {
-                            return Ok((name.clone(), reference.clone()));
-                        }
-                        if let Some(c) = reusable(name, spec) {
-                            return Ok((name.clone(), c));
-                        }
-                        let work = dir.join("calibration-runs").join(name);
-                        let c = find_capacity_of(s, base, cal, &work, spec, name, start, None)
-                            .with_context(|| format!("the capacity of point {name}"))?;
-                        cell::write_atomic(
-                            &record(name),
-                            serde_json::to_string_pretty(&PointCapacity {
-                                slo: cal.slo,
-                                capacity: c.clone(),
-                                simulated: None,
-                            })?
-                            .as_bytes(),
-                        )?;
-                        Ok((name.clone(), c))
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(anyhow!("a capacity search panicked")))
-                })
-                .collect()
-        });
-        for r in results {
-            found.push(r?);
-        }
-    }
+    let runs = dir.join("calibration-runs");
+    let mut found = searched_in_parallel(&to_search, cal.slo, &runs, &|name, spec| {
+        find_capacity_of(
+            s,
+            base,
+            cal,
+            &runs.join(name),
+            spec,
+            name,
+            start.clone(),
+            None,
+        )
+        .with_context(|| format!("the capacity of point {name}"))
+    })?;
+    found.extend(given.into_iter().map(|(name, _)| (name, reference.clone())));
+    found.sort_by_key(|(name, _)| order.iter().position(|n| n == name));
     for (name, c) in &found {
         eprintln!(
             "xtask: capacity of {name}: {} req/s (model time; {} steps, {})",
@@ -565,26 +595,24 @@ pub fn simulated_point_capacities(
     })?;
     let base = EmulatedFleet::of(&s.fleet)?.base_config(&cal.used_replicas)?;
     let reference_spec = capacity::reference_spec(s.seed, cal.capacity_tokens);
-    let mut searches: Vec<(String, WorkloadSpec)> = vec![("reference".to_string(), reference_spec)];
-    let mut of_point: Vec<(String, Option<String>)> = Vec::new();
-    for p in points.iter().filter(|p| p.load_fraction.is_some()) {
-        let spec = s.spec_for(p, cal);
-        if spec == reference_spec {
-            of_point.push((p.name.clone(), None));
-            continue;
-        }
-        let owner = match searches.iter().find(|(_, sp)| *sp == spec) {
-            Some((name, _)) => name.clone(),
-            None => {
-                let name = p.name.split("-load").next().unwrap_or(&p.name).to_string();
-                searches.push((name.clone(), spec));
-                name
-            }
-        };
-        of_point.push((p.name.clone(), Some(owner)));
-    }
-    let runs = dir.join("calibration-runs").join("simulated");
-    let record = |name: &str| runs.join(name).join("capacity.json");
+    let (searches, of_point) = searches_by_workload(s, cal, points);
+    // Points of the reference workload keep the live capacity; the simulator searches the
+    // reference workload under its own name and every other workload under its point's.
+    let of_point: Vec<(String, Option<String>)> = of_point
+        .into_iter()
+        .map(|(point, owner)| {
+            let is_reference = searches
+                .iter()
+                .any(|(name, spec)| *name == owner && *spec == reference_spec);
+            (point, (!is_reference).then_some(owner))
+        })
+        .collect();
+    let mut to_search = vec![("reference".to_string(), reference_spec)];
+    to_search.extend(
+        searches
+            .into_iter()
+            .filter(|(_, spec)| *spec != reference_spec),
+    );
     let start = (
         live.rate_rps,
         format!(
@@ -592,56 +620,21 @@ pub fn simulated_point_capacities(
             live.rate_rps
         ),
     );
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut found: Vec<(String, Capacity)> = Vec::new();
-    for chunk in searches.chunks(threads.max(1)) {
-        let results: Vec<Result<(String, Capacity)>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = chunk
-                .iter()
-                .map(|(name, spec)| {
-                    let (start, base, record, runs) = (start.clone(), &base, &record, &runs);
-                    scope.spawn(move || -> Result<(String, Capacity)> {
-                        if let Some(c) = std::fs::read_to_string(record(name))
-                            .ok()
-                            .and_then(|t| serde_json::from_str::<PointCapacity>(&t).ok())
-                            .filter(|c| c.capacity.workload == spec.name() && c.slo == cal.slo)
-                        {
-                            return Ok((name.clone(), c.capacity));
-                        }
-                        let work = runs.join(name);
-                        let c = find_capacity_of(
-                            s,
-                            base,
-                            cal,
-                            &work,
-                            spec,
-                            name,
-                            start,
-                            Some(SIMULATED_RESOLUTION),
-                        )
-                        .with_context(|| format!("the simulated capacity of {name}"))?;
-                        let text = serde_json::to_string_pretty(&PointCapacity {
-                            slo: cal.slo,
-                            capacity: c.clone(),
-                            simulated: None,
-                        })?;
-                        cell::write_atomic(&record(name), text.as_bytes())?;
-                        Ok((name.clone(), c))
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(anyhow!("a capacity search panicked")))
-                })
-                .collect()
-        });
-        for r in results {
-            found.push(r?);
-        }
-    }
+    let runs = dir.join("calibration-runs").join("simulated");
+    let found = searched_in_parallel(&to_search, cal.slo, &runs, &|name, spec| {
+        let res = Some(SIMULATED_RESOLUTION);
+        find_capacity_of(
+            s,
+            &base,
+            cal,
+            &runs.join(name),
+            spec,
+            name,
+            start.clone(),
+            res,
+        )
+        .with_context(|| format!("the simulated capacity of {name}"))
+    })?;
     let simulated_reference = found
         .iter()
         .find(|(n, _)| n == "reference")
