@@ -32,7 +32,7 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use policies::RouteRequest;
 use proxy::request::{Endpoint, parse};
 use proxy::rows::Row;
-use proxy::service::{REPLICA_HEADER, RouteKeys, route_keys};
+use proxy::service::{REPLICA_HEADER, RouteKeys, key_model, route_keys};
 use proxy::state::{LoadGuard, NoRoute, Shared};
 use proxy::usage::{BodyKind, UsageScanner};
 
@@ -520,12 +520,7 @@ impl Exchange {
             if self.session.is_none() {
                 self.session = parsed.user.as_deref().map(str::to_string);
             }
-            let model = shared
-                .settings
-                .model
-                .as_deref()
-                .or(parsed.model.as_deref())
-                .unwrap_or("");
+            let model = key_model(shared, &parsed);
             let RouteKeys {
                 keys,
                 tokens_per_block,

@@ -504,12 +504,7 @@ async fn proxy_llm(
     if row.session_id.is_none() {
         row.session_id = parsed.user.as_deref().map(str::to_string);
     }
-    let model = shared
-        .settings
-        .model
-        .as_deref()
-        .or(parsed.model.as_deref())
-        .unwrap_or("");
+    let model = key_model(shared, &parsed);
 
     let RouteKeys {
         keys,
@@ -687,6 +682,17 @@ pub struct RouteKeys {
     pub tokens_per_block: f64,
     /// The `/tokenize` round trip, nanoseconds, when one was made.
     pub tokenize_ns: Option<u64>,
+}
+
+/// The model name that salts a request's belief keys: the router's `--model`, else the body's
+/// `model`, else empty. Shared by the router's request path and the endpoint picker (`epp`).
+pub fn key_model<'a>(shared: &'a Shared, parsed: &'a ParsedRequest<'_>) -> &'a str {
+    shared
+        .settings
+        .model
+        .as_deref()
+        .or(parsed.model.as_deref())
+        .unwrap_or("")
 }
 
 /// Computes a parsed request's block keys as the policy's keying asks (DESIGN.md §3.1): none;
