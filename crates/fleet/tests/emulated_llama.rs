@@ -6,35 +6,15 @@
 //!
 //! Builds the engine release binary first (a no-op when fresh). 0.2 s once built.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use fleet::fleet::never;
 use fleet::ingress::router::check_fleet_kv_events;
 use fleet::{EmulatedCache, EmulatedSpec, Fleet, FleetOptions, RouterSettings, Source};
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// Builds the engine release binary (a no-op when fresh) and returns its path.
-fn engine_bin() -> PathBuf {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(workspace_root())
-        .args(["build", "--release", "-p", "engine-bin"])
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building the engine failed");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map_or_else(
-            || workspace_root().join("target"),
-            |d| workspace_root().join(d),
-        );
-    target.join("release").join("engine")
-}
+mod common;
+use common::engine_bin;
 
 fn spec(engine_bin: PathBuf, kv_events: bool) -> EmulatedSpec {
     EmulatedSpec {

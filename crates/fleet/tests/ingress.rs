@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -17,6 +17,9 @@ use fleet::ingress::{
     Haproxy, HaproxySettings, Ingress, IngressProcess, RouterSettings, ServerStat,
 };
 use fleet::{DriverSettings, EmulatedCache, EmulatedSpec, Fleet, FleetOptions, Source};
+
+mod common;
+use common::release_dir;
 
 /// A scratch directory removed when the test ends (pass or fail).
 fn temp_dir(name: &str) -> tempfile::TempDir {
@@ -169,11 +172,7 @@ fn sse_streams_through_haproxy_and_sessions_stick() {
 
 /// A release binary of the workspace (`target/release/<name>`, honouring `CARGO_TARGET_DIR`).
 fn release_bin(name: &str) -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map_or_else(|| root.join("target"), |d| root.join(d));
-    let bin = target.join("release").join(name);
+    let bin = release_dir().join(name);
     assert!(
         bin.is_file(),
         "{} is missing; build it with `cargo build --release -p engine-bin -p router-bin -p driver-bin`",

@@ -7,8 +7,7 @@
 //! `bash scripts/llama-server.sh`. Builds the router and driver release binaries first (a no-op
 //! when fresh). About 10-20 s on 2 cores.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use fleet::fleet::never;
@@ -18,31 +17,15 @@ use fleet::ingress::{HaproxySettings, Ingress, IngressProcess};
 use fleet::llama::{self, LlamaSpec};
 use fleet::{DriverSettings, Fleet, FleetOptions, RouterSettings, Source};
 
-const MODEL: &str = "kvroute/tiny";
+mod common;
+use common::{build_release, release_dir};
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+const MODEL: &str = "kvroute/tiny";
 
 /// Builds the router and driver release binaries (a no-op when fresh) and returns their paths.
 fn release_bins() -> (PathBuf, PathBuf) {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(workspace_root())
-        .args(["build", "--release", "-p", "router-bin", "-p", "driver-bin"])
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building the router and driver failed");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map_or_else(
-            || workspace_root().join("target"),
-            |d| workspace_root().join(d),
-        );
-    (
-        target.join("release").join("router"),
-        target.join("release").join("driver"),
-    )
+    build_release(&["router-bin", "driver-bin"], "the router and driver");
+    (release_dir().join("router"), release_dir().join("driver"))
 }
 
 /// The pinned llama fleet of the tiny model; fails saying how to install it when missing.

@@ -34,7 +34,7 @@
 //! `bash scripts/llama-server.sh`. Builds the release `engine` binary first (a no-op when fresh).
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -44,30 +44,11 @@ use fleet::llama::{self, LlamaSpec};
 use fleet::{Fleet, FleetOptions, Source};
 use serde_json::{Value, json};
 
+mod common;
+use common::engine_bin;
+
 const MODEL: &str = "kvroute/tiny";
 const CONVERSATIONS: usize = 6;
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// Builds the release `engine` binary (a no-op when fresh) and returns its path.
-fn engine_bin() -> PathBuf {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(workspace_root())
-        .args(["build", "--release", "-p", "engine-bin"])
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building the engine failed");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map_or_else(
-            || workspace_root().join("target"),
-            |d| workspace_root().join(d),
-        );
-    target.join("release").join("engine")
-}
 
 /// An emulator process, killed through its own handle when dropped.
 struct Emulator {
