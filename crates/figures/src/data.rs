@@ -1158,6 +1158,256 @@ impl LoadCurveData {
     }
 }
 
+/// Name of figure 8 in messages.
+pub const FIG8: &str = "figure 8 (N routers)";
+
+/// How a cell of an N-router sweep was run, read from its cell name: `r<N>-<front>-<policy>` or
+/// `r<N>-<front>-share-<policy>` (`xtask sweep … --routers N --front rr|hash
+/// [--share-decisions]`); any other name is one router in front of the fleet, `N = 1`, which has
+/// no front balancer and nobody to share with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouterArm {
+    /// Routers behind the front balancer.
+    pub routers: u32,
+    /// The front balancer's rule (`rr`, `hash`); empty for one router.
+    pub front: String,
+    /// Whether the routers shared their routing decisions.
+    pub share: bool,
+    /// The routing policy every router ran.
+    pub policy: String,
+}
+
+impl RouterArm {
+    /// Parses a cell (policy directory) name; see [`RouterArm`].
+    pub fn of_cell(name: &str) -> RouterArm {
+        let single = || RouterArm {
+            routers: 1,
+            front: String::new(),
+            share: false,
+            policy: name.to_string(),
+        };
+        let Some(rest) = name.strip_prefix('r') else {
+            return single();
+        };
+        let Some((n, rest)) = rest.split_once('-') else {
+            return single();
+        };
+        let (Ok(routers), Some((front, rest))) = (n.parse::<u32>(), rest.split_once('-')) else {
+            return single();
+        };
+        let (share, policy) = match rest.strip_prefix("share-") {
+            Some(p) => (true, p),
+            None => (false, rest),
+        };
+        RouterArm {
+            routers,
+            front: front.to_string(),
+            share,
+            policy: policy.to_string(),
+        }
+    }
+
+    /// The arm's line style in figure 8: 0 round-robin front (solid), 1 session-hash front
+    /// (dashed), 2 shared decisions behind either (dotted), as the figure's caption says.
+    pub fn style(&self) -> usize {
+        match (self.share, self.front.as_str()) {
+            (true, _) => 2,
+            (false, "hash") => 1,
+            _ => 0,
+        }
+    }
+
+    /// The arm's label in the legend: the front balancer, `+ shared decisions` when shared.
+    pub fn arm_label(&self) -> String {
+        let front = match self.front.as_str() {
+            "rr" => "round-robin front",
+            "hash" => "session-hash front",
+            other => other,
+        };
+        if self.share {
+            format!("{front} + shared decisions")
+        } else {
+            front.to_string()
+        }
+    }
+}
+
+/// One router count of an arm.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutersPoint {
+    /// Routers.
+    pub routers: u32,
+    /// The cell it was measured in.
+    pub cell: String,
+    /// Engine prefix-hit rate.
+    pub hit_rate: Spread,
+    /// Goodput, wall req/s.
+    pub goodput: Spread,
+    /// SLO attainment.
+    pub attainment: Spread,
+}
+
+/// One policy under one arm (front balancer, sharing) against the number of routers. Its
+/// `N = 1` point is the single-router cell of the policy, shared by all its arms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutersSeries {
+    /// The routing policy.
+    pub policy: String,
+    /// [`RouterArm::arm_label`].
+    pub arm: String,
+    /// [`RouterArm::style`]: its line style.
+    pub arm_index: usize,
+    /// By router count, ascending.
+    pub points: Vec<RoutersPoint>,
+}
+
+/// Figure 8: engine prefix-hit rate and goodput against the number of routers sharing one
+/// fleet, per policy and arm.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutersData {
+    /// The point (workload at its load) every cell ran.
+    pub point: String,
+    /// The series.
+    pub series: Vec<RoutersSeries>,
+    /// Cells not drawn because every repetition was set aside.
+    pub not_drawn: Vec<String>,
+    /// Repetitions behind the medians.
+    pub reps: Reps,
+}
+
+/// Picks figure 8's numbers from a sweep of one point whose cells are named as
+/// [`RouterArm::of_cell`] reads them. Needs exactly one point and at least one cell with more
+/// than one router.
+pub fn routers(report: &Report) -> Result<RoutersData> {
+    let [p] = report.points.as_slice() else {
+        bail!(
+            "{FIG8}: sweep `{}` has {} points; an N-router sweep runs one point (its policies are the arms)",
+            report.sweep,
+            report.points.len()
+        );
+    };
+    let mut points: Vec<(RouterArm, RoutersPoint)> = Vec::new();
+    let mut not_drawn = Vec::new();
+    let mut lack = Vec::new();
+    for c in &p.cells {
+        if all_set_aside(p, &c.policy) {
+            not_drawn.push(format!("{} {}", p.point, c.policy));
+            continue;
+        }
+        match (
+            c.mechanism.all.prefix_hit_rate,
+            c.goodput_rps,
+            c.slo_attainment,
+        ) {
+            (Some(hit_rate), Some(goodput), Some(attainment)) => {
+                let arm = RouterArm::of_cell(&c.policy);
+                points.push((
+                    arm.clone(),
+                    RoutersPoint {
+                        routers: arm.routers,
+                        cell: c.policy.clone(),
+                        hit_rate,
+                        goodput,
+                        attainment,
+                    },
+                ));
+            }
+            _ => lack.push(format!(
+                "cell `{}` has no hit rate, goodput or attainment",
+                c.policy
+            )),
+        }
+    }
+    missing(FIG8, lack)?;
+    let mut series: Vec<RoutersSeries> = Vec::new();
+    for (arm, pt) in points.iter().filter(|(a, _)| a.routers > 1) {
+        let label = arm.arm_label();
+        let arm_index = arm.style();
+        match series
+            .iter_mut()
+            .find(|s| s.policy == arm.policy && s.arm == label)
+        {
+            Some(s) => s.points.push(pt.clone()),
+            None => series.push(RoutersSeries {
+                policy: arm.policy.clone(),
+                arm: label,
+                arm_index,
+                points: vec![pt.clone()],
+            }),
+        }
+    }
+    if series.is_empty() {
+        bail!(
+            "{FIG8}: missing data: sweep `{}` has no cell with more than one router (cells named r<N>-<front>-<policy>)",
+            report.sweep
+        );
+    }
+    for s in &mut series {
+        if let Some((_, one)) = points
+            .iter()
+            .find(|(a, _)| a.routers == 1 && a.policy == s.policy)
+        {
+            s.points.push(one.clone());
+        }
+        s.points.sort_by_key(|p| p.routers);
+    }
+    Ok(RoutersData {
+        point: p.point.clone(),
+        reps: Reps::of(points.iter().map(|(_, p)| &p.goodput))
+            .with_context(|| format!("{FIG8}: nothing to draw"))?,
+        series,
+        not_drawn,
+    })
+}
+
+impl RoutersData {
+    /// Exactly the numbers drawn (an `N = 1` cell once per arm that draws it).
+    pub fn table(&self) -> Table {
+        Table {
+            header: vec![
+                "policy",
+                "arm",
+                "routers",
+                "cell",
+                "hit_rate_median",
+                "hit_rate_min",
+                "hit_rate_max",
+                "goodput_median_rps",
+                "goodput_min_rps",
+                "goodput_max_rps",
+                "attainment_median",
+                "attainment_min",
+                "attainment_max",
+                "reps",
+            ],
+            rows: self
+                .series
+                .iter()
+                .flat_map(|s| {
+                    s.points.iter().map(move |p| {
+                        vec![
+                            s.policy.clone(),
+                            s.arm.clone(),
+                            p.routers.to_string(),
+                            p.cell.clone(),
+                            num(p.hit_rate.median),
+                            num(p.hit_rate.min),
+                            num(p.hit_rate.max),
+                            num(p.goodput.median),
+                            num(p.goodput.min),
+                            num(p.goodput.max),
+                            num(p.attainment.median),
+                            num(p.attainment.min),
+                            num(p.attainment.max),
+                            p.goodput.n.to_string(),
+                        ]
+                    })
+                })
+                .collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1220,6 +1470,26 @@ mod tests {
             TimelineData::outages(&s),
             vec![(1.0, Some(3.0)), (4.0, None)]
         );
+    }
+
+    #[test]
+    fn router_cells_name_their_arm() {
+        let a = RouterArm::of_cell("r4-rr-share-prefix-affinity");
+        assert_eq!(
+            (a.routers, a.front.as_str(), a.share, a.policy.as_str()),
+            (4, "rr", true, "prefix-affinity")
+        );
+        assert_eq!(a.arm_label(), "round-robin front + shared decisions");
+        let b = RouterArm::of_cell("r8-hash-session-affinity");
+        assert_eq!(
+            (b.routers, b.front.as_str(), b.share, b.policy.as_str()),
+            (8, "hash", false, "session-affinity")
+        );
+        // A policy name that starts with `r` is one router, not a parse of its words.
+        for single in ["round-robin", "prefix-affinity", "rx-rr-p"] {
+            let c = RouterArm::of_cell(single);
+            assert_eq!((c.routers, c.policy.as_str()), (1, single));
+        }
     }
 
     #[test]

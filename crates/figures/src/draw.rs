@@ -15,7 +15,8 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::data::{
     BELIEF_POLICIES, BeliefData, LADDER, LadderData, LoadCurveData, MechRole, MechanismData,
-    NoDataCell, Outage, PressureData, TimelineData, WinnersData, band_label, set_aside_note,
+    NoDataCell, Outage, PressureData, RoutersData, TimelineData, WinnersData, band_label,
+    set_aside_note,
 };
 use crate::font::{self, FAMILY};
 use crate::input::{Context, num};
@@ -1526,6 +1527,170 @@ impl LoadCurveFigure<'_> {
                     )))
                     .map_err(de)?;
             }
+        }
+        Ok(())
+    }
+}
+
+/// Figure 8 ready to draw.
+pub struct RoutersFigure<'a> {
+    /// Its numbers.
+    pub data: &'a RoutersData,
+    /// Title context.
+    pub ctx: &'a Context,
+}
+
+impl Figure for RoutersFigure<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1600, 900)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
+        let mut lines = context_lines(self.ctx, &d.reps.text());
+        lines.push(format!(
+            "point {}: N kvroute routers behind HAProxy, every router running the same policy over the same fleet; N = 1 is one router without a front balancer",
+            d.point
+        ));
+        lines.push(
+            "line style: the arm (solid: round-robin front; dashed: session-hash front; dotted: round-robin front + shared decisions)"
+                .into(),
+        );
+        lines.extend(set_aside_note(&d.not_drawn));
+        let body = header(
+            root,
+            "N routers: what each policy keeps when several routers share a fleet",
+            &lines,
+        )?;
+        let (left, right) = body.split_horizontally(800);
+        let nmax = d
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.routers))
+            .max()
+            .unwrap_or(1);
+        let xmax = f64::from(nmax).log2().max(1.0);
+        let x_of = |n: u32| f64::from(n).log2();
+        let n_label = |x: &f64| format!("{}", 2f64.powf(*x).round() as u64);
+        let x_desc = "routers N (log scale)";
+
+        let left = panel_title(&left, "(a) Engine prefix-hit rate")?;
+        let mut chart = ChartBuilder::on(&left)
+            .margin(20)
+            .x_label_area_size(55)
+            .y_label_area_size(80)
+            .build_cartesian_2d(-0.15..xmax + 0.15, 0.0..1.05)
+            .map_err(de)?;
+        let pct = |v: &f64| format!("{:.0} %", v * 100.0);
+        quiet_mesh(
+            chart
+                .configure_mesh()
+                .x_labels(nmax.ilog2() as usize + 1)
+                .x_label_formatter(&n_label)
+                .y_label_formatter(&pct)
+                .x_desc(x_desc)
+                .y_desc("prefix-hit rate (median; bar: min–max over reps)"),
+            14,
+            16,
+        )
+        .draw()
+        .map_err(de)?;
+        self.lines(&mut chart, &x_of, |p| p.hit_rate)?;
+        legend(&mut chart, SeriesLabelPosition::LowerLeft, 13)?;
+
+        let right = panel_title(&right, "(b) Goodput: requests meeting the SLO per second")?;
+        let gmax = d
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.goodput.max))
+            .fold(0.0, f64::max)
+            * 1.15;
+        let mut chart = ChartBuilder::on(&right)
+            .margin(20)
+            .x_label_area_size(55)
+            .y_label_area_size(80)
+            .build_cartesian_2d(-0.15..xmax + 0.15, 0.0..gmax.max(1.0))
+            .map_err(de)?;
+        quiet_mesh(
+            chart
+                .configure_mesh()
+                .x_labels(nmax.ilog2() as usize + 1)
+                .x_label_formatter(&n_label)
+                .x_desc(x_desc)
+                .y_desc("goodput, req/s (median; bar: min–max over reps)"),
+            14,
+            16,
+        )
+        .draw()
+        .map_err(de)?;
+        self.lines(&mut chart, &x_of, |p| p.goodput)?;
+        Ok(())
+    }
+}
+
+impl RoutersFigure<'_> {
+    /// Each series' medians as a line (style by arm) with markers and min–max bars.
+    fn lines<'c, DB: DrawingBackend + 'c>(
+        &self,
+        chart: &mut ChartContext<'c, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+        x_of: &dyn Fn(u32) -> f64,
+        value: impl Fn(&crate::data::RoutersPoint) -> analysis::stats::Spread,
+    ) -> Result<()> {
+        for s in &self.data.series {
+            let color = policy_color(&s.policy);
+            let xy: Vec<(f64, f64)> = s
+                .points
+                .iter()
+                .map(|p| (x_of(p.routers), value(p).median))
+                .collect();
+            let label = format!("{} · {}", s.policy, s.arm);
+            let arm = s.arm_index;
+            let anno = match arm % 3 {
+                0 => chart
+                    .draw_series(LineSeries::new(xy.clone(), color.stroke_width(2)))
+                    .map_err(de)?,
+                1 => chart
+                    .draw_series([DashedPathElement::new(
+                        xy.clone(),
+                        9,
+                        6,
+                        color.stroke_width(2),
+                    )])
+                    .map_err(de)?,
+                _ => chart
+                    .draw_series([DashedPathElement::new(
+                        xy.clone(),
+                        2,
+                        5,
+                        color.stroke_width(3),
+                    )])
+                    .map_err(de)?,
+            };
+            anno.label(label).legend(move |(x, y)| {
+                let line: DynElement<'static, DB, (i32, i32)> = match arm % 3 {
+                    0 => {
+                        PathElement::new(vec![(-12, 0), (12, 0)], color.stroke_width(2)).into_dyn()
+                    }
+                    1 => {
+                        DashedPathElement::new(vec![(-12, 0), (12, 0)], 6, 4, color.stroke_width(2))
+                            .into_dyn()
+                    }
+                    _ => {
+                        DashedPathElement::new(vec![(-12, 0), (12, 0)], 2, 4, color.stroke_width(3))
+                            .into_dyn()
+                    }
+                };
+                EmptyElement::at((x, y)) + line + marker(arm, color)
+            });
+            chart
+                .draw_series(xy.iter().map(|&c| EmptyElement::at(c) + marker(arm, color)))
+                .map_err(de)?;
+            chart
+                .draw_series(s.points.iter().map(|p| {
+                    let (x, v) = (x_of(p.routers), value(p));
+                    PathElement::new(vec![(x, v.min), (x, v.max)], color.stroke_width(2))
+                }))
+                .map_err(de)?;
         }
         Ok(())
     }

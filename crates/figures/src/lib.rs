@@ -3,7 +3,7 @@
 //!
 //! Figures 1–5 come from a grid sweep analysed by the `analysis` crate; figure 6 from a fault
 //! sweep's `timeline.csv` (docs/CONTRACTS.md); figure 7 from a `load` sweep, analysed the same
-//! way, with each point's offered load from its `meta.json`. The figures never compute a metric themselves:
+//! way, with each point's offered load from its `meta.json`; figure 8 from an N-router sweep. The figures never compute a metric themselves:
 //! they pick numbers out of `analysis::Report` and fail, naming what is missing, when a number
 //! they need is not there. Text is drawn with an embedded font (no fontconfig).
 //!
@@ -33,6 +33,9 @@ pub const FAULT_SWEEPS: [&str; 2] = ["fault-kill", "fault-kill-quick"];
 /// Sweep directories looked for (in order) for figure 7: a live load sweep first, the virtual
 /// one (`sweep load --virtual`, published as `load-virtual`) when no live one is published.
 pub const LOAD_SWEEPS: [&str; 3] = ["load", "load-quick", "load-virtual"];
+/// Sweep directories looked for (in order) for figure 8: an N-router sweep (`xtask sweep load
+/// --routers N …`, cells `r<N>-<front>[-share]-<policy>`, published under one of these names).
+pub const ROUTERS_SWEEPS: [&str; 2] = ["routers", "routers-quick"];
 
 /// The figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -51,11 +54,13 @@ pub enum FigureId {
     FaultTimeline,
     /// 7: goodput and SLO attainment against offered load, per policy, knees marked.
     LoadCurve,
+    /// 8: engine prefix-hit rate and goodput against the number of routers, per policy and arm.
+    Routers,
 }
 
 impl FigureId {
     /// All of them, in order.
-    pub const ALL: [FigureId; 7] = [
+    pub const ALL: [FigureId; 8] = [
         FigureId::PressureMap,
         FigureId::WinnersMap,
         FigureId::Mechanism,
@@ -63,6 +68,7 @@ impl FigureId {
         FigureId::Belief,
         FigureId::FaultTimeline,
         FigureId::LoadCurve,
+        FigureId::Routers,
     ];
 
     /// File stem of its outputs (`<stem>.png`, `.svg`, `.csv`).
@@ -75,10 +81,11 @@ impl FigureId {
             FigureId::Belief => "fig5-belief",
             FigureId::FaultTimeline => "fig6-fault-timeline",
             FigureId::LoadCurve => "fig7-load-curve",
+            FigureId::Routers => "fig8-routers",
         }
     }
 
-    /// Parses `1`…`7` or a stem (`fig3-mechanism`) or its tail (`mechanism`).
+    /// Parses `1`…`8` or a stem (`fig3-mechanism`) or its tail (`mechanism`).
     pub fn parse(s: &str) -> Option<FigureId> {
         FigureId::ALL.into_iter().enumerate().find_map(|(i, f)| {
             let stem = f.stem();
@@ -103,6 +110,8 @@ pub struct Sources {
     pub fault: PathBuf,
     /// The `load` sweep directory (figure 7).
     pub load: PathBuf,
+    /// The N-router sweep directory (figure 8).
+    pub routers: PathBuf,
 }
 
 impl Sources {
@@ -120,6 +129,7 @@ impl Sources {
             grid: pick(&GRID_SWEEPS),
             fault: pick(&FAULT_SWEEPS),
             load: pick(&LOAD_SWEEPS),
+            routers: pick(&ROUTERS_SWEEPS),
         }
     }
 }
@@ -140,9 +150,12 @@ pub fn render_all(measurements_dir: &Path, out_dir: &Path) -> Result<Vec<PathBuf
 pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(out_dir)
         .with_context(|| format!("figures: cannot create {}", out_dir.display()))?;
-    let needs_grid = which
-        .iter()
-        .any(|f| !matches!(f, FigureId::FaultTimeline | FigureId::LoadCurve));
+    let needs_grid = which.iter().any(|f| {
+        !matches!(
+            f,
+            FigureId::FaultTimeline | FigureId::LoadCurve | FigureId::Routers
+        )
+    });
     let grid = if needs_grid {
         Some(grid_input(&sources.grid))
     } else {
@@ -157,6 +170,8 @@ pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<V
                     .and_then(|f| render_one(fig, Input::Fault(&f), out_dir)),
                 (FigureId::LoadCurve, _) => load_input(&sources.load)
                     .and_then(|l| render_one(fig, Input::Load(&l), out_dir)),
+                (FigureId::Routers, _) => routers_input(&sources.routers)
+                    .and_then(|r| render_one(fig, Input::Routers(&r), out_dir)),
                 (_, Some(Ok(g))) => render_one(fig, Input::Grid(g), out_dir),
                 (_, Some(Err(e))) => Err(anyhow::anyhow!("{e:#}")),
                 (_, None) => unreachable!("the grid is loaded whenever a grid figure is asked for"),
@@ -197,6 +212,17 @@ fn load_input(dir: &Path) -> Result<LoadInput> {
     load_load_sweep(dir)
 }
 
+fn routers_input(dir: &Path) -> Result<GridInput> {
+    if !dir.is_dir() {
+        bail!(
+            "figure 8 needs an N-router sweep: {} does not exist (looked for {} beside it; `cargo xtask sweep load --routers N …` then `cargo xtask publish` make one)",
+            dir.display(),
+            ROUTERS_SWEEPS.join(", ")
+        );
+    }
+    load_grid(dir)
+}
+
 fn grid_input(dir: &Path) -> Result<GridInput> {
     if !dir.is_dir() {
         bail!(
@@ -217,6 +243,8 @@ pub enum Input<'a> {
     Fault(&'a FaultInput),
     /// A loaded `load` sweep (figure 7).
     Load(&'a LoadInput),
+    /// A loaded N-router sweep (figure 8).
+    Routers(&'a GridInput),
 }
 
 /// Draws one figure from an already loaded input and writes its three files into `out_dir`
@@ -251,9 +279,22 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
             )?;
             d.table()
         }
+        (FigureId::Routers, Input::Routers(g)) => {
+            let d = data::routers(&g.report)?;
+            draw::render_files(
+                &draw::RoutersFigure {
+                    data: &d,
+                    ctx: &g.context,
+                },
+                &png,
+                &svg,
+            )?;
+            d.table()
+        }
+        (FigureId::Routers, _) => bail!("{fig} is drawn from an N-router sweep"),
         (FigureId::FaultTimeline, _) => bail!("{fig} is drawn from a fault sweep"),
         (FigureId::LoadCurve, _) => bail!("{fig} is drawn from a load sweep"),
-        (_, Input::Fault(_) | Input::Load(_)) => {
+        (_, Input::Fault(_) | Input::Load(_) | Input::Routers(_)) => {
             bail!("{fig} is drawn from a grid sweep")
         }
         (fig, Input::Grid(g)) => {
@@ -284,7 +325,9 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
                     draw::render_files(&draw::BeliefFigure { data: &d, ctx }, &png, &svg)?;
                     d.table()
                 }
-                FigureId::FaultTimeline | FigureId::LoadCurve => unreachable!("matched above"),
+                FigureId::FaultTimeline | FigureId::LoadCurve | FigureId::Routers => {
+                    unreachable!("matched above")
+                }
             }
         }
     };

@@ -36,7 +36,7 @@ fn copy_tree(from: &Path, to: &Path) {
 /// A private copy of the fixture measurements to break.
 fn measurements_copy(name: &str) -> PathBuf {
     let root = scratch(name).join("measurements");
-    for sweep in ["pressure-grid", "fault-kill", "load"] {
+    for sweep in ["pressure-grid", "fault-kill", "load", "routers"] {
         copy_tree(&fixtures().join(sweep), &root.join(sweep));
     }
     root
@@ -55,10 +55,10 @@ fn png_size(bytes: &[u8]) -> (u32, u32) {
 }
 
 #[test]
-fn all_seven_render_from_fixtures_and_their_data_match_the_goldens() {
+fn all_eight_render_from_fixtures_and_their_data_match_the_goldens() {
     let out = scratch("all").join("out");
     let files = render_all(&fixtures(), &out).unwrap();
-    assert_eq!(files.len(), 21, "{files:?}");
+    assert_eq!(files.len(), 24, "{files:?}");
     let update = std::env::var_os("UPDATE_GOLDEN").is_some();
     let golden_dir = fixtures().join("golden");
     let titles = [
@@ -69,6 +69,7 @@ fn all_seven_render_from_fixtures_and_their_data_match_the_goldens() {
         "Belief",
         "Fault timeline",
         "Load curve",
+        "N routers",
     ];
     for (fig, title) in FigureId::ALL.iter().zip(titles) {
         let base = out.join(fig.stem());
@@ -84,7 +85,10 @@ fn all_seven_render_from_fixtures_and_their_data_match_the_goldens() {
             "emulated fleet, 3 replicas",
             "TTFT &lt; 990 ms",
         ] {
-            let own_sweep = matches!(fig, FigureId::FaultTimeline | FigureId::LoadCurve);
+            let own_sweep = matches!(
+                fig,
+                FigureId::FaultTimeline | FigureId::LoadCurve | FigureId::Routers
+            );
             if !own_sweep || context != "pressure-grid" {
                 assert!(svg.contains(context), "{fig}: SVG lacks `{context}`");
             }
@@ -283,7 +287,11 @@ fn missing_sweeps_are_named() {
     std::fs::create_dir_all(&empty).unwrap();
     let out = scratch("empty-out");
     let err = format!("{:#}", render_all(&empty, &out).unwrap_err());
-    assert!(err.contains("7 of 7 figures not drawn"), "{err}");
+    assert!(err.contains("8 of 8 figures not drawn"), "{err}");
+    assert!(
+        err.contains("figure 8 needs an N-router sweep") && err.contains("routers-quick"),
+        "{err}"
+    );
     assert!(
         err.contains("figure 7 needs a load sweep") && err.contains("load-quick"),
         "{err}"
@@ -357,7 +365,8 @@ fn figure_ids_parse_from_numbers_and_names() {
     );
     assert_eq!(FigureId::parse("7"), Some(FigureId::LoadCurve));
     assert_eq!(FigureId::parse("load-curve"), Some(FigureId::LoadCurve));
-    assert_eq!(FigureId::parse("8"), None);
+    assert_eq!(FigureId::parse("8"), Some(FigureId::Routers));
+    assert_eq!(FigureId::parse("9"), None);
 }
 
 #[test]
@@ -407,4 +416,73 @@ fn the_load_curve_marks_each_policys_knee_and_says_how() {
         err.contains("ws1-s0-load1.0/prefix-affinity/rep-2") && err.contains("run.offered_rps"),
         "{err}"
     );
+}
+
+#[test]
+fn the_router_figure_draws_each_arm_from_its_single_router_cell() {
+    let out = scratch("routers");
+    let files = render(&Sources::discover(&fixtures()), &out, &[FigureId::Routers]).unwrap();
+    assert_eq!(files.len(), 3);
+    let csv = std::fs::read_to_string(out.join("fig8-routers.csv")).unwrap();
+    let rows: Vec<Vec<String>> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').map(str::to_string).collect())
+        .collect();
+    // (policy, arm, routers) of every drawn point: each arm starts at the policy's one-router
+    // cell; the single-router cells are never an arm of their own.
+    let keys: Vec<(&str, &str, &str)> = rows
+        .iter()
+        .map(|r| (r[0].as_str(), r[1].as_str(), r[2].as_str()))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            ("prefix-affinity", "round-robin front", "1"),
+            ("prefix-affinity", "round-robin front", "2"),
+            ("prefix-affinity", "round-robin front", "4"),
+            ("session-affinity", "round-robin front", "1"),
+            ("session-affinity", "round-robin front", "2"),
+            ("session-affinity", "round-robin front", "4"),
+            (
+                "prefix-affinity",
+                "round-robin front + shared decisions",
+                "1"
+            ),
+            (
+                "prefix-affinity",
+                "round-robin front + shared decisions",
+                "2"
+            ),
+            (
+                "prefix-affinity",
+                "round-robin front + shared decisions",
+                "4"
+            ),
+            ("prefix-affinity", "session-hash front", "1"),
+            ("prefix-affinity", "session-hash front", "4"),
+        ]
+    );
+    // The hit rate falls with N for prefix-affinity behind round-robin and holds with sharing.
+    let hit = |cell: &str| -> f64 {
+        rows.iter().find(|r| r[3] == cell).unwrap()[4]
+            .parse()
+            .unwrap()
+    };
+    assert!(hit("r4-rr-prefix-affinity") < hit("r2-rr-prefix-affinity"));
+    assert!(hit("r2-rr-prefix-affinity") < hit("prefix-affinity"));
+    assert!(hit("r4-rr-share-prefix-affinity") > hit("r4-rr-prefix-affinity"));
+    let svg = std::fs::read_to_string(out.join("fig8-routers.svg")).unwrap();
+    assert!(svg.contains("N routers"), "title");
+    assert!(svg.contains("shared decisions"), "the sharing arm is named");
+    // A sweep without any cell of more than one router is refused, named.
+    let m = measurements_copy("routers-single");
+    for cell in std::fs::read_dir(m.join("routers/ws1-s0-load1.0")).unwrap() {
+        let cell = cell.unwrap();
+        if cell.file_name().to_string_lossy().starts_with('r') {
+            std::fs::remove_dir_all(cell.path()).unwrap();
+        }
+    }
+    let err = render_err(&m, &[FigureId::Routers], "routers-single");
+    assert!(err.contains("no cell with more than one router"), "{err}");
 }
