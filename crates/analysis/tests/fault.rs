@@ -243,14 +243,18 @@ fn gates_decide_what_is_compared_and_unrecorded_ones_never_read_as_passed() {
     let accepted: Vec<(&str, u32)> = s.accepted().map(|r| (r.policy.as_str(), r.rep)).collect();
     assert_eq!(accepted, [("session-affinity", 1), ("prefix-affinity", 1)]);
     let timeline = fault::timeline(s.accepted());
+    // rep-2 is left out: session-affinity's row is rep-1's rolling goodput alone
     let sa_rep1 = &s.reps[0];
-    for row in timeline.iter().filter(|r| r.policy == "session-affinity") {
-        let bucket = sa_rep1
-            .goodput
-            .iter()
-            .find(|b| b.start_s == row.t_s)
-            .unwrap();
-        assert_eq!(row.goodput_rps, bucket.goodput_rps, "rep-2 left out");
+    let raw: Vec<f64> = sa_rep1.goodput.iter().map(|b| b.goodput_rps).collect();
+    let rolled = fault::rolling_mean(&raw, fault::TIMELINE_ROLLING_BUCKETS);
+    let rows: Vec<_> = timeline
+        .iter()
+        .filter(|r| r.policy == "session-affinity")
+        .collect();
+    assert_eq!(rows.len(), raw.len());
+    for (row, want) in rows.iter().zip(&rolled) {
+        assert_eq!(row.goodput_rps, *want, "rep-2 left out");
+        assert_eq!((row.goodput_min_rps, row.goodput_max_rps), (*want, *want));
     }
     let md = fault::markdown(&s);
     assert!(

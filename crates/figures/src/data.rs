@@ -926,7 +926,15 @@ impl TimelineData {
     /// Exactly the numbers drawn.
     pub fn table(&self) -> Table {
         Table {
-            header: vec!["policy", "t_s", "goodput_rps", "replica_alive"],
+            header: vec![
+                "policy",
+                "t_s",
+                "goodput_rps",
+                "replica_alive",
+                "goodput_min_rps",
+                "goodput_max_rps",
+                "rolling_s",
+            ],
             rows: self
                 .series
                 .iter()
@@ -937,11 +945,25 @@ impl TimelineData {
                             num(r.t_s),
                             num(r.goodput_rps),
                             u8::from(r.replica_alive).to_string(),
+                            opt(r.band.map(|b| b.0)),
+                            opt(r.band.map(|b| b.1)),
+                            opt(r.rolling_s),
                         ]
                     })
                 })
                 .collect(),
         }
+    }
+
+    /// The rolling window every row states, s (`None` when the timeline has none, or when its
+    /// rows disagree — then the caption says per second).
+    pub fn rolling_s(&self) -> Option<f64> {
+        let mut all = self
+            .series
+            .iter()
+            .flat_map(|s| s.rows.iter().map(|r| r.rolling_s));
+        let first = all.next()??;
+        all.all(|r| r == Some(first)).then_some(first)
     }
 
     /// Repetitions behind the series.
@@ -1454,6 +1476,8 @@ mod tests {
             t_s,
             goodput_rps: 1.0,
             replica_alive: alive,
+            band: None,
+            rolling_s: None,
         };
         let s = PolicyTimeline {
             policy: "p".into(),

@@ -1124,15 +1124,28 @@ impl Figure for TimelineFigure<'_> {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
         let d = self.data;
         let r = d.reps();
+        let per = match d.rolling_s() {
+            Some(w) => format!("per second, centred rolling mean over {} s", num(w)),
+            None => "per second".to_string(),
+        };
+        let banded = r.max > 1
+            && d.series
+                .iter()
+                .any(|s| s.rows.iter().any(|r| r.band.is_some()));
         let reps = if r.max <= 1 {
-            "1 rep per policy".to_string()
+            format!("1 rep per policy, {per}")
         } else if r.min == r.max {
-            format!("median of {} reps per policy, per second", r.max)
+            format!("median of {} reps per policy, {per}", r.max)
         } else {
-            format!("median of {}–{} reps per policy, per second", r.min, r.max)
+            format!("median of {}–{} reps per policy, {per}", r.min, r.max)
         };
         let mut lines = context_lines(self.ctx, &reps);
-        lines.push("shaded: the faulted replica is down (kill → restart)".into());
+        lines.push(if banded {
+            "band: min–max over repetitions · grey: the faulted replica is down (kill → restart)"
+                .into()
+        } else {
+            "shaded: the faulted replica is down (kill → restart)".into()
+        });
         let body = header(
             root,
             "Fault timeline: goodput per second through a replica kill and restart",
@@ -1144,7 +1157,9 @@ impl Figure for TimelineFigure<'_> {
             .clone()
             .map(|r| r.t_s)
             .fold(f64::NEG_INFINITY, f64::max);
-        let g = rows.map(|r| r.goodput_rps).fold(0.0, f64::max);
+        let g = rows
+            .map(|r| r.band.map_or(r.goodput_rps, |b| b.1.max(r.goodput_rps)))
+            .fold(0.0, f64::max);
         let (t0, t1) = if t1 > t0 { (t0, t1) } else { (t0, t0 + 1.0) };
         // one shaded band per distinct outage; the policies it belongs to are named unless
         // every series shares it (the usual case: one kill, one restart)
@@ -1236,6 +1251,23 @@ impl Figure for TimelineFigure<'_> {
                         ),
                 ))
                 .map_err(de)?;
+        }
+        if banded {
+            for s in &d.series {
+                let color = policy_color(&s.policy);
+                let upper = s.rows.iter().filter_map(|r| r.band.map(|b| (r.t_s, b.1)));
+                let lower = s
+                    .rows
+                    .iter()
+                    .rev()
+                    .filter_map(|r| r.band.map(|b| (r.t_s, b.0)));
+                chart
+                    .draw_series(std::iter::once(Polygon::new(
+                        upper.chain(lower).collect::<Vec<_>>(),
+                        color.mix(0.18).filled(),
+                    )))
+                    .map_err(de)?;
+            }
         }
         for s in &d.series {
             let color = policy_color(&s.policy);

@@ -58,6 +58,11 @@ pub struct TimelineRow {
     pub goodput_rps: f64,
     /// Whether the faulted replica was up.
     pub replica_alive: bool,
+    /// The range over repetitions `(min, max)`, req/s, when the timeline carries it
+    /// (`goodput_min_rps`, `goodput_max_rps`; absent in timelines written before them).
+    pub band: Option<(f64, f64)>,
+    /// The rolling window the goodput was averaged over, s (`rolling_s`; absent: none).
+    pub rolling_s: Option<f64>,
 }
 
 /// One policy's series through the fault.
@@ -338,6 +343,10 @@ pub fn workload_pattern(names: &[&str]) -> String {
 
 /// The columns `timeline.csv` must start with (CONTRACTS.md); later columns are ignored.
 pub const TIMELINE_COLUMNS: [&str; 4] = ["policy", "t_s", "goodput_rps", "replica_alive"];
+/// Optional columns of `timeline.csv` after [`TIMELINE_COLUMNS`], read by name: the range over
+/// repetitions and the rolling window (`analysis::fault::timeline`).
+pub const TIMELINE_OPTIONAL_COLUMNS: [&str; 3] =
+    ["goodput_min_rps", "goodput_max_rps", "rolling_s"];
 
 /// Reads a fault timeline. Every defect names the file and line.
 pub fn read_timeline(path: &Path) -> Result<Vec<(String, TimelineRow)>> {
@@ -360,6 +369,10 @@ pub fn read_timeline(path: &Path) -> Result<Vec<(String, TimelineRow)>> {
             );
         }
     }
+    let optional: Vec<Option<usize>> = TIMELINE_OPTIONAL_COLUMNS
+        .iter()
+        .map(|name| header.iter().position(|h| h == *name))
+        .collect();
     let mut out = Vec::new();
     for (i, rec) in rdr.records().enumerate() {
         let line = i + 2;
@@ -398,12 +411,35 @@ pub fn read_timeline(path: &Path) -> Result<Vec<(String, TimelineRow)>> {
                 path.display()
             ),
         };
+        let extra = |k: usize| -> Result<Option<f64>> {
+            let Some(col) = optional[k] else {
+                return Ok(None);
+            };
+            let text = field(col);
+            text.parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite() && *v >= 0.0)
+                .map(Some)
+                .with_context(|| {
+                    format!(
+                        "{}:{line}: `{}` is `{text}`, not a non-negative number",
+                        path.display(),
+                        TIMELINE_OPTIONAL_COLUMNS[k]
+                    )
+                })
+        };
+        let band = match (extra(0)?, extra(1)?) {
+            (Some(lo), Some(hi)) => Some((lo, hi)),
+            _ => None,
+        };
         out.push((
             policy,
             TimelineRow {
                 t_s,
                 goodput_rps,
                 replica_alive,
+                band,
+                rolling_s: extra(2)?,
             },
         ));
     }

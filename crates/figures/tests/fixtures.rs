@@ -486,3 +486,57 @@ fn the_router_figure_draws_each_arm_from_its_single_router_cell() {
     let err = render_err(&m, &[FigureId::Routers], "routers-single");
     assert!(err.contains("no cell with more than one router"), "{err}");
 }
+
+#[test]
+fn the_fault_timeline_draws_the_range_of_repetitions_and_states_its_window() {
+    // The fixture's timeline predates the band columns; give it the analysis crate's current
+    // columns: each value ± 0.5 req/s as the range over repetitions, a 5-s rolling window.
+    let m = measurements_copy("fault-band");
+    let path = m.join("fault-kill/timeline.csv");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut lines = text.lines();
+    let mut out = format!(
+        "{},goodput_min_rps,goodput_max_rps,rolling_s\n",
+        lines.next().unwrap()
+    );
+    for l in lines {
+        let g: f64 = l.split(',').nth(2).unwrap().parse().unwrap();
+        out.push_str(&format!("{l},{},{},5\n", (g - 0.5).max(0.0), g + 0.5));
+    }
+    std::fs::write(&path, out).unwrap();
+    // and a second repetition per policy, so that there is a range to draw
+    for cell in std::fs::read_dir(m.join("fault-kill/ws1-s0-rate4")).unwrap() {
+        let cell = cell.unwrap().path();
+        copy_tree(&cell.join("rep-1"), &cell.join("rep-2"));
+        let meta = cell.join("rep-2/meta.json");
+        let text = std::fs::read_to_string(&meta).unwrap();
+        std::fs::write(&meta, text.replace("\"rep\": 1", "\"rep\": 2")).unwrap();
+    }
+    let dir = scratch("fault-band-out");
+    let files = render(&Sources::discover(&m), &dir, &[FigureId::FaultTimeline]).unwrap();
+    assert_eq!(files.len(), 3);
+    let svg = std::fs::read_to_string(dir.join("fig6-fault-timeline.svg")).unwrap();
+    assert!(
+        svg.contains("centred rolling mean over 5 s"),
+        "window stated"
+    );
+    assert!(svg.contains("band: min–max over repetitions"), "band named");
+    let csv = std::fs::read_to_string(dir.join("fig6-fault-timeline.csv")).unwrap();
+    assert!(csv.starts_with(
+        "policy,t_s,goodput_rps,replica_alive,goodput_min_rps,goodput_max_rps,rolling_s\n"
+    ));
+    assert!(csv.lines().skip(1).all(|l| l.ends_with(",5")), "{csv}");
+    // A band value that is not a number is refused with its line.
+    std::fs::write(
+        &path,
+        std::fs::read_to_string(&path)
+            .unwrap()
+            .replacen(",5\n", ",five\n", 1),
+    )
+    .unwrap();
+    let err = render_err(&m, &[FigureId::FaultTimeline], "fault-band-bad");
+    assert!(
+        err.contains("timeline.csv:2") && err.contains("`rolling_s` is `five`"),
+        "{err}"
+    );
+}

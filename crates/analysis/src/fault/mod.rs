@@ -47,7 +47,10 @@ pub use comparison::{Comparison, Difference, PolicyFigure, compare};
 pub use gates::{DRIFT_WINDOW_RULE, GateStatus, RecordedGates, RepGates, drift_window, rep_gates};
 pub use markdown::markdown;
 pub use rep::{LostRequest, RepOutcome, ShareWindow, TtftWindow, analyse_rep};
-pub use summary::{Summary, TimelineRow, summarize, timeline, timeline_csv, write_summary};
+pub use summary::{
+    Summary, TIMELINE_ROLLING_BUCKETS, TimelineRow, rolling_mean, summarize, timeline,
+    timeline_csv, write_summary,
+};
 
 /// Request ids of the clock probes; their router rows are not requests of the experiment.
 pub const PROBE_PREFIX: &str = "fault-clock-probe-";

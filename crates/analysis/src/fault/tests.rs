@@ -329,8 +329,25 @@ fn shares_ttft_goodput_and_recovery() {
     assert!(tl[9].replica_alive && !tl[10].replica_alive && !tl[12].replica_alive);
     assert!(tl[13].replica_alive);
     let csv = timeline_csv(&tl);
-    assert!(csv.starts_with("policy,t_s,goodput_rps,replica_alive\np,0.000,4.000,1\n"));
-    assert!(csv.contains("p,10.000,0.000,0\n"));
+    // 4 req/s before the kill at 10 s and 0 during the 3-s outage: the centred 5-s mean is 4 up
+    // to 7 s, falls through 8 (3.2) and 9 (2.4), bottoms at 1.6 over the outage and is back at
+    // 4 from 15 s.
+    assert!(csv.starts_with(
+        "policy,t_s,goodput_rps,replica_alive,goodput_min_rps,goodput_max_rps,rolling_s\np,0.000,4.000,1,4.000,4.000,5\n"
+    ));
+    assert!(csv.contains("p,8.000,3.200,1,3.200,3.200,5\n"), "{csv}");
+    assert!(csv.contains("p,11.000,1.600,0,1.600,1.600,5\n"), "{csv}");
+    assert!(csv.contains("p,15.000,4.000,1,4.000,4.000,5\n"), "{csv}");
+}
+
+#[test]
+fn the_rolling_mean_is_centred_and_cut_at_the_ends() {
+    assert_eq!(
+        rolling_mean(&[0.0, 3.0, 6.0, 9.0, 12.0], 3),
+        [1.5, 3.0, 6.0, 9.0, 10.5]
+    );
+    assert_eq!(rolling_mean(&[2.0, 4.0], 5), [3.0, 3.0]);
+    assert!(rolling_mean(&[], 5).is_empty());
 }
 
 #[test]
