@@ -1,5 +1,5 @@
 //! Renders the figures from a measurements directory: `cargo run -p figures --example render --
-//! <measurements dir> <out dir> [figure …]` (figures as `1`…`6` or stems; default all six).
+//! <measurements dir> <out dir> [figure …]` (figures as `1`…`9` or stems; default all).
 
 use std::path::Path;
 
@@ -15,7 +15,7 @@ fn main() -> anyhow::Result<()> {
             .iter()
             .map(|w| {
                 figures::FigureId::parse(w)
-                    .ok_or_else(|| anyhow::anyhow!("unknown figure `{w}` (1…6 or a stem)"))
+                    .ok_or_else(|| anyhow::anyhow!("unknown figure `{w}` (1…9 or a stem)"))
             })
             .collect::<anyhow::Result<_>>()?
     };

@@ -1430,6 +1430,125 @@ impl RoutersData {
     }
 }
 
+/// Name of figure 9 in messages.
+pub const FIG9: &str = "figure 9 (trace replay)";
+
+/// One policy's bar group in figure 9.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceBar {
+    /// Policy.
+    pub policy: String,
+    /// Goodput, wall req/s.
+    pub goodput: Spread,
+    /// SLO attainment.
+    pub attainment: Spread,
+    /// Engine prefix-hit rate.
+    pub hit_rate: Spread,
+    /// Whether a repetition was overloaded (its backlog grew through the window).
+    pub overloaded: bool,
+}
+
+/// Figure 9: every policy replaying one trace: goodput, SLO attainment and engine prefix-hit rate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceData {
+    /// The point (the trace slice and its mapping, e.g. `b32-x1`).
+    pub point: String,
+    /// One per policy, in the report's policy order.
+    pub bars: Vec<TraceBar>,
+    /// Policies not drawn because every repetition was set aside.
+    pub not_drawn: Vec<String>,
+    /// Repetitions behind the medians.
+    pub reps: Reps,
+}
+
+/// Picks figure 9's numbers from a trace sweep (`xtask sweep trace`): its one point, every
+/// policy's goodput, attainment and hit rate.
+pub fn trace_replay(report: &Report) -> Result<TraceData> {
+    let [p] = report.points.as_slice() else {
+        bail!(
+            "{FIG9}: sweep `{}` has {} points; a trace sweep replays one slice (one point)",
+            report.sweep,
+            report.points.len()
+        );
+    };
+    let mut bars = Vec::new();
+    let mut not_drawn = Vec::new();
+    let mut lack = Vec::new();
+    for c in &p.cells {
+        if all_set_aside(p, &c.policy) {
+            not_drawn.push(format!("{} {}", p.point, c.policy));
+            continue;
+        }
+        match (
+            c.goodput_rps,
+            c.slo_attainment,
+            c.mechanism.all.prefix_hit_rate,
+        ) {
+            (Some(goodput), Some(attainment), Some(hit_rate)) => bars.push(TraceBar {
+                policy: c.policy.clone(),
+                goodput,
+                attainment,
+                hit_rate,
+                overloaded: !c.overloaded.is_empty(),
+            }),
+            _ => lack.push(format!(
+                "point `{}` has no {} goodput, attainment or hit rate",
+                p.point, c.policy
+            )),
+        }
+    }
+    missing(FIG9, lack)?;
+    Ok(TraceData {
+        point: p.point.clone(),
+        reps: Reps::of(bars.iter().map(|b| &b.goodput))
+            .with_context(|| format!("{FIG9}: nothing to draw"))?,
+        bars,
+        not_drawn,
+    })
+}
+
+impl TraceData {
+    /// Exactly the numbers drawn.
+    pub fn table(&self) -> Table {
+        Table {
+            header: vec![
+                "policy",
+                "goodput_median_rps",
+                "goodput_min_rps",
+                "goodput_max_rps",
+                "attainment_median",
+                "attainment_min",
+                "attainment_max",
+                "hit_rate_median",
+                "hit_rate_min",
+                "hit_rate_max",
+                "overloaded",
+                "reps",
+            ],
+            rows: self
+                .bars
+                .iter()
+                .map(|b| {
+                    vec![
+                        b.policy.clone(),
+                        num(b.goodput.median),
+                        num(b.goodput.min),
+                        num(b.goodput.max),
+                        num(b.attainment.median),
+                        num(b.attainment.min),
+                        num(b.attainment.max),
+                        num(b.hit_rate.median),
+                        num(b.hit_rate.min),
+                        num(b.hit_rate.max),
+                        u8::from(b.overloaded).to_string(),
+                        b.goodput.n.to_string(),
+                    ]
+                })
+                .collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,8 +15,8 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::data::{
     BELIEF_POLICIES, BeliefData, LADDER, LadderData, LoadCurveData, MechRole, MechanismData,
-    NoDataCell, Outage, PressureData, RoutersData, TimelineData, WinnersData, band_label,
-    set_aside_note,
+    NoDataCell, Outage, PressureData, RoutersData, TimelineData, TraceData, WinnersData,
+    band_label, set_aside_note,
 };
 use crate::font::{self, FAMILY};
 use crate::input::{Context, num};
@@ -1722,6 +1722,140 @@ impl RoutersFigure<'_> {
                     let (x, v) = (x_of(p.routers), value(p));
                     PathElement::new(vec![(x, v.min), (x, v.max)], color.stroke_width(2))
                 }))
+                .map_err(de)?;
+        }
+        Ok(())
+    }
+}
+
+/// Which of a trace bar's numbers a panel of figure 9 draws.
+type TraceValue = fn(&crate::data::TraceBar) -> analysis::stats::Spread;
+
+/// Figure 9 ready to draw.
+pub struct TraceFigure<'a> {
+    /// Its numbers.
+    pub data: &'a TraceData,
+    /// Title context.
+    pub ctx: &'a Context,
+}
+
+impl Figure for TraceFigure<'_> {
+    fn size(&self) -> (u32, u32) {
+        (1800, (300 + 52 * self.data.bars.len() as u32).max(850))
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
+        let mut lines = context_lines(self.ctx, &d.reps.text());
+        lines.push(format!(
+            "point {}: every policy replays the same requests at the trace's own arrival times (open loop); bar: median, whisker: min–max over reps; (overloaded): a repetition's backlog grew through the window",
+            d.point
+        ));
+        lines.extend(set_aside_note(&d.not_drawn));
+        let body = header(
+            root,
+            "Trace replay: what each policy delivers on a production trace",
+            &lines,
+        )?;
+        let (w, _) = body.dim_in_pixel();
+        let label_w = 300;
+        let (labels, rest) = body.split_horizontally(label_w);
+        let panel_w = (w - label_w) / 3;
+        let (a, rest) = rest.split_horizontally(panel_w);
+        let (b, c) = rest.split_horizontally(panel_w);
+        let n = d.bars.len();
+        let gmax = d.bars.iter().map(|b| b.goodput.max).fold(0.0, f64::max) * 1.2;
+        let panels: [(_, &str, f64, bool, TraceValue); 3] = [
+            (a, "(a) Goodput, req/s", gmax.max(1.0), false, |b| b.goodput),
+            (b, "(b) SLO attainment", 1.1, true, |b| b.attainment),
+            (c, "(c) Engine prefix-hit rate", 1.1, true, |b| b.hit_rate),
+        ];
+        let mut rows_px: Vec<i32> = Vec::new();
+        for (i, (area, title, xmax, share, value)) in panels.into_iter().enumerate() {
+            let area = panel_title(&area, title)?;
+            let mut chart = ChartBuilder::on(&area)
+                .margin(15)
+                .x_label_area_size(45)
+                .y_label_area_size(0)
+                .build_cartesian_2d(0.0..xmax, 0.0..n as f64)
+                .map_err(de)?;
+            let pct = |v: &f64| format!("{:.0} %", v * 100.0);
+            let plain = |v: &f64| num((v * 100.0).round() / 100.0);
+            let mut mesh = chart.configure_mesh();
+            mesh.disable_y_mesh().y_labels(0);
+            if share {
+                mesh.x_label_formatter(&pct);
+            } else {
+                mesh.x_label_formatter(&plain);
+            }
+            quiet_mesh(&mut mesh, 13, 15).draw().map_err(de)?;
+            if i == 1 {
+                chart
+                    .draw_series([DashedPathElement::new(
+                        vec![(ATTAINMENT_TARGET, 0.0), (ATTAINMENT_TARGET, n as f64)],
+                        6,
+                        4,
+                        INK.stroke_width(1),
+                    )])
+                    .map_err(de)?;
+            }
+            for (k, bar) in d.bars.iter().enumerate() {
+                // the first policy on top
+                let y = (n - 1 - k) as f64;
+                let v = value(bar);
+                let color = policy_color(&bar.policy);
+                chart
+                    .draw_series(std::iter::once(Rectangle::new(
+                        [(0.0, y + 0.18), (v.median, y + 0.82)],
+                        color.filled(),
+                    )))
+                    .map_err(de)?;
+                chart
+                    .draw_series([
+                        PathElement::new(
+                            vec![(v.min, y + 0.5), (v.max, y + 0.5)],
+                            INK.stroke_width(2),
+                        ),
+                        PathElement::new(
+                            vec![(v.min, y + 0.3), (v.min, y + 0.7)],
+                            INK.stroke_width(2),
+                        ),
+                        PathElement::new(
+                            vec![(v.max, y + 0.3), (v.max, y + 0.7)],
+                            INK.stroke_width(2),
+                        ),
+                    ])
+                    .map_err(de)?;
+                let text = if share {
+                    format!("{:.1} %", v.median * 100.0)
+                } else {
+                    format!("{:.2}", v.median)
+                };
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        text,
+                        (v.max + xmax * 0.01, y + 0.5),
+                        style(13.0, &INK, HPos::Left, VPos::Center),
+                    )))
+                    .map_err(de)?;
+                if i == 0 {
+                    rows_px.push(chart.backend_coord(&(0.0, y + 0.5)).1);
+                }
+            }
+        }
+        let (_, oy) = labels.get_base_pixel();
+        for (bar, y) in d.bars.iter().zip(rows_px) {
+            let name = if bar.overloaded {
+                format!("{} (overloaded)", bar.policy)
+            } else {
+                bar.policy.clone()
+            };
+            labels
+                .draw(&Text::new(
+                    name,
+                    (label_w as i32 - 10, y - oy),
+                    style(15.0, &INK, HPos::Right, VPos::Center),
+                ))
                 .map_err(de)?;
         }
         Ok(())

@@ -36,6 +36,8 @@ pub const LOAD_SWEEPS: [&str; 3] = ["load", "load-quick", "load-virtual"];
 /// Sweep directories looked for (in order) for figure 8: an N-router sweep (`xtask sweep load
 /// --routers N …`, cells `r<N>-<front>[-share]-<policy>`, published under one of these names).
 pub const ROUTERS_SWEEPS: [&str; 2] = ["routers", "routers-quick"];
+/// Sweep directories looked for (in order) for figure 9: a trace replay (`xtask sweep trace`).
+pub const TRACE_SWEEPS: [&str; 2] = ["trace", "trace-quick"];
 
 /// The figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -56,11 +58,13 @@ pub enum FigureId {
     LoadCurve,
     /// 8: engine prefix-hit rate and goodput against the number of routers, per policy and arm.
     Routers,
+    /// 9: goodput, SLO attainment and engine prefix-hit rate of every policy replaying a trace.
+    TraceReplay,
 }
 
 impl FigureId {
     /// All of them, in order.
-    pub const ALL: [FigureId; 8] = [
+    pub const ALL: [FigureId; 9] = [
         FigureId::PressureMap,
         FigureId::WinnersMap,
         FigureId::Mechanism,
@@ -69,6 +73,7 @@ impl FigureId {
         FigureId::FaultTimeline,
         FigureId::LoadCurve,
         FigureId::Routers,
+        FigureId::TraceReplay,
     ];
 
     /// File stem of its outputs (`<stem>.png`, `.svg`, `.csv`).
@@ -82,10 +87,11 @@ impl FigureId {
             FigureId::FaultTimeline => "fig6-fault-timeline",
             FigureId::LoadCurve => "fig7-load-curve",
             FigureId::Routers => "fig8-routers",
+            FigureId::TraceReplay => "fig9-trace-replay",
         }
     }
 
-    /// Parses `1`…`8` or a stem (`fig3-mechanism`) or its tail (`mechanism`).
+    /// Parses `1`…`9` or a stem (`fig3-mechanism`) or its tail (`mechanism`).
     pub fn parse(s: &str) -> Option<FigureId> {
         FigureId::ALL.into_iter().enumerate().find_map(|(i, f)| {
             let stem = f.stem();
@@ -112,6 +118,8 @@ pub struct Sources {
     pub load: PathBuf,
     /// The N-router sweep directory (figure 8).
     pub routers: PathBuf,
+    /// The trace replay sweep directory (figure 9).
+    pub trace: PathBuf,
 }
 
 impl Sources {
@@ -130,6 +138,7 @@ impl Sources {
             fault: pick(&FAULT_SWEEPS),
             load: pick(&LOAD_SWEEPS),
             routers: pick(&ROUTERS_SWEEPS),
+            trace: pick(&TRACE_SWEEPS),
         }
     }
 }
@@ -153,7 +162,10 @@ pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<V
     let needs_grid = which.iter().any(|f| {
         !matches!(
             f,
-            FigureId::FaultTimeline | FigureId::LoadCurve | FigureId::Routers
+            FigureId::FaultTimeline
+                | FigureId::LoadCurve
+                | FigureId::Routers
+                | FigureId::TraceReplay
         )
     });
     let grid = if needs_grid {
@@ -172,6 +184,8 @@ pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<V
                     .and_then(|l| render_one(fig, Input::Load(&l), out_dir)),
                 (FigureId::Routers, _) => routers_input(&sources.routers)
                     .and_then(|r| render_one(fig, Input::Routers(&r), out_dir)),
+                (FigureId::TraceReplay, _) => trace_input(&sources.trace)
+                    .and_then(|t| render_one(fig, Input::Trace(&t), out_dir)),
                 (_, Some(Ok(g))) => render_one(fig, Input::Grid(g), out_dir),
                 (_, Some(Err(e))) => Err(anyhow::anyhow!("{e:#}")),
                 (_, None) => unreachable!("the grid is loaded whenever a grid figure is asked for"),
@@ -223,6 +237,17 @@ fn routers_input(dir: &Path) -> Result<GridInput> {
     load_grid(dir)
 }
 
+fn trace_input(dir: &Path) -> Result<GridInput> {
+    if !dir.is_dir() {
+        bail!(
+            "figure 9 needs a trace replay: {} does not exist (looked for {} beside it; `cargo xtask sweep trace --trace FILE` then `cargo xtask publish` make one)",
+            dir.display(),
+            TRACE_SWEEPS.join(", ")
+        );
+    }
+    load_grid(dir)
+}
+
 fn grid_input(dir: &Path) -> Result<GridInput> {
     if !dir.is_dir() {
         bail!(
@@ -245,6 +270,8 @@ pub enum Input<'a> {
     Load(&'a LoadInput),
     /// A loaded N-router sweep (figure 8).
     Routers(&'a GridInput),
+    /// A loaded trace replay (figure 9).
+    Trace(&'a GridInput),
 }
 
 /// Draws one figure from an already loaded input and writes its three files into `out_dir`
@@ -292,9 +319,22 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
             d.table()
         }
         (FigureId::Routers, _) => bail!("{fig} is drawn from an N-router sweep"),
+        (FigureId::TraceReplay, Input::Trace(g)) => {
+            let d = data::trace_replay(&g.report)?;
+            draw::render_files(
+                &draw::TraceFigure {
+                    data: &d,
+                    ctx: &g.context,
+                },
+                &png,
+                &svg,
+            )?;
+            d.table()
+        }
+        (FigureId::TraceReplay, _) => bail!("{fig} is drawn from a trace replay"),
         (FigureId::FaultTimeline, _) => bail!("{fig} is drawn from a fault sweep"),
         (FigureId::LoadCurve, _) => bail!("{fig} is drawn from a load sweep"),
-        (_, Input::Fault(_) | Input::Load(_) | Input::Routers(_)) => {
+        (_, Input::Fault(_) | Input::Load(_) | Input::Routers(_) | Input::Trace(_)) => {
             bail!("{fig} is drawn from a grid sweep")
         }
         (fig, Input::Grid(g)) => {
@@ -325,7 +365,10 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
                     draw::render_files(&draw::BeliefFigure { data: &d, ctx }, &png, &svg)?;
                     d.table()
                 }
-                FigureId::FaultTimeline | FigureId::LoadCurve | FigureId::Routers => {
+                FigureId::FaultTimeline
+                | FigureId::LoadCurve
+                | FigureId::Routers
+                | FigureId::TraceReplay => {
                     unreachable!("matched above")
                 }
             }

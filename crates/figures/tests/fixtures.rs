@@ -36,7 +36,13 @@ fn copy_tree(from: &Path, to: &Path) {
 /// A private copy of the fixture measurements to break.
 fn measurements_copy(name: &str) -> PathBuf {
     let root = scratch(name).join("measurements");
-    for sweep in ["pressure-grid", "fault-kill", "load", "routers"] {
+    for sweep in [
+        "pressure-grid",
+        "fault-kill",
+        "load",
+        "routers",
+        "trace-quick",
+    ] {
         copy_tree(&fixtures().join(sweep), &root.join(sweep));
     }
     root
@@ -55,10 +61,10 @@ fn png_size(bytes: &[u8]) -> (u32, u32) {
 }
 
 #[test]
-fn all_eight_render_from_fixtures_and_their_data_match_the_goldens() {
+fn all_nine_render_from_fixtures_and_their_data_match_the_goldens() {
     let out = scratch("all").join("out");
     let files = render_all(&fixtures(), &out).unwrap();
-    assert_eq!(files.len(), 24, "{files:?}");
+    assert_eq!(files.len(), 27, "{files:?}");
     let update = std::env::var_os("UPDATE_GOLDEN").is_some();
     let golden_dir = fixtures().join("golden");
     let titles = [
@@ -70,6 +76,7 @@ fn all_eight_render_from_fixtures_and_their_data_match_the_goldens() {
         "Fault timeline",
         "Load curve",
         "N routers",
+        "Trace replay",
     ];
     for (fig, title) in FigureId::ALL.iter().zip(titles) {
         let base = out.join(fig.stem());
@@ -87,7 +94,10 @@ fn all_eight_render_from_fixtures_and_their_data_match_the_goldens() {
         ] {
             let own_sweep = matches!(
                 fig,
-                FigureId::FaultTimeline | FigureId::LoadCurve | FigureId::Routers
+                FigureId::FaultTimeline
+                    | FigureId::LoadCurve
+                    | FigureId::Routers
+                    | FigureId::TraceReplay
             );
             if !own_sweep || context != "pressure-grid" {
                 assert!(svg.contains(context), "{fig}: SVG lacks `{context}`");
@@ -287,7 +297,11 @@ fn missing_sweeps_are_named() {
     std::fs::create_dir_all(&empty).unwrap();
     let out = scratch("empty-out");
     let err = format!("{:#}", render_all(&empty, &out).unwrap_err());
-    assert!(err.contains("8 of 8 figures not drawn"), "{err}");
+    assert!(err.contains("9 of 9 figures not drawn"), "{err}");
+    assert!(
+        err.contains("figure 9 needs a trace replay") && err.contains("trace-quick"),
+        "{err}"
+    );
     assert!(
         err.contains("figure 8 needs an N-router sweep") && err.contains("routers-quick"),
         "{err}"
@@ -366,7 +380,8 @@ fn figure_ids_parse_from_numbers_and_names() {
     assert_eq!(FigureId::parse("7"), Some(FigureId::LoadCurve));
     assert_eq!(FigureId::parse("load-curve"), Some(FigureId::LoadCurve));
     assert_eq!(FigureId::parse("8"), Some(FigureId::Routers));
-    assert_eq!(FigureId::parse("9"), None);
+    assert_eq!(FigureId::parse("9"), Some(FigureId::TraceReplay));
+    assert_eq!(FigureId::parse("10"), None);
 }
 
 #[test]
@@ -539,4 +554,40 @@ fn the_fault_timeline_draws_the_range_of_repetitions_and_states_its_window() {
         err.contains("timeline.csv:2") && err.contains("`rolling_s` is `five`"),
         "{err}"
     );
+}
+
+#[test]
+fn the_trace_figure_draws_every_policy_of_the_replay() {
+    let out = scratch("trace");
+    let files = render(
+        &Sources::discover(&fixtures()),
+        &out,
+        &[FigureId::TraceReplay],
+    )
+    .unwrap();
+    assert_eq!(files.len(), 3);
+    let csv = std::fs::read_to_string(out.join("fig9-trace-replay.csv")).unwrap();
+    let rows: Vec<Vec<&str>> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect())
+        .collect();
+    let policies: Vec<&str> = rows.iter().map(|r| r[0]).collect();
+    assert_eq!(
+        policies,
+        ["round-robin", "session-affinity", "prefix-affinity"]
+    );
+    // prefix-affinity: 10 and 11 good of 12 in 4 s → 2.5 and 2.75 req/s, median 2.625
+    let pa = rows.iter().find(|r| r[0] == "prefix-affinity").unwrap();
+    assert_eq!((pa[1], pa[2], pa[3]), ("2.625", "2.5", "2.75"));
+    let svg = std::fs::read_to_string(out.join("fig9-trace-replay.svg")).unwrap();
+    assert!(
+        svg.contains("Trace replay") && svg.contains("b32-x1"),
+        "title and point"
+    );
+    // A second point is refused: a trace sweep replays one slice.
+    let m = measurements_copy("trace-two");
+    copy_tree(&m.join("trace-quick/b32-x1"), &m.join("trace-quick/b64-x1"));
+    let err = render_err(&m, &[FigureId::TraceReplay], "trace-two");
+    assert!(err.contains("figure 9") && err.contains("points"), "{err}");
 }
