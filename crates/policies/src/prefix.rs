@@ -14,9 +14,9 @@
 //! burst sharing a new prefix sees it at once, and [`Policy::on_served`] inserts the replica
 //! that really served when a retry moved the request; [`Policy::on_peer_served`] inserts a peer
 //! router's decision the same way (N routers over one fleet, each sharing its decisions).
-//! Exact-residency's index is fed only by
-//! KV events; its speculative arm inserts the chosen replica's blocks as speculative entries
-//! (short TTL) until the engine's `BlockStored` confirms them.
+//! Exact-residency's index is fed only by KV events; its speculative arm inserts the chosen
+//! replica's blocks as speculative entries (short TTL) until the engine's `BlockStored` confirms
+//! them.
 
 use crate::{
     Branch, Chooser, Decision, Keying, Policy, PolicySpec, ReplicaId, ReplicaView, RouteError,
