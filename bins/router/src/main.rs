@@ -151,6 +151,20 @@ struct Args {
     /// llama-server), where a request on a pooled connection fails with a 502.
     #[arg(long)]
     no_upstream_keep_alive: bool,
+    /// This router's name in its shared decisions and its readiness line (default:
+    /// HOSTNAME:PORT of the serving port, or `router`).
+    #[arg(long)]
+    router_id: Option<String>,
+    /// Publish this router's routing decisions (one ZMQ message per request served with block
+    /// keys) on a PUB socket bound here, e.g. `tcp://127.0.0.1:5600` (port 0 picks one; the
+    /// readiness line's `share_endpoint` names it). For N routers over one fleet.
+    #[arg(long, value_name = "ENDPOINT")]
+    share_decisions_bind: Option<String>,
+    /// Subscribe to a peer router's decisions (its --share-decisions-bind endpoint) and insert
+    /// them into this router's believed index (prefix-affinity); repeatable. Gaps are counted
+    /// (`kvroute_shared_decisions_gaps_total`), never repaired.
+    #[arg(long, value_name = "ENDPOINT")]
+    share_decisions_peer: Vec<String>,
 }
 
 fn config(a: Args) -> Result<RouterConfig, String> {
@@ -250,6 +264,12 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     cfg.max_in_flight_per_replica = a.max_in_flight_per_replica;
     cfg.upstream_keep_alive = !a.no_upstream_keep_alive;
     cfg.kv_events_format = a.kv_events_format.parse()?;
+    if a.router_id.as_deref().is_some_and(str::is_empty) {
+        return Err("--router-id must not be empty".into());
+    }
+    cfg.router_id = a.router_id;
+    cfg.share_decisions_bind = a.share_decisions_bind;
+    cfg.share_decisions_peers = a.share_decisions_peer;
     Ok(cfg)
 }
 

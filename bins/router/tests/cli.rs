@@ -104,6 +104,10 @@ fn serves_a_stream_and_flushes_rows_on_sigterm() {
             "session-affinity",
             "--health-interval-ms",
             "60000",
+            "--router-id",
+            "cli-r0",
+            "--share-decisions-bind",
+            "tcp://127.0.0.1:0",
         ])
         .arg("--rows")
         .arg(&rows)
@@ -123,6 +127,15 @@ fn serves_a_stream_and_flushes_rows_on_sigterm() {
         .as_str()
         .expect("the admin listener is announced");
     assert!(admin.starts_with("127.0.0.1:") && admin != addr, "{ready}");
+    assert_eq!(ready["router_id"], "cli-r0", "{ready}");
+    let share = ready["share_endpoint"]
+        .as_str()
+        .expect("the decision publisher is announced");
+    let share_port: u16 = share
+        .strip_prefix("tcp://127.0.0.1:")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("{ready}"));
+    assert_ne!(share_port, 0, "port 0 is resolved: {ready}");
 
     let body =
         r#"{"model":"m","prompt":"hello","stream":true,"stream_options":{"include_usage":true}}"#;
@@ -195,6 +208,15 @@ fn bad_flags_are_refused_with_a_message() {
             "--admin-token-file",
             "/nonexistent/token",
         ],
+        vec!["--replicas", "http://127.0.0.1:1", "--router-id", ""],
+        vec![
+            "--replicas",
+            "http://127.0.0.1:1",
+            "--port",
+            "0",
+            "--share-decisions-bind",
+            "not-an-endpoint",
+        ],
         vec![],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_router"))
@@ -236,6 +258,19 @@ fn replicas_come_from_a_config_file() {
         .read_line(&mut line)
         .unwrap();
     let ready: serde_json::Value = serde_json::from_str(&line).unwrap();
+    // Not sharing: no publisher; the default router id names the serving port.
+    assert!(ready["share_endpoint"].is_null(), "{ready}");
+    let port = ready["listening"]
+        .as_str()
+        .unwrap()
+        .rsplit(':')
+        .next()
+        .unwrap();
+    let id = ready["router_id"].as_str().unwrap();
+    assert!(
+        id == "router" || id.ends_with(&format!(":{port}")),
+        "{ready}"
+    );
     // The serving port has no admin API; the admin listener does.
     let resp = get(
         ready["listening"].as_str().unwrap(),

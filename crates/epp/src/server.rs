@@ -98,6 +98,9 @@ pub struct Epp {
     serve: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<tokio::task::JoinHandle<()>>,
     watch: Arc<WatchStats>,
+    /// Decision sharing with peer routers/pickers (`cfg.router.share_decisions_*`; the epp
+    /// binary has no flags for it yet): stopped on drop.
+    sharing: proxy::sharing::Sharing,
 }
 
 impl Epp {
@@ -134,6 +137,7 @@ impl Epp {
         let admin_listener =
             TcpListener::bind((cfg.router.admin_host.as_str(), cfg.router.admin_port)).await?;
         let admin_addr = admin_listener.local_addr()?;
+        let (_, sharing) = proxy::server::start_sharing(&shared, &cfg.router, addr.port()).await?;
         let (admin_stop, admin_stop_rx) = tokio::sync::watch::channel(false);
         let admin = proxy::server::spawn_admin(
             admin_listener,
@@ -196,6 +200,7 @@ impl Epp {
             serve,
             background,
             watch,
+            sharing,
         })
     }
 
@@ -239,6 +244,7 @@ impl Epp {
         for t in &self.background {
             t.abort();
         }
+        self.sharing.stop();
         for r in self.shared.replicas() {
             // Ends the KV subscribers (the replica's own tasks).
             self.shared.remove_replica(r.id);

@@ -254,6 +254,15 @@ pub trait Policy: Send {
         let _ = (req, replica);
     }
 
+    /// A peer router (another router in front of the same fleet) served a request whose block
+    /// keys were `block_keys` on `replica` (this router's id for the peer's replica);
+    /// `now_us` is this router's own clock at receipt (its TTL clock, not the peer's). A policy
+    /// whose index is its own belief adds it as [`Policy::on_served`] would; the default, and
+    /// any policy whose truth comes from elsewhere (engine KV events), ignores it.
+    fn on_peer_served(&mut self, block_keys: &[u64], replica: ReplicaId, now_us: u64) {
+        let _ = (block_keys, replica, now_us);
+    }
+
     /// A decoded KV event from `replica`'s engine.
     fn on_kv_event(&mut self, replica: ReplicaId, event: &kv_index::KvEvent, now_us: u64) {
         let _ = (replica, event, now_us);

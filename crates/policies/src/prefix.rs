@@ -12,9 +12,11 @@
 //!
 //! Prefix-affinity inserts the chosen replica in the same index descent as the lookup, so a
 //! burst sharing a new prefix sees it at once, and [`Policy::on_served`] inserts the replica
-//! that really served when a retry moved the request. Exact-residency's index is fed only by
-//! KV events; its speculative arm inserts the chosen replica's blocks as speculative entries
-//! (short TTL) until the engine's `BlockStored` confirms them.
+//! that really served when a retry moved the request; [`Policy::on_peer_served`] inserts a peer
+//! router's decision the same way (N routers over one fleet, each sharing its decisions).
+//! Exact-residency's index is fed only by KV events; its speculative arm inserts the chosen
+//! replica's blocks as speculative entries (short TTL) until the engine's `BlockStored` confirms
+//! them.
 
 use crate::{
     Branch, Chooser, Decision, Keying, Policy, PolicySpec, ReplicaId, ReplicaView, RouteError,
@@ -112,6 +114,25 @@ impl PrefixPolicy {
 
     fn fingerprint(keys: &[u64]) -> u64 {
         keys.last().copied().unwrap_or(0) ^ (keys.len() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
+    /// Inserts `keys` on `replica` unless the last decision with the same fingerprint already
+    /// put them there (what `decide` inserted in its own descent is not inserted twice).
+    fn insert_served(&mut self, keys: &[u64], replica: ReplicaId, now_us: u64, speculative: bool) {
+        if keys.is_empty() {
+            return;
+        }
+        let fp = Self::fingerprint(keys);
+        if self.recent[(fp % RECENT as u64) as usize] == (fp, replica) {
+            return;
+        }
+        // An index refusal (too many replicas) only loses the belief.
+        let _ = if speculative {
+            self.index.insert_speculative(replica, keys, now_us)
+        } else {
+            self.index.insert(replica, keys, now_us)
+        };
+        Self::remember(&mut self.recent, keys, replica);
     }
 
     fn remember(recent: &mut [(u64, ReplicaId)], keys: &[u64], replica: ReplicaId) {
@@ -311,25 +332,21 @@ impl Policy for PrefixPolicy {
     }
 
     fn on_served(&mut self, req: &RouteRequest<'_>, replica: ReplicaId) {
-        let keys = req.block_keys;
-        if keys.is_empty() {
-            return;
-        }
         let speculative = match self.mode {
             IndexMode::Belief => false,
             IndexMode::Exact { speculative: true } => true,
             IndexMode::Exact { speculative: false } => return,
         };
-        let fp = Self::fingerprint(keys);
-        if self.recent[(fp % RECENT as u64) as usize] == (fp, replica) {
-            return;
+        self.insert_served(req.block_keys, replica, req.now_us, speculative);
+    }
+
+    /// A peer router's decision joins the believed index exactly as this router's own
+    /// [`Policy::on_served`] would (same `recent` dedup); exact modes ignore it, their truth being
+    /// the engines' KV events, which every router receives itself.
+    fn on_peer_served(&mut self, block_keys: &[u64], replica: ReplicaId, now_us: u64) {
+        if self.mode == IndexMode::Belief {
+            self.insert_served(block_keys, replica, now_us, false);
         }
-        let _ = if speculative {
-            self.index.insert_speculative(replica, keys, req.now_us)
-        } else {
-            self.index.insert(replica, keys, req.now_us)
-        };
-        Self::remember(&mut self.recent, keys, replica);
     }
 
     fn on_kv_event(&mut self, replica: ReplicaId, event: &KvEvent, now_us: u64) {
@@ -401,5 +418,89 @@ mod tests {
             (d.replica, d.branch, d.predicted_match_blocks),
             (321, Branch::Tie, 4)
         );
+    }
+
+    fn req(keys: &[u64], now_us: u64) -> RouteRequest<'_> {
+        RouteRequest {
+            session_id: None,
+            block_keys: keys,
+            tokens_per_block: 16.0,
+            now_us,
+        }
+    }
+
+    #[test]
+    fn a_peer_decision_joins_the_believed_index_like_an_own_one() {
+        let fleet: Vec<ReplicaView> = (0..3u32).map(ReplicaView::idle).collect();
+        let turn1 = [10u64, 11, 12];
+        let turn2 = [10u64, 11, 12, 13, 14];
+        // Without the peer's decision, turn 2 is a miss.
+        let mut alone = PrefixPolicy::new(&PolicySpec::default(), IndexMode::Belief, true).unwrap();
+        assert_eq!(
+            alone.decide(&req(&turn2, 5), &fleet).unwrap().branch,
+            Branch::Miss
+        );
+        // A peer served turn 1 on replica 2: turn 2 matches it there.
+        let mut p = PrefixPolicy::new(&PolicySpec::default(), IndexMode::Belief, true).unwrap();
+        p.on_peer_served(&turn1, 2, 1);
+        let d = p.decide(&req(&turn2, 5), &fleet).unwrap();
+        assert_eq!(
+            (
+                d.replica,
+                d.branch,
+                d.predicted_match_blocks,
+                d.predicted_match_tokens
+            ),
+            (2, Branch::Match, 3, 48)
+        );
+        // Empty keys are ignored.
+        let len = p.index().len();
+        p.on_peer_served(&[], 1, 6);
+        assert_eq!(p.index().len(), len);
+    }
+
+    #[test]
+    fn a_peer_decision_expires_on_the_receivers_ttl_clock() {
+        let spec = PolicySpec::default();
+        let ttl = spec.index_ttl_us;
+        let fleet: Vec<ReplicaView> = (0..2u32).map(ReplicaView::idle).collect();
+        let keys = [7u64, 8];
+        let mut p = PrefixPolicy::new(&spec, IndexMode::Belief, true).unwrap();
+        p.on_peer_served(&keys, 1, 1_000);
+        assert_eq!(
+            p.decide(&req(&keys, 1_000 + ttl / 2), &fleet)
+                .unwrap()
+                .branch,
+            Branch::Match
+        );
+        let mut q = PrefixPolicy::new(&spec, IndexMode::Belief, true).unwrap();
+        q.on_peer_served(&keys, 1, 1_000);
+        assert_eq!(
+            q.decide(&req(&keys, 1_000 + ttl + 1), &fleet)
+                .unwrap()
+                .branch,
+            Branch::Miss
+        );
+    }
+
+    #[test]
+    fn a_repeated_peer_decision_is_deduplicated_and_exact_modes_ignore_peers() {
+        let spec = PolicySpec::default();
+        let keys = [21u64, 22, 23];
+        let mut p = PrefixPolicy::new(&spec, IndexMode::Belief, true).unwrap();
+        p.on_peer_served(&keys, 0, 1);
+        let once = p.index_stats().entries;
+        assert_eq!(once, 3);
+        // The same decision again is skipped by the `recent` memory.
+        p.on_peer_served(&keys, 0, 2);
+        assert_eq!(p.index_stats().entries, once);
+        // The same keys on another replica are a new decision.
+        p.on_peer_served(&keys, 1, 3);
+        assert_eq!(p.index_stats().entries, 2 * once);
+        for speculative in [false, true] {
+            let mut e = PrefixPolicy::new(&spec, IndexMode::Exact { speculative }, true).unwrap();
+            e.on_peer_served(&keys, 0, 1);
+            assert!(e.index().is_empty(), "exact residency takes only KV events");
+        }
     }
 }

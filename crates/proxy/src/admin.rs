@@ -115,6 +115,7 @@ pub async fn handle(
 fn metrics(shared: &Shared) -> Response<RouterBody> {
     let mut out = String::with_capacity(4096);
     shared.metrics.render_into(&mut out, &shared.policy_name);
+    shared.sharing.render_into(&mut out);
     let reps = shared.replicas();
     let gauge =
         |out: &mut String, name: &str, help: &str, kind: &str, f: &dyn Fn(&Replica) -> u64| {

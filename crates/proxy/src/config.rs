@@ -104,6 +104,18 @@ pub struct RouterConfig {
     /// Which engine publishes the replicas' KV events (`--kv-events-format`, default vLLM): it
     /// decides where a `BlockStored` carries the request's `cache_salt`.
     pub kv_events_format: crate::events::EventFormat,
+    /// This router's name in its shared decisions and readiness line (`--router-id`); `None`:
+    /// [`crate::sharing::default_router_id`] of the bound serving port.
+    pub router_id: Option<String>,
+    /// Where to bind the PUB socket that publishes this router's decisions to its peers
+    /// (`--share-decisions-bind`, e.g. `tcp://127.0.0.1:5600`; port 0 picks one, named in the
+    /// readiness line as `share_endpoint`); `None`: not published.
+    pub share_decisions_bind: Option<String>,
+    /// Peers' decision PUB endpoints to subscribe to (`--share-decisions-peer`, repeatable).
+    pub share_decisions_peers: Vec<String>,
+    /// Capacity of the queue between the request path and the decision publisher (a full queue
+    /// drops and counts); default [`crate::sharing::DEFAULT_QUEUE`].
+    pub share_decisions_queue: usize,
 }
 
 /// Default of [`RouterConfig::workers`]: 2, chosen by measurement (docs/proxy-bench.md,
@@ -206,6 +218,10 @@ impl RouterConfig {
             max_in_flight_per_replica: None,
             upstream_keep_alive: true,
             kv_events_format: crate::events::EventFormat::default(),
+            router_id: None,
+            share_decisions_bind: None,
+            share_decisions_peers: Vec::new(),
+            share_decisions_queue: crate::sharing::DEFAULT_QUEUE,
         }
     }
 }

@@ -18,6 +18,8 @@
 //! - [`request`]: body parsing, canonical rendering, `/tokenize` bodies.
 //! - [`usage`]: usage parsing in passing (SSE and JSON).
 //! - [`events`]: KV event decoding (both encodings), sequence-gap detection, replay, subscriber.
+//! - [`sharing`]: decision sharing between routers over one fleet (PUB of served decisions,
+//!   SUB of peers', sequence gaps counted, never repaired).
 //! - [`rows`]: `router.csv` writer thread.
 //! - [`metrics`]: Prometheus counters and the overhead histogram.
 //! - [`upstream`]: the pooled client, the router clock, the self-timing request body.
@@ -34,6 +36,7 @@ pub mod request;
 pub mod rows;
 pub mod server;
 pub mod service;
+pub mod sharing;
 pub mod state;
 pub mod upstream;
 pub mod usage;

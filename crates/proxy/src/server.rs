@@ -18,6 +18,7 @@ use crate::admin::AdminAuth;
 use crate::config::{RouterConfig, check_admin_exposure};
 use crate::rows::RowSink;
 use crate::service::ConnCtx;
+use crate::sharing::{Sharing, SharingConfig};
 use crate::state::{NO_KV_USAGE, Replica, Settings, Shared, start_replica_tasks};
 use crate::upstream::{TimedBody, join_uri};
 
@@ -55,6 +56,8 @@ pub struct Router {
     admin_accept: tokio::task::JoinHandle<()>,
     conns: Arc<ConnCount>,
     health: tokio::task::JoinHandle<()>,
+    router_id: String,
+    sharing: Sharing,
 }
 
 #[derive(Default)]
@@ -150,6 +153,8 @@ impl Router {
         let addr = listener.local_addr()?;
         let admin_listener = TcpListener::bind((cfg.admin_host.as_str(), cfg.admin_port)).await?;
         let admin_addr = admin_listener.local_addr()?;
+        // Publisher and peer subscribers before taking traffic: every served decision is shared.
+        let (router_id, sharing) = start_sharing(&shared, &cfg, addr.port()).await?;
         let health = tokio::spawn(health_loop(
             Arc::downgrade(&shared),
             Duration::from_millis(cfg.health_interval_ms.max(10)),
@@ -193,7 +198,19 @@ impl Router {
             admin_accept,
             conns,
             health,
+            router_id,
+            sharing,
         })
+    }
+
+    /// This router's name (`--router-id`, or the default of [`crate::sharing::default_router_id`]).
+    pub fn router_id(&self) -> &str {
+        &self.router_id
+    }
+
+    /// The bound endpoint of the decision publisher (port 0 resolved), when sharing decisions.
+    pub fn share_endpoint(&self) -> Option<&str> {
+        self.sharing.endpoint.as_deref()
     }
 
     /// The bound address of the serving port.
@@ -225,6 +242,8 @@ impl Router {
             self.conns.wait_idle(Duration::from_secs(5)).await;
         }
         self.health.abort();
+        let mut sharing = self.sharing;
+        sharing.stop();
         for r in self.shared.replicas() {
             r.stop_tasks();
         }
@@ -548,6 +567,32 @@ pub fn shared_from_config(
     ))
 }
 
+/// Starts decision sharing as `cfg` asks ([`crate::sharing::start`]: the publisher when
+/// `share_decisions_bind` is set, one subscriber per peer) and resolves the router id (the
+/// default names `port`). Shared by the router and the endpoint picker (`epp`).
+pub async fn start_sharing(
+    shared: &Arc<Shared>,
+    cfg: &RouterConfig,
+    port: u16,
+) -> Result<(String, Sharing), RouterError> {
+    let router_id = cfg
+        .router_id
+        .clone()
+        .unwrap_or_else(|| crate::sharing::default_router_id(port));
+    let sharing = crate::sharing::start(
+        shared,
+        &SharingConfig {
+            router_id: router_id.clone(),
+            bind: cfg.share_decisions_bind.clone(),
+            peers: cfg.share_decisions_peers.clone(),
+            queue: cfg.share_decisions_queue,
+        },
+    )
+    .await
+    .map_err(RouterError::Config)?;
+    Ok((router_id, sharing))
+}
+
 /// Probes every replica's `/health` every `every` (each probe bounded by `timeout`) and feeds
 /// the health hysteresis (and, for the residency branch, the KV-usage scrape) until the state
 /// is dropped.
@@ -618,7 +663,8 @@ pub fn parse_kv_usage(text: &str) -> Option<f32> {
 }
 
 /// Runs the router until SIGTERM or SIGINT: builds a runtime with `cfg.workers` threads, prints
-/// the readiness line (`{"listening":"HOST:PORT","admin":"HOST:PORT","workers":N}`) on stdout, then shuts
+/// the readiness line (`{"listening":"HOST:PORT","admin":"HOST:PORT","workers":N,
+/// "scheduling":…,"router_id":…,"share_endpoint":"tcp://…"|null}`) on stdout, then shuts
 /// down gracefully and flushes the rows.
 pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
     // A multi-thread runtime even with one worker: measured against a current-thread runtime,
@@ -651,6 +697,8 @@ pub fn run_blocking(cfg: RouterConfig) -> Result<(), RouterError> {
                 "admin": router.admin_addr().to_string(),
                 "workers": workers,
                 "scheduling": scheduling.describe(),
+                "router_id": router.router_id(),
+                "share_endpoint": router.share_endpoint(),
             })
         );
         use std::io::Write;

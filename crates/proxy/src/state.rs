@@ -6,8 +6,8 @@
 //! first growth) happens inside. Outstanding counters are atomics so the RAII guard can release
 //! load without the lock (a decrement can only make a concurrent snapshot more conservative).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use http::uri::{Authority, Scheme};
@@ -18,6 +18,7 @@ use crate::config::ReplicaSpec;
 use crate::events::{EventEndpoints, EventSink, EventStats, run_subscriber};
 use crate::metrics::Metrics;
 use crate::rows::RowSink;
+use crate::sharing::{Publisher, SharingStats};
 use crate::upstream::{Clock, UpstreamClient};
 
 /// Sentinel of [`Replica::kv_usage_bits`]: no usage scraped (a NaN pattern no gauge produces).
@@ -239,6 +240,10 @@ pub struct Shared {
     pub clock: Clock,
     /// Static settings.
     pub settings: Settings,
+    /// Decision-sharing counters (`kvroute_shared_decisions_*`; zero when not sharing).
+    pub sharing: Arc<SharingStats>,
+    /// Where served decisions are published, once [`crate::sharing::start`] installed it.
+    publisher: OnceLock<Publisher>,
     /// Set once shutdown's grace period has passed: requests dropped from then on were cut by
     /// the router, not abandoned by their clients.
     cutting: AtomicBool,
@@ -312,6 +317,8 @@ impl Shared {
             client: crate::upstream::client(settings.upstream_keep_alive),
             clock: Clock::new(),
             settings,
+            sharing: Arc::default(),
+            publisher: OnceLock::new(),
             cutting: AtomicBool::new(false),
             next_id: AtomicU32::new(specs.len() as u32),
             request_seq: AtomicU64::new(0),
@@ -409,9 +416,43 @@ impl Shared {
         }
     }
 
-    /// Tells the policy which replica actually got the request.
+    /// Tells the policy which replica actually got the request, and, when sharing decisions,
+    /// queues it for the peers (never waiting: see [`Publisher::offer`]).
     pub fn served(&self, req: &RouteRequest<'_>, replica: ReplicaId) {
-        self.core.lock().policy.on_served(req, replica);
+        let mut core = self.core.lock();
+        core.policy.on_served(req, replica);
+        let publish = match self.publisher.get() {
+            Some(p) if !req.block_keys.is_empty() => core
+                .replicas
+                .iter()
+                .find(|r| r.id == replica)
+                .map(|r| (p, r.clone())),
+            _ => None,
+        };
+        drop(core);
+        if let Some((p, r)) = publish {
+            p.offer(r, req.block_keys);
+        }
+    }
+
+    /// Installs the decision publisher (once; [`crate::sharing::start`] does it). Gives it back
+    /// when one is already installed.
+    pub fn set_publisher(&self, publisher: Publisher) -> Result<(), Publisher> {
+        self.publisher.set(publisher)
+    }
+
+    /// A peer router served a request with `block_keys` on the replica whose base URL is
+    /// `replica_url`: hands it to the policy ([`policies::Policy::on_peer_served`]) with this
+    /// router's clock as the time. False when no replica here has that URL.
+    pub fn peer_served(&self, replica_url: &str, block_keys: &[u64]) -> bool {
+        let url = replica_url.trim_end_matches('/');
+        let now_us = self.clock.now_us();
+        let mut core = self.core.lock();
+        let Some(id) = core.replicas.iter().find(|r| r.url == url).map(|r| r.id) else {
+            return false;
+        };
+        core.policy.on_peer_served(block_keys, id, now_us);
+        true
     }
 
     /// A snapshot of the replica table.

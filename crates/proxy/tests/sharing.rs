@@ -1,0 +1,281 @@
+//! Decision sharing between routers (`proxy::sharing`): two in-process routers over the same
+//! scripted replicas, one publishing to the other; a hand-made PUB for the gap rule.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use proxy::Router;
+use proxy::sharing::{TOPIC, encode_body};
+
+/// A `kvroute_shared_decisions_*` counter of the router whose admin listener is `admin_url`.
+async fn shared_metric(admin_url: &str, suffix: &str) -> f64 {
+    let (_, text) = get(&format!("{admin_url}/metrics")).await;
+    metric(&text, &format!("kvroute_shared_decisions_{suffix}"))
+        .unwrap_or_else(|| panic!("kvroute_shared_decisions_{suffix} missing from /metrics"))
+}
+
+/// Waits until the counter reaches `at_least`.
+async fn wait_metric(admin_url: &str, suffix: &str, at_least: f64) {
+    eventually(|| {
+        let admin_url = admin_url.to_string();
+        async move { shared_metric(&admin_url, suffix).await >= at_least }
+    })
+    .await;
+}
+
+fn admin(router: &Router) -> String {
+    format!("http://{}", router.admin_addr())
+}
+
+/// Makes sure `receiver`'s subscription to `sender` is live before the test's real traffic
+/// (PUB drops what it sends before the subscription reaches it): waits for the connect, then
+/// sends probe requests through `sender` until `receiver` has received one. The probe is a
+/// completion (rendered without the chat framing), so its keys share no prefix with a chat.
+async fn wait_share_live(sender: &Router, receiver: &Router) {
+    let receiver_admin = admin(receiver);
+    wait_metric(&receiver_admin, "peers_connected", 1.0).await;
+    let url = format!("http://{}", sender.local_addr());
+    let probe = "probe: decision sharing warm-up text, long enough for one 64-byte key block.";
+    eventually(|| {
+        let (url, receiver_admin) = (url.clone(), receiver_admin.clone());
+        async move {
+            let r = post(&url, "/v1/completions", completion(probe), &[])
+                .await
+                .finish()
+                .await;
+            assert_eq!(r.status, 200);
+            shared_metric(&receiver_admin, "received_total").await >= 1.0
+        }
+    })
+    .await;
+}
+
+/// Router A routes turn 1 of a conversation; router B (its replicas listed in another order,
+/// so its ids differ from A's) routes turn 2. Returns B's row for turn 2, A's chosen replica's
+/// URL and B's replica URLs in B's order.
+async fn turn_two_through_another_router(
+    share: bool,
+) -> (
+    std::collections::HashMap<String, String>,
+    String,
+    Vec<String>,
+) {
+    let reps = [
+        MockReplica::start(Script::default()).await,
+        MockReplica::start(Script::default()).await,
+        MockReplica::start(Script::default()).await,
+    ];
+    let dir = temp_dir(if share { "share-on" } else { "share-off" });
+    let mut cfg_a = router_config(&[&reps[0], &reps[1], &reps[2]], "prefix-affinity");
+    cfg_a.model = Some("mock-model".into());
+    cfg_a.router_id = Some("r0".into());
+    cfg_a.share_decisions_bind = Some("tcp://127.0.0.1:0".into());
+    let a = start_router(cfg_a).await;
+    let a_endpoint = a.share_endpoint().expect("A publishes").to_string();
+    assert!(a_endpoint.starts_with("tcp://127.0.0.1:") && !a_endpoint.ends_with(":0"));
+
+    let mut cfg_b = router_config(&[&reps[2], &reps[0], &reps[1]], "prefix-affinity");
+    cfg_b.model = Some("mock-model".into());
+    cfg_b.router_id = Some("r1".into());
+    cfg_b.rows = Some(dir.join("router.csv"));
+    if share {
+        cfg_b.share_decisions_peers = vec![a_endpoint];
+    }
+    let b = start_router(cfg_b).await;
+    assert_eq!(b.router_id(), "r1");
+    let b_urls: Vec<String> = b
+        .shared()
+        .replicas()
+        .iter()
+        .map(|r| r.url.clone())
+        .collect();
+    if share {
+        wait_share_live(&a, &b).await;
+    }
+
+    let system = "You are a careful assistant. Answer briefly and cite your sources. ".repeat(4);
+    let mut convo = vec![("system", system.as_str()), ("user", "first question")];
+    let applied_before = shared_metric(&admin(&b), "applied_total").await;
+    let first = post(
+        &format!("http://{}", a.local_addr()),
+        "/v1/chat/completions",
+        chat(&convo),
+        &[],
+    )
+    .await
+    .finish()
+    .await;
+    assert_eq!(first.status, 200);
+    let home_url = a
+        .shared()
+        .replica(first.replica())
+        .expect("A's replica")
+        .url
+        .clone();
+    if share {
+        wait_metric(&admin(&b), "applied_total", applied_before + 1.0).await;
+    }
+    convo.push(("assistant", "an answer"));
+    convo.push(("user", "a follow-up question"));
+    let second = post(
+        &format!("http://{}", b.local_addr()),
+        "/v1/chat/completions",
+        chat(&convo),
+        &[],
+    )
+    .await
+    .finish()
+    .await;
+    assert_eq!(second.status, 200);
+
+    let a_published = shared_metric(&admin(&a), "published_total").await;
+    assert!(a_published >= 1.0, "A publishes its decisions");
+    assert_eq!(shared_metric(&admin(&a), "dropped_total").await, 0.0);
+    if share {
+        assert_eq!(
+            shared_metric(&admin(&b), "unknown_replica_total").await,
+            0.0
+        );
+        assert_eq!(shared_metric(&admin(&b), "decode_errors_total").await, 0.0);
+        assert!(shared_metric(&admin(&b), "received_bytes_total").await > 0.0);
+    } else {
+        assert_eq!(shared_metric(&admin(&b), "received_total").await, 0.0);
+    }
+    // B publishes nothing: it has no bind.
+    assert_eq!(shared_metric(&admin(&b), "published_total").await, 0.0);
+    a.shutdown(Duration::from_secs(5)).await;
+    b.shutdown(Duration::from_secs(5)).await;
+    let rows = read_rows(&dir.join("router.csv"));
+    assert_eq!(rows.len(), 1, "B routed only turn 2");
+    (rows[0].clone(), home_url, b_urls)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_decision_turns_the_next_turn_into_a_match() {
+    let (row, home_url, b_urls) = turn_two_through_another_router(true).await;
+    assert_eq!(row["branch"], "match", "{row:?}");
+    let chosen: usize = row["replica"].parse().unwrap();
+    assert_eq!(b_urls[chosen], home_url, "B follows A's replica, by URL");
+    assert!(
+        row["predicted_match_tokens"].parse::<u32>().unwrap() > 0,
+        "{row:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_sharing_the_other_router_misses() {
+    let (row, _, _) = turn_two_through_another_router(false).await;
+    assert_eq!(row["branch"], "miss", "{row:?}");
+    assert_eq!(row["predicted_match_tokens"], "0");
+}
+
+/// A hand-made decision publisher.
+struct HandPub {
+    sock: zeromq::PubSocket,
+    endpoint: String,
+}
+
+impl HandPub {
+    async fn bind() -> HandPub {
+        use zeromq::Socket;
+        let mut sock = zeromq::PubSocket::new();
+        let endpoint = sock.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        HandPub { sock, endpoint }
+    }
+
+    async fn send(&mut self, frames: Vec<bytes::Bytes>) {
+        use zeromq::SocketSend;
+        self.sock
+            .send(zeromq::ZmqMessage::try_from(frames).unwrap())
+            .await
+            .unwrap();
+    }
+
+    async fn decision(&mut self, seq: u64, body: Vec<u8>) {
+        self.send(proxy::sharing::frames(seq, body)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_gaps_are_counted_and_bad_messages_ignored() {
+    let a = MockReplica::start(Script::default()).await;
+    let b = MockReplica::start(Script::default()).await;
+    let mut publisher = HandPub::bind().await;
+    let mut cfg = router_config(&[&a, &b], "prefix-affinity");
+    cfg.share_decisions_peers = vec![publisher.endpoint.clone()];
+    let router = start_router(cfg).await;
+    let admin_url = admin(&router);
+    assert_eq!(shared_metric(&admin_url, "peers").await, 1.0);
+    wait_metric(&admin_url, "peers_connected", 1.0).await;
+    let good = |keys: &[u64]| encode_body("hand", 1, &format!("{}/", b.url), keys);
+    // Probe with sequence 1 until the subscription is live: a repeated 1 is a restarted peer
+    // whose stream starts at 1, so the repeats count no gap.
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        publisher.decision(1, good(&[1, 2, 3])).await;
+        if shared_metric(&admin_url, "received_total").await >= 1.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "subscription not live within {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let received = shared_metric(&admin_url, "received_total").await;
+    let applied = shared_metric(&admin_url, "applied_total").await;
+    assert_eq!(
+        applied, received,
+        "every probe applied (URL with a trailing /)"
+    );
+    assert_eq!(shared_metric(&admin_url, "gaps_total").await, 0.0);
+
+    // 1 then 3: one gap, one decision missed.
+    publisher.decision(3, good(&[4, 5])).await;
+    wait_metric(&admin_url, "received_total", received + 1.0).await;
+    assert_eq!(shared_metric(&admin_url, "gaps_total").await, 1.0);
+    assert_eq!(shared_metric(&admin_url, "missed_total").await, 1.0);
+    assert_eq!(
+        shared_metric(&admin_url, "applied_total").await,
+        applied + 1.0
+    );
+
+    // A malformed body, a message without its sequence frame, an unknown replica: counted,
+    // not applied, and the subscriber goes on.
+    publisher.decision(4, b"\x94not msgpack".to_vec()).await;
+    publisher
+        .send(vec![
+            bytes::Bytes::from_static(TOPIC.as_bytes()),
+            bytes::Bytes::from_static(b"body only"),
+        ])
+        .await;
+    publisher
+        .decision(5, encode_body("hand", 1, "http://127.0.0.1:1", &[6]))
+        .await;
+    publisher.decision(6, good(&[7, 8])).await;
+    wait_metric(&admin_url, "received_total", received + 5.0).await;
+    assert_eq!(shared_metric(&admin_url, "decode_errors_total").await, 2.0);
+    assert_eq!(
+        shared_metric(&admin_url, "unknown_replica_total").await,
+        1.0
+    );
+    assert_eq!(
+        shared_metric(&admin_url, "applied_total").await,
+        applied + 2.0
+    );
+    assert_eq!(
+        shared_metric(&admin_url, "gaps_total").await,
+        1.0,
+        "4..6 in order"
+    );
+
+    // A restarted peer (back to 1) resets the tracking without a gap.
+    publisher.decision(1, good(&[9])).await;
+    publisher.decision(2, good(&[10])).await;
+    wait_metric(&admin_url, "received_total", received + 7.0).await;
+    assert_eq!(shared_metric(&admin_url, "gaps_total").await, 1.0);
+    assert_eq!(shared_metric(&admin_url, "missed_total").await, 1.0);
+    router.shutdown(Duration::from_secs(5)).await;
+}
