@@ -126,6 +126,17 @@ struct Args {
     /// Where Envoy's bootstrap and log go (with --envoy; default: the current directory).
     #[arg(long, default_value = ".")]
     envoy_dir: PathBuf,
+    /// This picker's name in its shared decisions (the router's flag).
+    #[arg(long)]
+    router_id: Option<String>,
+    /// Publish this picker's routing decisions on a ZMQ PUB socket bound here (the router's
+    /// flag: N pickers over one fleet).
+    #[arg(long, value_name = "ENDPOINT")]
+    share_decisions_bind: Option<String>,
+    /// Subscribe to a peer's decisions and insert them into this picker's believed index
+    /// (the router's flag); repeatable.
+    #[arg(long, value_name = "ENDPOINT")]
+    share_decisions_peer: Vec<String>,
 }
 
 fn config(a: Args) -> Result<epp::EppConfig, String> {
@@ -185,6 +196,12 @@ fn config(a: Args) -> Result<epp::EppConfig, String> {
     r.max_in_flight_per_replica = a.max_in_flight_per_replica;
     r.kv_events_format = a.kv_events_format.parse()?;
     r.sched_fifo_priority = a.sched_fifo_priority;
+    if a.router_id.as_deref().is_some_and(str::is_empty) {
+        return Err("--router-id must not be empty".into());
+    }
+    r.router_id = a.router_id;
+    r.share_decisions_bind = a.share_decisions_bind;
+    r.share_decisions_peers = a.share_decisions_peer;
     proxy::config::check_admin_exposure(&a.admin_host, a.admin_token_file.is_some())?;
     r.admin_host = a.admin_host;
     r.admin_port = a.admin_port;
@@ -224,5 +241,46 @@ fn main() -> ExitCode {
             eprintln!("epp: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sharing_flags_reach_the_router_config_and_an_empty_id_is_refused() {
+        let cfg = config(Args::parse_from([
+            "epp",
+            "--replicas",
+            "http://127.0.0.1:1",
+            "--router-id",
+            "e1",
+            "--share-decisions-bind",
+            "tcp://127.0.0.1:0",
+            "--share-decisions-peer",
+            "tcp://127.0.0.1:7001",
+            "--share-decisions-peer",
+            "tcp://127.0.0.1:7002",
+        ]))
+        .unwrap();
+        assert_eq!(cfg.router.router_id.as_deref(), Some("e1"));
+        assert_eq!(
+            cfg.router.share_decisions_bind.as_deref(),
+            Some("tcp://127.0.0.1:0")
+        );
+        assert_eq!(
+            cfg.router.share_decisions_peers,
+            ["tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"]
+        );
+        let err = config(Args::parse_from([
+            "epp",
+            "--replicas",
+            "http://127.0.0.1:1",
+            "--router-id",
+            "",
+        ]))
+        .unwrap_err();
+        assert!(err.contains("--router-id"), "{err}");
     }
 }
