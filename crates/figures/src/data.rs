@@ -1270,11 +1270,14 @@ pub struct RoutersPoint {
 }
 
 /// One policy under one arm (front balancer, sharing) against the number of routers. Its
-/// `N = 1` point is the single-router cell of the policy, shared by all its arms.
+/// `N = 1` point is one router behind the same front (`r1-<front>-<policy>`) when the sweep ran
+/// it, else the policy's single router without a front.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutersSeries {
     /// The routing policy.
     pub policy: String,
+    /// The front balancer ([`RouterArm::front`]).
+    pub front: String,
     /// [`RouterArm::arm_label`].
     pub arm: String,
     /// [`RouterArm::style`]: its line style.
@@ -1352,6 +1355,7 @@ pub fn routers(report: &Report) -> Result<RoutersData> {
             Some(s) => s.points.push(pt.clone()),
             None => series.push(RoutersSeries {
                 policy: arm.policy.clone(),
+                front: arm.front.clone(),
                 arm: label,
                 arm_index,
                 points: vec![pt.clone()],
@@ -1365,10 +1369,14 @@ pub fn routers(report: &Report) -> Result<RoutersData> {
         );
     }
     for s in &mut series {
-        if let Some((_, one)) = points
-            .iter()
-            .find(|(a, _)| a.routers == 1 && a.policy == s.policy)
-        {
+        // N = 1: one router behind the same front when that was measured (it isolates the
+        // front's own cost), else the single router without a front.
+        let one = |front: &str| {
+            points.iter().find(|(a, _)| {
+                a.routers == 1 && a.policy == s.policy && a.front == front && !a.share
+            })
+        };
+        if let Some((_, one)) = one(&s.front).or_else(|| one("")) {
             s.points.push(one.clone());
         }
         s.points.sort_by_key(|p| p.routers);

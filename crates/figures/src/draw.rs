@@ -1581,7 +1581,7 @@ impl Figure for RoutersFigure<'_> {
         let d = self.data;
         let mut lines = context_lines(self.ctx, &d.reps.text());
         lines.push(format!(
-            "point {}: N kvroute routers behind HAProxy, every router running the same policy over the same fleet; N = 1 is one router without a front balancer",
+            "point {}: N kvroute routers behind HAProxy, every router running the same policy over the same fleet; N = 1: one router behind the same front (or without a front where that was not run)",
             d.point
         ));
         lines.push(

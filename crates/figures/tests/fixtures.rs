@@ -444,38 +444,30 @@ fn the_router_figure_draws_each_arm_from_its_single_router_cell() {
         .skip(1)
         .map(|l| l.split(',').map(str::to_string).collect())
         .collect();
-    // (policy, arm, routers) of every drawn point: each arm starts at the policy's one-router
-    // cell; the single-router cells are never an arm of their own.
-    let keys: Vec<(&str, &str, &str)> = rows
+    // (policy, arm, routers, cell) of every drawn point: each arm starts at one router behind
+    // the same front where that ran (`r1-rr-…`), else at the router without a front; the
+    // one-router cells are never an arm of their own.
+    let keys: Vec<(&str, &str, &str, &str)> = rows
         .iter()
-        .map(|r| (r[0].as_str(), r[1].as_str(), r[2].as_str()))
+        .map(|r| (r[0].as_str(), r[1].as_str(), r[2].as_str(), r[3].as_str()))
         .collect();
+    let rr = "round-robin front";
+    let share = "round-robin front + shared decisions";
+    let hash = "session-hash front";
     assert_eq!(
         keys,
         [
-            ("prefix-affinity", "round-robin front", "1"),
-            ("prefix-affinity", "round-robin front", "2"),
-            ("prefix-affinity", "round-robin front", "4"),
-            ("session-affinity", "round-robin front", "1"),
-            ("session-affinity", "round-robin front", "2"),
-            ("session-affinity", "round-robin front", "4"),
-            (
-                "prefix-affinity",
-                "round-robin front + shared decisions",
-                "1"
-            ),
-            (
-                "prefix-affinity",
-                "round-robin front + shared decisions",
-                "2"
-            ),
-            (
-                "prefix-affinity",
-                "round-robin front + shared decisions",
-                "4"
-            ),
-            ("prefix-affinity", "session-hash front", "1"),
-            ("prefix-affinity", "session-hash front", "4"),
+            ("prefix-affinity", rr, "1", "r1-rr-prefix-affinity"),
+            ("prefix-affinity", rr, "2", "r2-rr-prefix-affinity"),
+            ("prefix-affinity", rr, "4", "r4-rr-prefix-affinity"),
+            ("session-affinity", rr, "1", "session-affinity"),
+            ("session-affinity", rr, "2", "r2-rr-session-affinity"),
+            ("session-affinity", rr, "4", "r4-rr-session-affinity"),
+            ("prefix-affinity", share, "1", "r1-rr-prefix-affinity"),
+            ("prefix-affinity", share, "2", "r2-rr-share-prefix-affinity"),
+            ("prefix-affinity", share, "4", "r4-rr-share-prefix-affinity"),
+            ("prefix-affinity", hash, "1", "prefix-affinity"),
+            ("prefix-affinity", hash, "4", "r4-hash-prefix-affinity"),
         ]
     );
     // The hit rate falls with N for prefix-affinity behind round-robin and holds with sharing.
