@@ -1454,6 +1454,7 @@ pub(crate) mod tests {
             fleet,
             git_rev: None,
             versions: serde_json::Value::Null,
+            ingress: fleet::Ingress::Router,
         };
         let fault_router = crate::fault::router_settings(&fault, &setup, policy, 1).unwrap();
         assert_eq!(fault_router.index_ttl_s, Some(ttl));

@@ -119,6 +119,10 @@ pub struct FaultSettings {
     pub git_rev: Option<String>,
     /// Tool versions recorded beside it.
     pub versions: serde_json::Value,
+    /// What sits in front of the fleet: kvroute's router, or Envoy deciding through kvroute's
+    /// endpoint picker (cells `envoy-epp-<policy>`); HAProxy is refused (no admin API to drain
+    /// through, no router rows to place the fault on).
+    pub ingress: fleet::Ingress,
 }
 
 impl FaultSettings {
@@ -338,6 +342,8 @@ pub fn router_settings(
     policy: &str,
     rep: u32,
 ) -> Result<RouterSettings> {
+    // An envoy-epp cell (`envoy-epp-<policy>`) routes with its picker's policy.
+    let policy = fleet::ingress::envoy_epp::picker_policy(policy);
     let seed = s.seed + u64::from(rep);
     match &setup.routing {
         Some(routing) => Ok(routing.router_settings(policy, &s.fleet.model, seed)),
@@ -400,6 +406,19 @@ impl<'a> FaultRun<'a> {
             grid::policies(&s.policies, s.quick)?
         };
         s.fleet.check_policies(&policies)?;
+        let policies: Vec<String> = match s.ingress {
+            fleet::Ingress::Router => policies,
+            fleet::Ingress::EnvoyEpp => {
+                fleet::ingress::envoy_epp::check_bin(&bins.router.with_file_name("epp"))?;
+                policies
+                    .iter()
+                    .map(|p| fleet::ingress::envoy_epp::cell_policy(p))
+                    .collect()
+            }
+            fleet::Ingress::Haproxy => bail!(
+                "a fault runs through kvroute's router or Envoy with its endpoint picker (--ingress router|envoy-epp): HAProxy has no admin API to drain through and writes no router rows to place the fault on"
+            ),
+        };
         let kv_events = policies.iter().any(|p| grid::needs_kv_events(p));
         let setup = setup(s, bins, dir, kv_events, should_stop)?;
         // Refuse a policy the setup cannot route before any fleet starts.
@@ -574,6 +593,7 @@ impl<'a> FaultRun<'a> {
                 drift: serde_json::to_value(&drift)?,
                 run: serde_json::json!({
                     "plan": self.plan.name,
+                    "ingress": s.ingress,
                     "router": a.router_settings,
                     "driver": a.driver_settings,
                     "fault": a.events,
@@ -614,14 +634,25 @@ impl<'a> FaultRun<'a> {
             .cloned()
             .ok_or_else(|| anyhow!("no replica {victim} in the fleet"))?;
         let router_settings = router_settings(s, &self.setup, policy, rep)?;
-        let (mut router, url, admin_url) = fleet::ingress::start_router(
-            &self.bins.router,
-            fleet,
-            &router_settings,
-            &rep_dir.join("router.csv"),
-            &rep_dir.join("router.log"),
-            should_stop,
-        )?;
+        let (mut router, url, admin_url) = match s.ingress {
+            fleet::Ingress::EnvoyEpp => fleet::ingress::envoy_epp::start_envoy_epp(
+                &self.bins.router.with_file_name("epp"),
+                fleet,
+                &router_settings,
+                &rep_dir.join("router.csv"),
+                &rep_dir.join("epp.log"),
+                rep_dir,
+                should_stop,
+            )?,
+            _ => fleet::ingress::start_router(
+                &self.bins.router,
+                fleet,
+                &router_settings,
+                &rep_dir.join("router.csv"),
+                &rep_dir.join("router.log"),
+                should_stop,
+            )?,
+        };
         let t0 = Instant::now();
         // The probe with the shortest round trip pins the router clock tightest.
         let mut probes = Vec::new();
@@ -973,6 +1004,7 @@ mod tests {
             fleet: FleetSpec::test_emulated(),
             git_rev: None,
             versions: serde_json::Value::Null,
+            ingress: fleet::Ingress::Router,
         }
     }
 

@@ -47,7 +47,8 @@ pub fn check_bin(epp_bin: &Path) -> Result<()> {
 
 /// Starts the picker and its Envoy in front of `fleet` (rows into `rows`, the picker's log into
 /// `log`, Envoy's bootstrap and log into `dir`) and waits (30 s at most, polling `should_stop`)
-/// for the readiness line. Returns the process group's guard and Envoy's URL (the driver's).
+/// for the readiness line. Returns the process group's guard, Envoy's URL (the driver's) and the
+/// picker's admin URL (the router's admin API: drain, undrain, `/admin/replicas`).
 pub fn start_envoy_epp(
     epp_bin: &Path,
     fleet: &Fleet,
@@ -56,7 +57,7 @@ pub fn start_envoy_epp(
     log: &Path,
     dir: &Path,
     should_stop: &dyn Fn() -> bool,
-) -> Result<(ChildGuard, String)> {
+) -> Result<(ChildGuard, String, String)> {
     check_bin(epp_bin)?;
     let mut settings = settings.clone();
     settings.policy = picker_policy(&settings.policy).to_string();
@@ -76,7 +77,13 @@ pub fn start_envoy_epp(
                 "the endpoint picker and its Envoy (if Envoy is missing: {INSTALL_HINT})"
             ))
         })?;
-    Ok((guard, ready.url()))
+    let admin = ready.admin_url().ok_or_else(|| {
+        anyhow::anyhow!(
+            "the endpoint picker's readiness line names no admin listener; see its log {}",
+            log.display()
+        )
+    })?;
+    Ok((guard, ready.url(), admin))
 }
 
 #[cfg(test)]

@@ -81,7 +81,7 @@ impl IngressProcess {
                 (IngressProcess::Haproxy(h), url)
             }
             Ingress::EnvoyEpp => {
-                let (guard, url) = envoy_epp::start_envoy_epp(
+                let (guard, url, _admin) = envoy_epp::start_envoy_epp(
                     &router_bin.with_file_name("epp"),
                     fleet,
                     router,
