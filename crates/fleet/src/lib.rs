@@ -38,7 +38,7 @@ pub use fleet::{
     CommandSpec, EmulatedCache, EmulatedSpec, Fleet, FleetOptions, ReplicaInfo, Source, StaticSpec,
 };
 pub use gpu::{FleetGpus, GpuBackend};
-pub use ingress::{Ingress, IngressProcess, RouterSettings};
+pub use ingress::{Ingress, IngressProcess, RouterSettings, RoutersSettings};
 pub use llama::LlamaSpec;
 pub use metrics::{CacheConfig, Histogram};
 pub use process::{ChildGuard, Readiness, kill_all};

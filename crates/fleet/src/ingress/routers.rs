@@ -72,6 +72,21 @@ impl Front {
     }
 }
 
+impl std::str::FromStr for Front {
+    type Err = String;
+
+    /// `rr` or `session-hash` (the flag's spellings).
+    fn from_str(s: &str) -> std::result::Result<Front, String> {
+        match s {
+            "rr" => Ok(Front::RoundRobin),
+            "session-hash" => Ok(Front::SessionHash),
+            other => Err(format!(
+                "unknown front {other:?}: `rr` (round robin) or `session-hash` (consistent hashing on x-session-id)"
+            )),
+        }
+    }
+}
+
 /// How many routers, behind which front, sharing their decisions or not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RoutersSettings {
@@ -649,6 +664,15 @@ mod tests {
             assert_eq!(router_policy(cell), cell);
         }
         assert_eq!(Front::SessionHash.as_str(), "session-hash");
+        for f in [Front::RoundRobin, Front::SessionHash] {
+            assert_eq!(f.as_str().parse::<Front>(), Ok(f));
+        }
+        assert!(
+            "hash"
+                .parse::<Front>()
+                .unwrap_err()
+                .contains("session-hash")
+        );
         assert_eq!(serde_json::to_value(Front::RoundRobin).unwrap(), "rr");
         assert_eq!(
             serde_json::to_value(Front::SessionHash).unwrap(),
