@@ -43,7 +43,8 @@ pub struct SweepArgs {
     #[arg(long, default_value_t = 1)]
     pub routers: u32,
     /// HAProxy in front of `--routers N`: `rr` (round robin, the default) or `session-hash`
-    /// (consistent hashing on `x-session-id`: each session through one router).
+    /// (consistent hashing on `x-session-id`: each session through one router); with one
+    /// router, it puts that router behind HAProxy (the front's own cost, cells `r1-…`).
     #[arg(long)]
     pub front: Option<fleet::ingress::Front>,
     /// With `--routers N`: each router publishes its routing decisions to the others over ZMQ

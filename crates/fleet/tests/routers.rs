@@ -147,8 +147,7 @@ fn read_cell(
         })
         .collect();
     let record: RoutersRecord =
-        serde_json::from_str(&std::fs::read_to_string(cell.join("routers.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(cell.join("routers.json")).unwrap()).unwrap();
     (merged, per, record)
 }
 
@@ -191,7 +190,11 @@ fn check_common(
         .map(|s| (s.name.as_str(), s.stot))
         .collect();
     for r in &record.per_router {
-        assert_eq!(by_server.get(r.id.as_str()), Some(&r.requests), "{by_server:?}");
+        assert_eq!(
+            by_server.get(r.id.as_str()),
+            Some(&r.requests),
+            "{by_server:?}"
+        );
     }
 }
 
@@ -248,7 +251,10 @@ fn behind_session_hashing_every_turn_of_a_session_goes_through_one_router() {
     let mut router_of: BTreeMap<String, usize> = BTreeMap::new();
     for (k, rows) in per.iter().enumerate() {
         for r in rows {
-            let session = r.session_id.clone().expect("x-session-id reaches the router");
+            let session = r
+                .session_id
+                .clone()
+                .expect("x-session-id reaches the router");
             let first = *router_of.entry(session.clone()).or_insert(k);
             assert_eq!(first, k, "session {session} went through r{first} and r{k}");
         }

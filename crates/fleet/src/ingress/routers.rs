@@ -90,7 +90,8 @@ impl std::str::FromStr for Front {
 /// How many routers, behind which front, sharing their decisions or not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RoutersSettings {
-    /// Routers (at least 2; one router is [`Ingress::Router`]).
+    /// Routers (at least 1: one router behind the front is the control arm that measures the
+    /// front's own cost; one router without a front is [`Ingress::Router`]).
     pub count: u32,
     /// The front balancer.
     pub front: Front,
@@ -134,9 +135,11 @@ pub fn router_policy(cell: &str) -> &str {
 
 impl Ingress {
     /// `base` (the `--ingress` flag) with the sweep's `--routers count`, `--front` and
-    /// `--share-decisions`: `base` itself for one router, [`Ingress::Routers`] for more. Refuses
-    /// what does not make sense: several routers behind HAProxy or Envoy (which replace the
-    /// router), none, and `--front` or `--share-decisions` with one router.
+    /// `--share-decisions`: `base` itself for one router without `--front`, [`Ingress::Routers`]
+    /// for more — or for one router with `--front` given, a control arm that measures the
+    /// front's own cost (cells `r1-rr-<policy>`). Refuses what does not make sense: routers
+    /// behind HAProxy or Envoy in place of the router, none, and `--share-decisions` with one
+    /// router.
     pub fn with_routers(
         base: Ingress,
         count: u32,
@@ -146,18 +149,12 @@ impl Ingress {
         if count == 0 {
             bail!("--routers must be at least 1");
         }
-        if count == 1 {
-            if share {
-                bail!(
-                    "--share-decisions shares routing decisions between routers; it needs --routers 2 or more"
-                );
-            }
-            if let Some(f) = front {
-                bail!(
-                    "--front {} chooses the balancer in front of several routers; it needs --routers 2 or more",
-                    f.as_str()
-                );
-            }
+        if count == 1 && share {
+            bail!(
+                "--share-decisions shares routing decisions between routers; it needs --routers 2 or more"
+            );
+        }
+        if count == 1 && front.is_none() {
             return Ok(base);
         }
         match base {
@@ -167,7 +164,7 @@ impl Ingress {
                 share,
             })),
             Ingress::Haproxy | Ingress::EnvoyEpp | Ingress::Routers(_) => bail!(
-                "--routers {count} runs several kvroute routers behind HAProxy; it cannot be combined with --ingress {} (which replaces the router)",
+                "--routers and --front run kvroute routers behind HAProxy; they cannot be combined with --ingress {} (which replaces the router)",
                 match base {
                     Ingress::EnvoyEpp => "envoy-epp",
                     _ => "haproxy",
@@ -649,6 +646,7 @@ mod tests {
             "r4-rr-prefix-affinity",
             "r2-hash-prefix-affinity",
             "r16-rr-share-prefix-affinity",
+            "r1-rr-prefix-affinity",
             "r8-hash-share-prefix-affinity",
         ] {
             assert_eq!(router_policy(cell), "prefix-affinity", "{cell}");
@@ -719,8 +717,14 @@ mod tests {
             e.starts_with("--share-decisions") && e.contains("--routers 2"),
             "{e}"
         );
-        let e = err(Ingress::Router, 1, Some(Front::SessionHash), false);
-        assert!(e.starts_with("--front session-hash"), "{e}");
+        // One router behind the front: the control arm (its cost alone).
+        let one = Ingress::with_routers(Ingress::Router, 1, Some(Front::SessionHash), false);
+        let Ingress::Routers(one) = one.unwrap() else {
+            panic!("one router behind the front")
+        };
+        assert_eq!(one.cell_policy("prefix-hash"), "r1-hash-prefix-hash");
+        let e = err(Ingress::Haproxy, 1, Some(Front::RoundRobin), false);
+        assert!(e.contains("--ingress haproxy"), "{e}");
         assert!(err(Ingress::Router, 0, None, false).contains("at least 1"));
     }
 
@@ -770,8 +774,13 @@ mod tests {
             "4242 (router (x) y) S 1 4242 4242 0 -1 4194304 100 0 0 0 250 31 0 0 20 0 3 0 1 2 3";
         assert_eq!(parse_stat_cpu_ticks(line), Some(281));
         assert_eq!(parse_stat_cpu_ticks("garbage"), None);
-        let own = cpu_s(std::process::id()).unwrap();
-        assert!(own >= 0.0);
+        // This process's own time grows past a tick once it has burnt some CPU.
+        let start = std::time::Instant::now();
+        let mut x = 0u64;
+        while cpu_s(std::process::id()).unwrap() == 0.0 && start.elapsed().as_secs() < 10 {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(1));
+        }
+        assert!(cpu_s(std::process::id()).unwrap() > 0.0);
         assert!(clock_ticks_per_s() > 0);
     }
 
