@@ -1,8 +1,9 @@
 //! Several kvroute routers behind HAProxy ([`Ingress::Routers`]) in front of three emulated
 //! replicas, through [`IngressProcess`] as a sweep cell runs them: streamed chat requests succeed
 //! through the front, both routers serve some behind round robin, every turn of a session goes
-//! through one router behind session hashing, and the cell keeps one merged `router.csv` (one row
-//! per request) beside `router-<K>.csv`, and a `routers.json` that parses.
+//! through one router behind session hashing, routers sharing their decisions publish, receive and
+//! apply each other's, and the cell keeps one merged `router.csv` (one row per request) beside
+//! `router-<K>.csv`, and a `routers.json` that parses.
 //!
 //! Needs `haproxy` (fails saying how to install it: a skip would pass silently) and the release
 //! `engine` and `router`, which it builds first (a no-op when fresh). A few seconds once built.
@@ -115,11 +116,15 @@ fn cell(
     for turn in 0..turns {
         for s in 0..sessions {
             let (session, id) = (format!("conv-{s}"), format!("q-{s}-{turn}"));
+            // Long enough for several of the router's 64-byte belief blocks: a prompt shorter
+            // than one block has no keys, and its decision is not shared.
+            let context =
+                format!("Session {s} keeps a long shared context about the sea. ").repeat(12);
             chat(
                 &url,
                 &session,
                 &id,
-                &format!("Session {s}, turn {turn}: tell me about the sea."),
+                &format!("{context}Turn {turn}: go on."),
             );
             sent.push((session, id));
         }
@@ -178,7 +183,12 @@ fn check_common(
         assert_eq!(r.id, format!("r{k}"));
         assert_eq!(r.requests, rows.len() as u64);
         assert!(r.cpu_s.is_some_and(|s| s >= 0.0), "{r:?}");
-        assert!(r.exited && r.shared_decisions.is_none(), "{r:?}");
+        assert!(r.exited, "{r:?}");
+        assert_eq!(
+            r.shared_decisions.is_some(),
+            record.share_decisions,
+            "{r:?}"
+        );
         assert!(r.clock_offset_s >= 0.0);
     }
     assert_eq!(record.per_router[0].clock_offset_s, 0.0);
@@ -261,4 +271,59 @@ fn behind_session_hashing_every_turn_of_a_session_goes_through_one_router() {
     }
     assert_eq!(router_of.len(), 6, "{router_of:?}");
     eprintln!("sessions by router behind session hashing: {router_of:?}");
+}
+
+#[test]
+fn routers_sharing_decisions_publish_receive_and_apply_each_others() {
+    let settings = RoutersSettings {
+        count: 2,
+        front: Front::RoundRobin,
+        share: true,
+    };
+    let (dir, sent) = cell("share", settings, 4, 3);
+    let (merged, per, record) = read_cell(&dir.path().join("cell"), 2);
+    check_common(&sent, &merged, &per, &record);
+    assert!(record.share_decisions);
+    let counters: Vec<&BTreeMap<String, f64>> = record
+        .per_router
+        .iter()
+        .map(|r| {
+            r.shared_decisions
+                .as_ref()
+                .expect("scraped before the stop")
+        })
+        .collect();
+    for (r, c) in record.per_router.iter().zip(&counters) {
+        // One message per request served (prefix-affinity keys every prompt), none lost.
+        assert!(
+            c["published"] >= 1.0 && c["published_bytes"] > 0.0,
+            "{}: {c:?}",
+            r.id
+        );
+        assert!(
+            c["received"] >= 1.0 && c["applied"] >= 1.0,
+            "{}: {c:?}",
+            r.id
+        );
+        for zero in [
+            "dropped",
+            "gaps",
+            "missed",
+            "unknown_replica",
+            "decode_errors",
+        ] {
+            assert_eq!(c[zero], 0.0, "{} {zero}: {c:?}", r.id);
+        }
+    }
+    // What one router received, the other published.
+    assert!(counters[0]["received"] <= counters[1]["published"]);
+    assert!(counters[1]["received"] <= counters[0]["published"]);
+    eprintln!(
+        "2 routers sharing decisions: {:?}",
+        record
+            .per_router
+            .iter()
+            .map(|r| (r.id.as_str(), r.requests, r.shared_decisions.clone()))
+            .collect::<Vec<_>>()
+    );
 }

@@ -6,7 +6,7 @@
 //!
 //! Router K is started exactly as the single router is ([`fleet_router_command`]: the same
 //! command line, `--sched-fifo-priority` and keep-alive rules), writing `router-<K>.csv` and
-//! `router-<K>.log` in the cell; with decision sharing it also gets `--router-id r<K>`,
+//! `router-<K>.log` in the cell, with `--router-id r<K>`; with decision sharing it also gets
 //! `--share-decisions-bind tcp://127.0.0.1:<port K>` and one `--share-decisions-peer` per other
 //! router ([`share_args`]). At the end ([`Routers::finish`]) each router's CPU time is read from
 //! `/proc/<pid>/stat` and (when sharing) its `kvroute_shared_decisions_*_total` counters from its
@@ -180,12 +180,10 @@ pub fn router_id(k: usize) -> String {
 }
 
 /// The decision-sharing flags of router `k` when the routers' sharing sockets are on `ports`
-/// (one per router, in order): `--router-id r<k> --share-decisions-bind tcp://127.0.0.1:<ports[k]>`
-/// and `--share-decisions-peer tcp://127.0.0.1:<ports[j]>` for every j ≠ k.
+/// (one per router, in order): `--share-decisions-bind tcp://127.0.0.1:<ports[k]>` and
+/// `--share-decisions-peer tcp://127.0.0.1:<ports[j]>` for every j ≠ k.
 pub fn share_args(k: usize, ports: &[u16]) -> Vec<String> {
     let mut args = vec![
-        "--router-id".to_string(),
-        router_id(k),
         "--share-decisions-bind".to_string(),
         format!("tcp://127.0.0.1:{}", ports[k]),
     ];
@@ -210,7 +208,7 @@ fn free_ports(count: usize) -> Result<Vec<u16>> {
 
 /// The counters a router sharing its decisions exports (`kvroute_shared_decisions_<name>_total`),
 /// recorded per router in `routers.json`.
-pub const SHARED_DECISION_COUNTERS: [&str; 9] = [
+pub const SHARED_DECISION_COUNTERS: [&str; 10] = [
     "published",
     "published_bytes",
     "dropped",
@@ -220,7 +218,15 @@ pub const SHARED_DECISION_COUNTERS: [&str; 9] = [
     "gaps",
     "missed",
     "unknown_replica",
+    "decode_errors",
 ];
+
+/// A gauge's value in a `/metrics` text (the first sample of that name).
+fn gauge(metrics: &str, name: &str) -> Option<f64> {
+    prom_text::samples(metrics)
+        .find(|s| s.name == name)
+        .map(|s| s.value)
+}
 
 /// The shared-decision counters of a `/metrics` text, summed over label sets, by short name
 /// ([`SHARED_DECISION_COUNTERS`]). Fails naming the first counter the text lacks.
@@ -269,6 +275,48 @@ fn cpu_s(pid: u32) -> Result<f64> {
     Ok(ticks as f64 / clock_ticks_per_s() as f64)
 }
 
+/// Waits until every router's `kvroute_shared_decisions_peers_connected` reaches the number of
+/// its peers (the others), polling their `/metrics`.
+fn wait_peers_connected(
+    routers: &[Running],
+    timeout: Duration,
+    should_stop: &dyn Fn() -> bool,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let peers = (routers.len() - 1) as f64;
+    for r in routers {
+        loop {
+            if should_stop() {
+                bail!("interrupted while waiting for the routers to subscribe to each other");
+            }
+            let url = http::join(&r.admin_url, "/metrics");
+            let last = match http::get(&url, Duration::from_secs(2)) {
+                Ok(resp) if resp.status == 200 => {
+                    let text = resp.text();
+                    let connected =
+                        gauge(&text, "kvroute_shared_decisions_peers_connected").unwrap_or(-1.0);
+                    if connected >= peers {
+                        break;
+                    }
+                    format!("{connected} of {peers} peers connected")
+                }
+                Ok(resp) => format!("GET /metrics answered {}", resp.status),
+                Err(e) => format!("{e:#}"),
+            };
+            if Instant::now() >= deadline {
+                bail!(
+                    "router {} did not subscribe to its peers' decisions within {:.0} s ({last}); see its log {}",
+                    r.id,
+                    timeout.as_secs_f64(),
+                    r.guard.log_path().display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    Ok(())
+}
+
 /// One router of a cell, as `routers.json` records it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouterRecord {
@@ -286,8 +334,8 @@ pub struct RouterRecord {
     pub exited: bool,
     /// Its `kvroute_shared_decisions_*_total` counters scraped from `/metrics` just before the
     /// stop, by short name (`published`, `published_bytes`, `dropped`, `received`,
-    /// `received_bytes`, `applied`, `gaps`, `missed`, `unknown_replica`); `null` without sharing
-    /// or when the scrape failed (a warning says why).
+    /// `received_bytes`, `applied`, `gaps`, `missed`, `unknown_replica`, `decode_errors`); `null`
+    /// without sharing or when the scrape failed (a warning says why).
     pub shared_decisions: Option<BTreeMap<String, f64>>,
 }
 
@@ -359,6 +407,7 @@ impl Routers {
             let id = router_id(k);
             let rows = dir.join(format!("router-{k}.csv"));
             let mut cmd = fleet_router_command(router_bin, fleet, router, &rows)?;
+            cmd.args(["--router-id", &id]);
             if settings.share {
                 cmd.args(share_args(k, &ports));
             }
@@ -373,6 +422,11 @@ impl Routers {
                 rows,
                 ready_at: Instant::now(),
             });
+        }
+        if settings.share {
+            // A PUB socket drops what it sends before a peer has subscribed: no load before
+            // every router is subscribed to every other.
+            wait_peers_connected(&routers, Duration::from_secs(30), should_stop)?;
         }
         let urls: Vec<String> = routers.iter().map(|r| r.url.clone()).collect();
         let front = Haproxy::start(
@@ -733,11 +787,11 @@ mod tests {
         let ports = [7001, 7002, 7003];
         assert_eq!(
             share_args(1, &ports).join(" "),
-            "--router-id r1 --share-decisions-bind tcp://127.0.0.1:7002 --share-decisions-peer tcp://127.0.0.1:7001 --share-decisions-peer tcp://127.0.0.1:7003"
+            "--share-decisions-bind tcp://127.0.0.1:7002 --share-decisions-peer tcp://127.0.0.1:7001 --share-decisions-peer tcp://127.0.0.1:7003"
         );
         assert_eq!(
             share_args(0, &ports[..2]).join(" "),
-            "--router-id r0 --share-decisions-bind tcp://127.0.0.1:7001 --share-decisions-peer tcp://127.0.0.1:7002"
+            "--share-decisions-bind tcp://127.0.0.1:7001 --share-decisions-peer tcp://127.0.0.1:7002"
         );
         let p = free_ports(4).unwrap();
         let mut d = p.clone();
@@ -756,10 +810,16 @@ mod tests {
         // Label sets are summed.
         text.push_str("kvroute_shared_decisions_received_total{peer=\"r2\"} 5\n");
         let c = shared_decision_counters(&text).unwrap();
-        assert_eq!(c.len(), 9);
+        assert_eq!(c.len(), 10);
         assert_eq!(c["published"], 0.0);
         assert_eq!(c["received"], 35.0);
         assert_eq!(c["unknown_replica"], 80.0);
+        text.push_str("kvroute_shared_decisions_peers_connected 3\n");
+        assert_eq!(
+            gauge(&text, "kvroute_shared_decisions_peers_connected"),
+            Some(3.0)
+        );
+        assert_eq!(gauge(&text, "kvroute_shared_decisions_peers"), None);
         let e = shared_decision_counters("kvroute_requests_total 9\n").unwrap_err();
         assert!(
             e.to_string()
