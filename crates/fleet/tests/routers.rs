@@ -327,3 +327,16 @@ fn routers_sharing_decisions_publish_receive_and_apply_each_others() {
             .collect::<Vec<_>>()
     );
 }
+
+#[test]
+fn one_router_behind_the_front_is_the_control_arm() {
+    let settings = RoutersSettings {
+        count: 1,
+        front: Front::RoundRobin,
+        share: false,
+    };
+    let (dir, sent) = cell("one", settings, 2, 2);
+    let (merged, per, record) = read_cell(&dir.path().join("cell"), 1);
+    check_common(&sent, &merged, &per, &record);
+    assert_eq!(record.per_router[0].requests, 4);
+}

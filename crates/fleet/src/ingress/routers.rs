@@ -391,8 +391,8 @@ impl Routers {
         dir: &Path,
         should_stop: &dyn Fn() -> bool,
     ) -> Result<Routers> {
-        if settings.count < 2 {
-            bail!("several routers means at least 2, got {}", settings.count);
+        if settings.count == 0 {
+            bail!("routers behind HAProxy means at least 1");
         }
         // Fails with the install hint before any router starts.
         super::haproxy::haproxy_bin()?;
