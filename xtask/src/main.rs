@@ -192,16 +192,28 @@ mod tests {
         let Cmd::Sweep(s) = parse(&["xtask", "sweep", "load", "--open-loop", "--rate", "2"]) else {
             panic!("not a sweep")
         };
-        let s = s.settings();
+        let s = s.settings().unwrap();
         assert_eq!(
             (s.open_rate_rps, s.warmup_s, s.fleet.replicas),
             (Some(2.0), 20.0, 5)
         );
         assert_eq!(s.ingress, fleet::Ingress::Router);
+        let routers = |a: &str| match parse(
+            &format!("xtask sweep load {a}")
+                .split(' ')
+                .collect::<Vec<_>>(),
+        ) {
+            Cmd::Sweep(s) => s.settings().map(|s| s.ingress),
+            _ => panic!("not a sweep"),
+        };
+        let r = routers("--routers 4 --front session-hash --share-decisions").unwrap();
+        assert_eq!(r.record_file_name(), "sweep-r4-hash-share.json");
+        assert!(routers("--routers 2 --ingress haproxy").is_err());
+        assert!(routers("--share-decisions").is_err() && routers("--front rr").is_ok());
         // The arrival: `--load` fractions of the capacity by default; the closed loop and
         // absolute rates only when asked for.
         let sweep = |args: &[&str]| match parse(args) {
-            Cmd::Sweep(s) => s.settings(),
+            Cmd::Sweep(s) => s.settings().unwrap(),
             _ => panic!("not a sweep"),
         };
         let s = sweep(&["xtask", "sweep", "pressure-grid", "--quick"]);

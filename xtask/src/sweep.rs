@@ -6,40 +6,17 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use clap::{Args, ValueEnum};
+use clap::Args;
 
 use experiment::Bins;
 use experiment::cell::{self, CellState};
-use experiment::fleet_spec::FleetKind;
 use experiment::grid::{PrefixGroups, Sharing, SweepName, WorkloadShape};
 use experiment::progress::Progress;
-use experiment::sweep::{CapacityScope, LiveSweep, SweepSettings};
+use experiment::sweep::{CapacityScope, IngressFlag, LiveSweep, SweepSettings};
 use experiment::virtual_sweep;
-use fleet::Ingress;
 
 use crate::fleetargs::FleetArgs;
 use crate::{env, interrupt, report};
-
-/// `--ingress`: what sits in front of the replicas (the command-line face of [`fleet::Ingress`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum IngressArg {
-    /// kvroute's router (policy from `--policies`).
-    Router,
-    /// HAProxy with bounded-load consistent hashing on `x-session-id`.
-    Haproxy,
-    /// Envoy with kvroute's endpoint picker (`epp-bin`; Envoy from `scripts/envoy.sh`).
-    EnvoyEpp,
-}
-
-impl From<IngressArg> for Ingress {
-    fn from(arg: IngressArg) -> Ingress {
-        match arg {
-            IngressArg::Router => Ingress::Router,
-            IngressArg::Haproxy => Ingress::Haproxy,
-            IngressArg::EnvoyEpp => Ingress::EnvoyEpp,
-        }
-    }
-}
 
 /// Flags of `cargo xtask sweep`.
 #[derive(Debug, Clone, Args)]
@@ -59,8 +36,21 @@ pub struct SweepArgs {
     /// What sits in front of the replicas: kvroute's router (policies from `--policies`),
     /// HAProxy with bounded-load consistent hashing on `x-session-id` (one policy,
     /// `haproxy-session-bounded`), or Envoy + kvroute's endpoint picker (cells `envoy-epp-<policy>`).
-    #[arg(long, value_enum, default_value_t = IngressArg::Router)]
-    pub ingress: IngressArg,
+    #[arg(long, value_enum, default_value_t = IngressFlag::Router)]
+    pub ingress: IngressFlag,
+    /// Run N kvroute routers (the same policy in each; N = 1: the one router) behind HAProxy
+    /// (`--front`); cells `r<N>-<rr|hash>[-share]-<policy>` beside the one router's.
+    #[arg(long, default_value_t = 1)]
+    pub routers: u32,
+    /// HAProxy in front of `--routers N`: `rr` (round robin, the default) or `session-hash`
+    /// (consistent hashing on `x-session-id`: each session through one router); with one
+    /// router, it puts that router behind HAProxy (the front's own cost, cells `r1-…`).
+    #[arg(long)]
+    pub front: Option<fleet::ingress::Front>,
+    /// With `--routers N`: each router publishes its routing decisions to the others over ZMQ
+    /// and inserts theirs into its own index.
+    #[arg(long)]
+    pub share_decisions: bool,
     /// HAProxy's load bound c (`hash-balance-factor` = c × 100), with `--ingress haproxy`
     /// (alias `--load-factor`, the router's name for session-bounded's bound).
     #[arg(long, visible_alias = "load-factor", default_value_t = 1.25)]
@@ -173,19 +163,25 @@ pub struct SweepArgs {
 }
 
 impl SweepArgs {
-    /// The settings these flags ask for (the live and the virtual sweep share them).
-    pub fn settings(&self) -> SweepSettings {
+    /// The settings these flags ask for (the live and the virtual sweep share them); refuses
+    /// `--routers` combinations that make no sense.
+    pub fn settings(&self) -> Result<SweepSettings> {
         // The closed loop or an absolute rate, asked for explicitly, keep the earlier sweeps'
         // arrivals; otherwise the sweep runs at `--load` fractions of the capacity.
         let explicit_arrival = self.users.is_some()
             || self.open_loop
             || (self.name == SweepName::Load && !self.rates.is_empty());
-        SweepSettings {
+        Ok(SweepSettings {
             name: self.name,
             quick: self.quick,
             reps: self.reps,
             policies: self.policies.clone(),
-            ingress: self.ingress.into(),
+            ingress: experiment::sweep::ingress_from_flags(
+                self.ingress,
+                self.routers,
+                self.front,
+                self.share_decisions,
+            )?,
             balance_factor: self.balance_factor,
             users: self.users.unwrap_or(experiment::calibrate::DEFAULT_USERS),
             open_rate_rps: if self.open_loop { self.rate } else { None },
@@ -220,20 +216,12 @@ impl SweepArgs {
             versions: env::versions(),
             trace: self.trace.settings(self.quick),
             live_calibration: self.live_calibration.clone(),
-            capacity_scope: self
-                .capacity
-                // A cross-check (`--live-calibration`) must offer the live sweep's rates.
-                .unwrap_or(
-                    if self.live_calibration.is_none()
-                        && (self.virtual_time
-                            || self.fleet.spec(self.quick).kind == FleetKind::Emulated)
-                    {
-                        CapacityScope::PerPoint
-                    } else {
-                        CapacityScope::Reference
-                    },
-                ),
-        }
+            capacity_scope: self.capacity.unwrap_or(CapacityScope::default_for(
+                self.live_calibration.is_some(),
+                self.virtual_time,
+                self.fleet.spec(self.quick).kind,
+            )),
+        })
     }
 
     fn dir(&self) -> PathBuf {
@@ -246,7 +234,7 @@ impl SweepArgs {
 
 /// Runs the sweep; returns its directory.
 pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
-    let settings = args.settings();
+    let settings = args.settings()?;
     let sweep_dir = args.dir();
     if args.fresh && sweep_dir.exists() {
         std::fs::remove_dir_all(&sweep_dir)

@@ -59,7 +59,7 @@ mod tests {
     #[test]
     fn trace_flags_become_the_trace_settings_with_the_quick_defaults() {
         let t = T::try_parse_from(["t", "trace", "--quick", "--trace", "t.jsonl"]).unwrap();
-        let s = t.s.settings();
+        let s = t.s.settings().unwrap();
         let trace = s.trace.expect("trace settings");
         assert_eq!(
             (trace.block_tokens, trace.time_scale),
@@ -81,7 +81,7 @@ mod tests {
             "100",
         ])
         .unwrap();
-        let trace = t.s.settings().trace.unwrap();
+        let trace = t.s.settings().unwrap().trace.unwrap();
         assert_eq!(
             (trace.block_tokens, trace.time_scale, trace.max_requests),
             (128, 0.5, Some(100))

@@ -28,7 +28,7 @@ fn sweep_dir(args: &SweepArgs) -> PathBuf {
 
 /// Runs the sweep in virtual time; returns its directory.
 pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
-    let settings = args.settings();
+    let settings = args.settings()?;
     virtual_sweep::check(&settings)?;
     let started = Instant::now();
     let dir = sweep_dir(args);
@@ -135,7 +135,7 @@ mod tests {
         ])
         .unwrap();
         assert!(t.s.virtual_time);
-        let settings = t.s.settings();
+        let settings = t.s.settings().unwrap();
         virtual_sweep::check(&settings).unwrap();
         let fleet = EmulatedFleet::of(&settings.fleet).unwrap();
         assert_eq!(fleet.replicas, 4);

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use anyhow::{Result, anyhow, bail};
+use anyhow::{Result, anyhow};
 
 use serde::Serialize;
 
@@ -46,7 +46,8 @@ pub struct Attempt<'a> {
     pub evidence: EvidenceConfig,
     /// Scrape each replica's lateness histogram (emulated fleets).
     pub sample_lateness: bool,
-    /// What sits in front of the fleet: the router (with `router`) or HAProxy.
+    /// What sits in front of the fleet: the router (with `router`), HAProxy, Envoy with the
+    /// endpoint picker, or several routers behind HAProxy.
     pub ingress: Ingress,
     /// HAProxy's settings, when it is the ingress.
     pub haproxy: HaproxySettings,
@@ -125,15 +126,7 @@ pub fn run_attempt(
         None => EvidenceSampler::start(evidence_base, &evidence_path)?,
     };
     let evidence = sampler.finish()?;
-    if let Some(router) = ingress.router_process()
-        && let Some(status) = router.try_wait()?
-    {
-        bail!(
-            "the {} exited during the run ({status}); see its log {}",
-            router.name(),
-            router.log_path().display()
-        );
-    }
+    ingress.check_running()?;
     let router_workers = ingress.router_workers();
     let router_scheduling = ingress.router_scheduling();
     // The router flushes its rows on SIGTERM; HAProxy writes its per-server counts first.

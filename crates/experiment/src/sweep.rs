@@ -41,6 +41,17 @@ pub enum CapacityScope {
 }
 
 impl CapacityScope {
+    /// The scope when `--capacity` is not given: each point's own for a virtual sweep or an
+    /// emulated fleet, the reference capacity otherwise — and always with a live calibration
+    /// (`--live-calibration`: a cross-check must offer the live sweep's rates).
+    pub fn default_for(live_calibration: bool, virtual_time: bool, kind: FleetKind) -> Self {
+        if !live_calibration && (virtual_time || kind == FleetKind::Emulated) {
+            CapacityScope::PerPoint
+        } else {
+            CapacityScope::Reference
+        }
+    }
+
     /// The flag's spelling.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -48,6 +59,36 @@ impl CapacityScope {
             CapacityScope::PerPoint => "per-point",
         }
     }
+}
+
+/// `--ingress`: what sits in front of the replicas (the command-line face of [`Ingress`]; several
+/// routers come from `--routers N`, [`ingress_from_flags`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum IngressFlag {
+    /// kvroute's router (policy from `--policies`).
+    Router,
+    /// HAProxy with bounded-load consistent hashing on `x-session-id`.
+    Haproxy,
+    /// Envoy with kvroute's endpoint picker (`epp-bin`; Envoy from `scripts/envoy.sh`).
+    EnvoyEpp,
+}
+
+/// The ingress a sweep's flags ask for: `--ingress`, with `--routers N` (N ≥ 2: N routers behind
+/// HAProxy), `--front` and `--share-decisions`; refuses the combinations that make no sense
+/// ([`Ingress::with_routers`]).
+pub fn ingress_from_flags(
+    flag: IngressFlag,
+    routers: u32,
+    front: Option<fleet::ingress::Front>,
+    share_decisions: bool,
+) -> Result<Ingress> {
+    let base = match flag {
+        IngressFlag::Router => Ingress::Router,
+        IngressFlag::Haproxy => Ingress::Haproxy,
+        IngressFlag::EnvoyEpp => Ingress::EnvoyEpp,
+    };
+    Ingress::with_routers(base, routers, front, share_decisions)
 }
 
 /// What a sweep runs with (defaults already applied); the live and the virtual sweep share it.
@@ -430,14 +471,11 @@ impl SweepSettings {
 }
 
 /// The file that records a sweep run's settings: `sweep.json` for the router, `sweep-haproxy.json`
-/// for HAProxy cells run into the same directory, so that adding them does not overwrite the
-/// record of the router grid.
-pub fn record_file_name(ingress: Ingress) -> &'static str {
-    match ingress {
-        Ingress::Router => "sweep.json",
-        Ingress::Haproxy => "sweep-haproxy.json",
-        Ingress::EnvoyEpp => "sweep-envoy-epp.json",
-    }
+/// for HAProxy cells run into the same directory, `sweep-r4-rr.json` for four routers behind a
+/// round-robin front, …, so that adding them does not overwrite the record of the router grid
+/// ([`Ingress::record_file_name`]).
+pub fn record_file_name(ingress: Ingress) -> String {
+    ingress.record_file_name()
 }
 
 /// Settings that must agree for two runs into one directory to be one sweep.
@@ -546,9 +584,22 @@ impl<'a> LiveSweep<'a> {
                     .map(|p| fleet::ingress::envoy_epp::cell_policy(p))
                     .collect()
             }
+            // The same policy in every router; cells `r<N>-<rr|hash>[-share]-<policy>`.
+            Ingress::Routers(r) => {
+                // HAProxy is the front: missing, it is refused before the calibration runs.
+                fleet::ingress::haproxy::haproxy_bin()?;
+                grid::policies(&s.policies, s.quick)?
+                    .iter()
+                    .map(|p| r.cell_policy(p))
+                    .collect()
+            }
         };
         // Refused before the calibration starts a fleet: exact residency needs KV events.
-        s.fleet.check_policies(&policies)?;
+        let router_policies: Vec<String> = policies
+            .iter()
+            .map(|p| fleet::ingress::router_policy(p).to_string())
+            .collect();
+        s.fleet.check_policies(&router_policies)?;
         let cal = s.calibration_for(bins, dir, should_stop)?;
         let routing = cal
             .routing()
@@ -560,9 +611,7 @@ impl<'a> LiveSweep<'a> {
             })?;
         cal.write(&dir.join("calibration.json"))?;
         let points = s.sweep_points(&cal)?;
-        let kv_events = policies
-            .iter()
-            .any(|p| grid::needs_kv_events(fleet::ingress::envoy_epp::picker_policy(p)));
+        let kv_events = router_policies.iter().any(|p| grid::needs_kv_events(p));
         let source = s
             .fleet
             .source(&bins.engine, kv_events, Some(&cal.used_replicas))?;
@@ -660,11 +709,7 @@ impl<'a> LiveSweep<'a> {
             Arrival::Open { .. } => ("open", None),
             Arrival::Trace { .. } => ("replay", None),
         };
-        let router = s.router_settings(
-            &self.routing,
-            fleet::ingress::envoy_epp::picker_policy(policy),
-            rep,
-        );
+        let router = s.router_settings(&self.routing, fleet::ingress::router_policy(policy), rep);
         let cell_bounds = bounds(
             cal,
             s.fleet.kind,
@@ -797,6 +842,12 @@ impl<'a> LiveSweep<'a> {
                     // What the router ran with (its readiness line): issue #18's worker count.
                     run["router_workers"] = serde_json::json!(result.router_workers);
                     run["router_scheduling"] = serde_json::json!(result.router_scheduling);
+                    // How many routers, behind which front, sharing decisions (issue #19).
+                    if let Some(r) = s.ingress.routers_run_record() {
+                        for (k, v) in r.as_object().into_iter().flatten() {
+                            run[k] = v.clone();
+                        }
+                    }
                     run["routing"] = serde_json::to_value(&self.routing)?;
                     run["evidence_bounds"] = serde_json::to_value(&cell_bounds)?;
                     run["driver"] = serde_json::to_value(&driver)?;
@@ -954,6 +1005,45 @@ mod tests {
     }
 
     #[test]
+    fn flags_choose_the_ingress_and_the_default_capacity_scope() {
+        use fleet::ingress::Front;
+        let i = ingress_from_flags(IngressFlag::Router, 4, Some(Front::SessionHash), false);
+        assert_eq!(i.unwrap().record_file_name(), "sweep-r4-hash.json");
+        assert_eq!(
+            ingress_from_flags(IngressFlag::EnvoyEpp, 1, None, false).unwrap(),
+            Ingress::EnvoyEpp
+        );
+        assert!(ingress_from_flags(IngressFlag::Haproxy, 2, None, false).is_err());
+        let run = ingress_from_flags(IngressFlag::Router, 2, None, true)
+            .unwrap()
+            .routers_run_record()
+            .unwrap();
+        assert_eq!(
+            run,
+            serde_json::json!({"routers": 2, "front": "rr", "share_decisions": true})
+        );
+        assert_eq!(Ingress::Router.routers_run_record().unwrap()["routers"], 1);
+        assert!(Ingress::Haproxy.routers_run_record().is_none());
+        let scope = CapacityScope::default_for;
+        assert_eq!(
+            scope(false, false, FleetKind::Emulated),
+            CapacityScope::PerPoint
+        );
+        assert_eq!(
+            scope(false, true, FleetKind::Command),
+            CapacityScope::PerPoint
+        );
+        assert_eq!(
+            scope(false, false, FleetKind::Command),
+            CapacityScope::Reference
+        );
+        assert_eq!(
+            scope(true, true, FleetKind::Emulated),
+            CapacityScope::Reference
+        );
+    }
+
+    #[test]
     fn a_calibration_without_capacity_is_refused_naming_the_command() {
         let cal = calibration(false);
         let s = settings(Some(vec![]));
@@ -1011,5 +1101,20 @@ mod tests {
         assert_eq!(record_file_name(Ingress::Router), "sweep.json");
         assert_eq!(record_file_name(Ingress::Haproxy), "sweep-haproxy.json");
         assert_eq!(record_file_name(Ingress::EnvoyEpp), "sweep-envoy-epp.json");
+        // So do several routers, one record per count, front and sharing.
+        let routers = |count, front, share| {
+            record_file_name(Ingress::Routers(fleet::RoutersSettings {
+                count,
+                front,
+                share,
+            }))
+        };
+        use fleet::ingress::Front;
+        assert_eq!(routers(4, Front::RoundRobin, false), "sweep-r4-rr.json");
+        assert_eq!(routers(2, Front::SessionHash, false), "sweep-r2-hash.json");
+        assert_eq!(
+            routers(8, Front::RoundRobin, true),
+            "sweep-r8-rr-share.json"
+        );
     }
 }

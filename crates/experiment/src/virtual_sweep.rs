@@ -854,7 +854,7 @@ pub fn check(s: &SweepSettings) -> Result<()> {
     }
     if !matches!(s.ingress, Ingress::Router) {
         bail!(
-            "--virtual models kvroute's router only; the HAProxy and Envoy ingresses are live-only"
+            "--virtual models one kvroute router only; the HAProxy and Envoy ingresses and --routers N are live-only"
         );
     }
     if s.reps == 0 {
@@ -1118,6 +1118,20 @@ mod tests {
         s.fleet.kind = FleetKind::Static;
         let e = simulated_point_capacities(&s, &cal, &points, &dir.0).unwrap_err();
         assert!(e.to_string().contains("--capacity reference"), "{e}");
+    }
+
+    /// Only one router is simulated: several routers, HAProxy and Envoy are refused.
+    #[test]
+    fn the_simulator_refuses_what_it_does_not_model() {
+        use crate::sweep::SweepSettings;
+        check(&SweepSettings::test_quick()).unwrap();
+        let routers = fleet::Ingress::with_routers(fleet::Ingress::Router, 2, None, false);
+        let s = SweepSettings {
+            ingress: routers.unwrap(),
+            ..SweepSettings::test_quick()
+        };
+        let e = check(&s).unwrap_err().to_string();
+        assert!(e.contains("--virtual") && e.contains("--routers N"), "{e}");
     }
 
     #[test]

@@ -5,9 +5,10 @@
 //!   file, killed by its handle on drop (also while unwinding), readiness lines awaited.
 //! - [`fleet`]: [`fleet::Fleet`] over three [`fleet::Source`]s — emulated `engine` processes,
 //!   command templates (vLLM), static URLs — with health wait, stop, cycle, kill one, restart one.
-//! - [`ingress`]: what sits in front of the fleet — kvroute's router ([`ingress::router`]) or
-//!   HAProxy ([`ingress::haproxy`]: config, stats socket, lifecycle) — started and finished per
-//!   cell through [`ingress::IngressProcess`].
+//! - [`ingress`]: what sits in front of the fleet — kvroute's router ([`ingress::router`]),
+//!   HAProxy ([`ingress::haproxy`]: config, stats socket, lifecycle), Envoy with the endpoint
+//!   picker ([`ingress::envoy_epp`]) or several routers behind HAProxy ([`ingress::routers`]) —
+//!   started and finished per cell through [`ingress::IngressProcess`].
 //! - [`driver_process`]: the load driver's command line, start, and the wait that watches the
 //!   fleet.
 //! - [`evidence`]: [`evidence::EvidenceSampler`] writes `evidence.jsonl` through a measured
@@ -38,7 +39,7 @@ pub use fleet::{
     CommandSpec, EmulatedCache, EmulatedSpec, Fleet, FleetOptions, ReplicaInfo, Source, StaticSpec,
 };
 pub use gpu::{FleetGpus, GpuBackend};
-pub use ingress::{Ingress, IngressProcess, RouterSettings};
+pub use ingress::{Ingress, IngressProcess, RouterSettings, RoutersSettings};
 pub use llama::LlamaSpec;
 pub use metrics::{CacheConfig, Histogram};
 pub use process::{ChildGuard, Readiness, kill_all};

@@ -268,6 +268,30 @@ impl Meta {
     pub fn capacity_tokens(&self) -> Option<u64> {
         self.fleet.get("capacity_tokens").and_then(|v| v.as_u64())
     }
+
+    /// How many kvroute routers served the cell (`run.routers`): 1 when not recorded (every
+    /// cell before `--routers`, and HAProxy or Envoy in place of the router, which record none).
+    pub fn routers(&self) -> u64 {
+        self.run
+            .get("routers")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(1)
+    }
+
+    /// The balancer in front of several routers (`run.front`: `rr`, `session-hash`); `None` for
+    /// one router or when not recorded.
+    pub fn routers_front(&self) -> Option<&str> {
+        self.run.get("front").and_then(|v| v.as_str())
+    }
+
+    /// Whether the routers shared their routing decisions (`run.share_decisions`); false when
+    /// not recorded.
+    pub fn share_decisions(&self) -> bool {
+        self.run
+            .get("share_decisions")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false)
+    }
 }
 
 /// Lenient field readers: what older or hand-written `meta.json` files may hold.
@@ -416,6 +440,17 @@ mod tests {
         assert!(m.accepted, "absent or null means accepted");
         assert!(!m.complete && !m.virtual_time);
         assert_eq!((m.attempts, m.capacity_tokens()), (0, None));
+        // Before `--routers`: one router, no front, no sharing.
+        assert_eq!(
+            (m.routers(), m.routers_front(), m.share_decisions()),
+            (1, None, false)
+        );
+        let mut r = m.clone();
+        r.run = serde_json::json!({"routers": 4, "front": "session-hash", "share_decisions": true});
+        assert_eq!(
+            (r.routers(), r.routers_front(), r.share_decisions()),
+            (4, Some("session-hash"), true)
+        );
         assert_eq!(m.window.measured_s(), 100.0);
         assert!(
             serde_json::from_value::<Meta>(serde_json::json!({

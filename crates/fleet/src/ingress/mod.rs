@@ -2,24 +2,34 @@
 //! kvroute's endpoint picker.
 //!
 //! Each kind of ingress has its own launcher module ([`router`], [`haproxy`], [`envoy_epp`],
-//! which reuses the router's command line); none knows HAProxy's or the others' processes. [`IngressProcess`] is the one place that chooses between them, so a new kind
-//! (Envoy, several routers behind one address) is a new module and a new variant here.
+//! which reuses the router's command line, [`routers`], several routers behind HAProxy's
+//! generator); none knows the others' processes. [`IngressProcess`] is the one place that
+//! chooses between them, so a new kind is a new module and a new variant here.
 
 pub mod envoy_epp;
 pub mod haproxy;
 pub mod router;
+pub mod routers;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
 use crate::fleet::Fleet;
-use crate::process::ChildGuard;
+use crate::process::{ChildGuard, Readiness};
 
-pub use haproxy::{Haproxy, HaproxySettings, ServerStat};
+pub use haproxy::{Balance, Haproxy, HaproxySettings, ServerStat};
 pub use router::{RouterSettings, start_router};
+pub use routers::{Front, Routers, RoutersRecord, RoutersSettings};
+
+/// The policy the router (or the endpoint picker) of a cell runs, from the cell's policy
+/// directory name: without the `envoy-epp-` ([`envoy_epp::picker_policy`]) or
+/// `r<N>-<rr|hash>[-share]-` ([`routers::router_policy`]) prefix.
+pub fn router_policy(cell: &str) -> &str {
+    routers::router_policy(envoy_epp::picker_policy(cell))
+}
 
 /// What sits in front of the replicas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -33,6 +43,40 @@ pub enum Ingress {
     /// Envoy deciding through kvroute's endpoint picker (the router's policy and rows).
     #[serde(rename = "envoy-epp")]
     EnvoyEpp,
+    /// Several kvroute routers (each with its [`RouterSettings`]) behind HAProxy
+    /// ([`routers`]).
+    Routers(RoutersSettings),
+}
+
+impl Ingress {
+    /// The name of the file that records a sweep run through it, beside the others in one sweep
+    /// directory: `sweep.json` (the router), `sweep-haproxy.json`, `sweep-envoy-epp.json`,
+    /// `sweep-r4-rr.json`, `sweep-r4-hash-share.json`, …
+    pub fn record_file_name(&self) -> String {
+        match self {
+            Ingress::Router => "sweep.json".to_string(),
+            Ingress::Haproxy => "sweep-haproxy.json".to_string(),
+            Ingress::EnvoyEpp => "sweep-envoy-epp.json".to_string(),
+            Ingress::Routers(r) => {
+                format!("sweep-{}.json", r.cell_prefix().trim_end_matches('-'))
+            }
+        }
+    }
+
+    /// What `meta.json`'s `run` records about the routers: `routers` (1 for the router, N),
+    /// `front` (`rr`, `session-hash`; `null` for one router) and `share_decisions`; `None` for
+    /// HAProxy or Envoy in place of the router.
+    pub fn routers_run_record(&self) -> Option<serde_json::Value> {
+        match self {
+            Ingress::Router => Some(serde_json::json!({
+                "routers": 1, "front": null, "share_decisions": false,
+            })),
+            Ingress::Routers(r) => Some(serde_json::json!({
+                "routers": r.count, "front": r.front.as_str(), "share_decisions": r.share,
+            })),
+            Ingress::Haproxy | Ingress::EnvoyEpp => None,
+        }
+    }
 }
 
 /// The process in front of the fleet during one cell: kvroute's router or HAProxy. A sweep
@@ -45,6 +89,9 @@ pub enum IngressProcess {
     Haproxy(Haproxy),
     /// The endpoint picker and its Envoy, one process group (`router.csv` from the picker).
     EnvoyEpp(ChildGuard),
+    /// Several routers behind HAProxy (`router-<K>.csv` merged into `router.csv`, and
+    /// `routers.json`).
+    Routers(Routers),
 }
 
 impl IngressProcess {
@@ -52,8 +99,10 @@ impl IngressProcess {
     /// [`start_router`] with `router` (rows into `dir/router.csv`, log `dir/router.log`),
     /// HAProxy with `haproxy` (config and log in `dir`), or the `epp` binary beside `router_bin`
     /// (the same cargo profile directory) with `--envoy` and `router`'s flags (rows into
-    /// `dir/router.csv`, log `dir/epp.log`, Envoy's in `dir/envoy.log`). `should_stop` (a
-    /// Ctrl-C flag) is polled while waiting for it. Returns it and the URL to point the driver at.
+    /// `dir/router.csv`, log `dir/epp.log`, Envoy's in `dir/envoy.log`), or several routers with
+    /// `router` behind HAProxy with `haproxy`'s threads and timeouts ([`Routers::start`]).
+    /// `should_stop` (a Ctrl-C flag) is polled while waiting for it. Returns it and the URL to
+    /// point the driver at.
     pub fn start(
         ingress: Ingress,
         router_bin: &Path,
@@ -92,42 +141,66 @@ impl IngressProcess {
                 )?;
                 (IngressProcess::EnvoyEpp(guard), url)
             }
+            Ingress::Routers(settings) => {
+                let r = Routers::start(
+                    router_bin,
+                    fleet,
+                    router,
+                    haproxy,
+                    settings,
+                    dir,
+                    should_stop,
+                )?;
+                let url = r.url().to_string();
+                (IngressProcess::Routers(r), url)
+            }
         })
     }
 
-    /// The router's (or the picker's) worker threads, as its readiness line reported them
-    /// (`None` for HAProxy).
+    /// The readiness line of the router, the picker or router `r0`.
+    fn readiness(&self) -> Option<&Readiness> {
+        match self {
+            IngressProcess::Router(guard) | IngressProcess::EnvoyEpp(guard) => guard.readiness(),
+            IngressProcess::Routers(r) => r.first_readiness(),
+            IngressProcess::Haproxy(_) => None,
+        }
+    }
+
+    /// The router's (or the picker's, or each of several routers') worker threads, as its
+    /// readiness line reported them (`None` for HAProxy).
     pub fn router_workers(&self) -> Option<u64> {
-        match self {
-            IngressProcess::Router(guard) | IngressProcess::EnvoyEpp(guard) => {
-                guard.readiness().and_then(|r| r.workers)
-            }
-            IngressProcess::Haproxy(_) => None,
-        }
+        self.readiness().and_then(|r| r.workers)
     }
 
-    /// How the router's (or the picker's) threads were scheduled, as its readiness line
-    /// reported it (`None` for HAProxy; the picker reports none).
+    /// How the router's (or the picker's, or each of several routers') threads were scheduled,
+    /// as its readiness line reported it (`None` for HAProxy; the picker reports none).
     pub fn router_scheduling(&self) -> Option<String> {
-        match self {
-            IngressProcess::Router(guard) | IngressProcess::EnvoyEpp(guard) => {
-                guard.readiness().and_then(|r| r.scheduling.clone())
-            }
-            IngressProcess::Haproxy(_) => None,
-        }
+        self.readiness().and_then(|r| r.scheduling.clone())
     }
 
-    /// The router or picker process, to check it is still running (`None` for HAProxy).
-    pub fn router_process(&mut self) -> Option<&mut ChildGuard> {
+    /// Fails naming the router or picker process (any of several routers, or HAProxy in front
+    /// of them) that has exited, and its log; HAProxy in place of the router is not checked.
+    pub fn check_running(&mut self) -> Result<()> {
         match self {
-            IngressProcess::Router(guard) | IngressProcess::EnvoyEpp(guard) => Some(guard),
-            IngressProcess::Haproxy(_) => None,
+            IngressProcess::Router(guard) | IngressProcess::EnvoyEpp(guard) => {
+                if let Some(status) = guard.try_wait()? {
+                    bail!(
+                        "the {} exited during the run ({status}); see its log {}",
+                        guard.name(),
+                        guard.log_path().display()
+                    );
+                }
+                Ok(())
+            }
+            IngressProcess::Routers(r) => r.check_running(),
+            IngressProcess::Haproxy(_) => Ok(()),
         }
     }
 
     /// Stops it once the driver is done: the router on SIGTERM (it flushes its rows first); the
     /// picker and its Envoy on SIGTERM to their group (Envoy exits at once, the picker flushes
-    /// its rows); HAProxy after its per-server counts are written to `dir/haproxy-stats.json`. Either is
+    /// its rows); HAProxy after its per-server counts are written to `dir/haproxy-stats.json`;
+    /// several routers through [`Routers::finish`] (`router.csv` merged, `routers.json`). Any is
     /// killed when it has not exited within `grace`; then the answer is a warning to show
     /// (its output may be cut).
     pub fn finish(self, dir: &Path, grace: Duration) -> Result<Option<String>> {
@@ -144,6 +217,10 @@ impl IngressProcess {
                 h.write_stats(&dir.join("haproxy-stats.json"))?;
                 let status = h.terminate(grace);
                 ("HAProxy", h.log_path().to_path_buf(), status)
+            }
+            IngressProcess::Routers(r) => {
+                let warnings = r.finish(dir, grace)?;
+                return Ok((!warnings.is_empty()).then(|| warnings.join("; ")));
             }
         };
         Ok(status.is_none().then(|| {

@@ -115,18 +115,15 @@ fn refuse_without_kv_events(
     Ok(())
 }
 
-/// Starts the router in front of `fleet`, rows into `rows`, log into `log`, and waits (30 s at
-/// most, polling `should_stop`) for its readiness line. Returns it, its serving URL (what the
-/// driver sends to) and its admin URL (`/admin/*`, `/metrics`: on its own loopback listener,
-/// never on the serving port).
-pub fn start_router(
+/// The router's whole command line in front of `fleet` as a cell starts it: [`router_command`]
+/// (after [`check_fleet_kv_events`]), plus `--sched-fifo-priority` in front of real-time emulated
+/// engines and `--no-upstream-keep-alive` in front of an engine that closes its connections.
+pub fn fleet_router_command(
     router_bin: &Path,
     fleet: &Fleet,
     settings: &RouterSettings,
     rows: &Path,
-    log: &Path,
-    should_stop: &dyn Fn() -> bool,
-) -> Result<(ChildGuard, String, String)> {
+) -> Result<Command> {
     check_fleet_kv_events(fleet, settings)?;
     let mut cmd = router_command(router_bin, &fleet.replicas(), settings, rows)?;
     if let Some(priority) = fleet.replica_sched_fifo_priority() {
@@ -139,7 +136,19 @@ pub fn start_router(
         // llama-server closes a connection after each streamed response (schema::engine).
         cmd.arg("--no-upstream-keep-alive");
     }
-    let mut guard = ChildGuard::spawn("router", cmd, log)?;
+    Ok(cmd)
+}
+
+/// Spawns `cmd` (a router command line) as `name` with its output in `log` and waits (30 s at
+/// most, polling `should_stop`) for its readiness line. Returns it, its serving URL and its
+/// admin URL.
+pub fn spawn_router(
+    name: &str,
+    cmd: Command,
+    log: &Path,
+    should_stop: &dyn Fn() -> bool,
+) -> Result<(ChildGuard, String, String)> {
+    let mut guard = ChildGuard::spawn(name, cmd, log)?;
     let ready = guard.wait_ready(Duration::from_secs(30), should_stop)?;
     let admin = ready.admin_url().ok_or_else(|| {
         anyhow!(
@@ -148,6 +157,22 @@ pub fn start_router(
         )
     })?;
     Ok((guard, ready.url(), admin))
+}
+
+/// Starts the router in front of `fleet` ([`fleet_router_command`]), rows into `rows`, log into
+/// `log`, and waits (30 s at most, polling `should_stop`) for its readiness line. Returns it, its
+/// serving URL (what the driver sends to) and its admin URL (`/admin/*`, `/metrics`: on its own
+/// loopback listener, never on the serving port).
+pub fn start_router(
+    router_bin: &Path,
+    fleet: &Fleet,
+    settings: &RouterSettings,
+    rows: &Path,
+    log: &Path,
+    should_stop: &dyn Fn() -> bool,
+) -> Result<(ChildGuard, String, String)> {
+    let cmd = fleet_router_command(router_bin, fleet, settings, rows)?;
+    spawn_router("router", cmd, log, should_stop)
 }
 
 #[cfg(test)]
