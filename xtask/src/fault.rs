@@ -14,6 +14,7 @@ use experiment::Bins;
 use experiment::cell::{self, CellState};
 use experiment::fault::{FaultRun, FaultSettings, default_phases_s};
 use experiment::progress::Progress;
+use experiment::sweep::IngressFlag;
 use schema::Slo;
 
 use crate::fleetargs::FleetArgs;
@@ -44,6 +45,9 @@ pub struct FaultArgs {
     /// Which fault.
     #[arg(value_enum)]
     pub kind: KindArg,
+    /// What sits in front of the fleet: `router`, or `envoy-epp` (cells `envoy-epp-<policy>`).
+    #[arg(long, value_enum, default_value_t = IngressFlag::Router)]
+    pub ingress: IngressFlag,
     /// Small fleet and short phases (3 replicas by default).
     #[arg(long)]
     pub quick: bool,
@@ -152,20 +156,16 @@ impl FaultArgs {
             fleet: self.fleet.spec(self.quick),
             git_rev: env::git_rev(),
             versions: env::versions(),
+            ingress: self.ingress.into(),
         }
     }
 
     /// The fault run's directory.
     pub fn dir(&self) -> PathBuf {
-        let name = self.sweep_dir_name.clone().unwrap_or_else(|| {
-            let base = format!("fault-{}", FaultKind::from(self.kind).as_str());
-            if self.quick {
-                format!("{base}-quick")
-            } else {
-                base
-            }
-        });
-        self.out.join(name)
+        let kind = FaultKind::from(self.kind);
+        let default = || experiment::fault::default_dir_name(kind, self.quick);
+        self.out
+            .join(self.sweep_dir_name.clone().unwrap_or_else(default))
     }
 }
 

@@ -61,6 +61,12 @@ pub const DEFAULT_POLICIES: &[&str] = &[
     "prefix-affinity-spill-off",
 ];
 
+/// A fault run's default directory name: `fault-<kind>`, `-quick` appended with `quick`.
+pub fn default_dir_name(kind: FaultKind, quick: bool) -> String {
+    let base = format!("fault-{}", kind.as_str());
+    if quick { format!("{base}-quick") } else { base }
+}
+
 /// The default warm-up, steady load before the fault, and load after the planned restart, wall
 /// s: `(warmup, before, after)`.
 pub fn default_phases_s(quick: bool) -> (f64, f64, f64) {
@@ -417,6 +423,9 @@ impl<'a> FaultRun<'a> {
             }
             fleet::Ingress::Haproxy => bail!(
                 "a fault runs through kvroute's router or Envoy with its endpoint picker (--ingress router|envoy-epp): HAProxy has no admin API to drain through and writes no router rows to place the fault on"
+            ),
+            fleet::Ingress::Routers(_) => bail!(
+                "a fault runs through one router (or Envoy with its endpoint picker): N routers have N admin APIs and N clocks, which the fault's drain and clock probes do not handle"
             ),
         };
         let kv_events = policies.iter().any(|p| grid::needs_kv_events(p));

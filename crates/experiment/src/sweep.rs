@@ -74,6 +74,17 @@ pub enum IngressFlag {
     EnvoyEpp,
 }
 
+impl From<IngressFlag> for Ingress {
+    /// The ingress `--ingress` names alone (one router, no front).
+    fn from(flag: IngressFlag) -> Ingress {
+        match flag {
+            IngressFlag::Router => Ingress::Router,
+            IngressFlag::Haproxy => Ingress::Haproxy,
+            IngressFlag::EnvoyEpp => Ingress::EnvoyEpp,
+        }
+    }
+}
+
 /// The ingress a sweep's flags ask for: `--ingress`, with `--routers N` (N ≥ 2: N routers behind
 /// HAProxy), `--front` and `--share-decisions`; refuses the combinations that make no sense
 /// ([`Ingress::with_routers`]).
@@ -83,11 +94,7 @@ pub fn ingress_from_flags(
     front: Option<fleet::ingress::Front>,
     share_decisions: bool,
 ) -> Result<Ingress> {
-    let base = match flag {
-        IngressFlag::Router => Ingress::Router,
-        IngressFlag::Haproxy => Ingress::Haproxy,
-        IngressFlag::EnvoyEpp => Ingress::EnvoyEpp,
-    };
+    let base = Ingress::from(flag);
     Ingress::with_routers(base, routers, front, share_decisions)
 }
 
