@@ -147,6 +147,15 @@ impl FaultSettings {
         if self.reps == 0 {
             bail!("--reps must be at least 1");
         }
+        match self.ingress {
+            fleet::Ingress::Router | fleet::Ingress::EnvoyEpp => {}
+            fleet::Ingress::Haproxy => bail!(
+                "a fault runs through kvroute's router or Envoy with its endpoint picker (--ingress router|envoy-epp): HAProxy has no admin API to drain through and writes no router rows to place the fault on"
+            ),
+            fleet::Ingress::Routers(_) => bail!(
+                "a fault runs through one router (or Envoy with its endpoint picker): N routers have N admin APIs and N clocks, which the fault's drain and clock probes do not handle"
+            ),
+        }
         for (name, v) in [
             ("--warmup-s", self.warmup_s),
             ("--before-s", self.before_s),
@@ -412,21 +421,13 @@ impl<'a> FaultRun<'a> {
             grid::policies(&s.policies, s.quick)?
         };
         s.fleet.check_policies(&policies)?;
-        let policies: Vec<String> = match s.ingress {
-            fleet::Ingress::Router => policies,
-            fleet::Ingress::EnvoyEpp => {
-                fleet::ingress::envoy_epp::check_bin(&bins.router.with_file_name("epp"))?;
-                policies
-                    .iter()
-                    .map(|p| fleet::ingress::envoy_epp::cell_policy(p))
-                    .collect()
-            }
-            fleet::Ingress::Haproxy => bail!(
-                "a fault runs through kvroute's router or Envoy with its endpoint picker (--ingress router|envoy-epp): HAProxy has no admin API to drain through and writes no router rows to place the fault on"
-            ),
-            fleet::Ingress::Routers(_) => bail!(
-                "a fault runs through one router (or Envoy with its endpoint picker): N routers have N admin APIs and N clocks, which the fault's drain and clock probes do not handle"
-            ),
+        s.check()?;
+        let policies: Vec<String> = if s.ingress == fleet::Ingress::EnvoyEpp {
+            fleet::ingress::envoy_epp::check_bin(&bins.router.with_file_name("epp"))?;
+            let cell = fleet::ingress::envoy_epp::cell_policy;
+            policies.iter().map(|p| cell(p)).collect()
+        } else {
+            policies
         };
         let kv_events = policies.iter().any(|p| grid::needs_kv_events(p));
         let setup = setup(s, bins, dir, kv_events, should_stop)?;
@@ -1068,6 +1069,14 @@ mod tests {
             ..settings()
         };
         assert!(refused(bad_slo).contains("--slo-ttft-ms"));
+        let through = |ingress| FaultSettings {
+            ingress,
+            ..settings()
+        };
+        through(fleet::Ingress::EnvoyEpp).check().unwrap();
+        assert!(refused(through(fleet::Ingress::Haproxy)).contains("no admin API"));
+        let two = fleet::Ingress::with_routers(fleet::Ingress::Router, 2, None, false).unwrap();
+        assert!(refused(through(two)).contains("N routers"));
         let bad_rate = FaultSettings {
             rate_model_rps: Some(-1.0),
             ..settings()
