@@ -28,8 +28,14 @@ pub use input::{
 
 /// Sweep directories looked for (in order) under the measurements directory for figures 1–5.
 pub const GRID_SWEEPS: [&str; 2] = ["pressure-grid", "pressure-grid-quick"];
-/// Sweep directories looked for (in order) for figure 6.
-pub const FAULT_SWEEPS: [&str; 2] = ["fault-kill", "fault-kill-quick"];
+/// Sweep directories looked for (in order) for figure 6: the kill at the quick fleet's calibrated
+/// capacity first (`xtask fault kill --quick --rate <capacity> --sweep-dir-name
+/// fault-kill-quick-capacity`), where an outage shows against the noise.
+pub const FAULT_SWEEPS: [&str; 3] = [
+    "fault-kill-quick-capacity",
+    "fault-kill",
+    "fault-kill-quick",
+];
 /// Sweep directories looked for (in order) for figure 7: a live load sweep first, the virtual
 /// one (`sweep load --virtual`, published as `load-virtual`) when no live one is published.
 pub const LOAD_SWEEPS: [&str; 3] = ["load", "load-quick", "load-virtual"];
