@@ -75,7 +75,8 @@ enum Where {
     /// Below the top (points, policies, `_discarded`): descend; keep `plan.json`, a point's own `capacity.json` and
     /// `discarded.json`.
     Inner,
-    /// A repetition (`rep-<k>`): meta, fault record and rows.
+    /// A repetition (`rep-<k>`): meta, fault record, the N routers' and HAProxy's records
+    /// (`routers.json`, `haproxy-stats.json`) and rows.
     Rep,
 }
 
@@ -123,7 +124,11 @@ fn copy_tree(src: &Path, dst: &Path, out: &mut Published, at: Where) -> Result<(
                 out.files += 1;
                 out.row_files += 1;
             }
-            (Where::Rep, "meta.json" | "fault.json" | "discarded.json")
+            (
+                Where::Rep,
+                "meta.json" | "fault.json" | "discarded.json" | "routers.json"
+                | "haproxy-stats.json",
+            )
             | (
                 Where::Inner,
                 "plan.json" | "capacity.json" | "discarded.json" | "meta.json" | "fault.json",
@@ -204,6 +209,7 @@ mod tests {
         write(&sweep.join("p1/a/rep-1/client.csv"), rows);
         write(&sweep.join("p1/a/rep-1/router.csv"), rows);
         write(&sweep.join("p1/a/rep-1/evidence.jsonl"), "{}");
+        write(&sweep.join("p1/a/rep-1/routers.json"), "{}");
         write(&sweep.join("p1/a/rep-1/driver.log"), "log");
         // Unfinished: rows but no meta.
         write(&sweep.join("p1/a/rep-2/client.csv"), rows);
@@ -229,6 +235,7 @@ mod tests {
                 "p1/a/rep-1/client.csv.gz",
                 "p1/a/rep-1/meta.json",
                 "p1/a/rep-1/router.csv.gz",
+                "p1/a/rep-1/routers.json",
                 "p1/plan.json",
                 "report.json",
                 "report.md",
