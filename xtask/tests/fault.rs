@@ -220,7 +220,8 @@ fn check_dir(dir: &Path, policies: &[&str]) -> serde_json::Value {
     }
     let timeline = std::fs::read_to_string(dir.join("timeline.csv")).unwrap();
     let mut lines = timeline.lines();
-    assert_eq!(lines.next(), Some("policy,t_s,goodput_rps,replica_alive"));
+    let header = "policy,t_s,goodput_rps,replica_alive,goodput_min_rps,goodput_max_rps,rolling_s";
+    assert_eq!(lines.next(), Some(header));
     let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
     for policy in policies {
         let mine: Vec<&Vec<&str>> = rows.iter().filter(|r| r[0] == *policy).collect();
