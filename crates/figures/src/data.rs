@@ -1230,9 +1230,11 @@ impl RouterArm {
     }
 
     /// The arm's line style in figure 8: 0 round-robin front (solid), 1 session-hash front
-    /// (dashed), 2 shared decisions behind either (dotted), as the figure's caption says.
+    /// (dashed), 2 and 3 shared decisions behind the round-robin or the session-hash front
+    /// (dotted; square or diamond markers), as the figure's caption says.
     pub fn style(&self) -> usize {
         match (self.share, self.front.as_str()) {
+            (true, "hash") => 3,
             (true, _) => 2,
             (false, "hash") => 1,
             _ => 0,
@@ -1631,6 +1633,11 @@ mod tests {
             (4, "rr", true, "prefix-affinity")
         );
         assert_eq!(a.arm_label(), "round-robin front + shared decisions");
+        let styles: Vec<usize> = ["r2-rr-p", "r2-hash-p", "r2-rr-share-p", "r2-hash-share-p"]
+            .iter()
+            .map(|c| RouterArm::of_cell(c).style())
+            .collect();
+        assert_eq!(styles, [0, 1, 2, 3], "each arm its own look");
         let b = RouterArm::of_cell("r8-hash-session-affinity");
         assert_eq!(
             (b.routers, b.front.as_str(), b.share, b.policy.as_str()),

@@ -1585,7 +1585,7 @@ impl Figure for RoutersFigure<'_> {
             d.point
         ));
         lines.push(
-            "line style: the arm (solid: round-robin front; dashed: session-hash front; dotted: round-robin front + shared decisions)"
+            "line style: the arm (solid: round-robin front; dashed: session-hash front; dotted: + shared decisions, square markers behind round-robin, diamonds behind session-hash)"
                 .into(),
         );
         lines.extend(set_aside_note(&d.not_drawn));
@@ -1677,7 +1677,7 @@ impl RoutersFigure<'_> {
                 .collect();
             let label = format!("{} · {}", s.policy, s.arm);
             let arm = s.arm_index;
-            let anno = match arm % 3 {
+            let anno = match arm.min(2) {
                 0 => chart
                     .draw_series(LineSeries::new(xy.clone(), color.stroke_width(2)))
                     .map_err(de)?,
@@ -1699,7 +1699,7 @@ impl RoutersFigure<'_> {
                     .map_err(de)?,
             };
             anno.label(label).legend(move |(x, y)| {
-                let line: DynElement<'static, DB, (i32, i32)> = match arm % 3 {
+                let line: DynElement<'static, DB, (i32, i32)> = match arm.min(2) {
                     0 => {
                         PathElement::new(vec![(-12, 0), (12, 0)], color.stroke_width(2)).into_dyn()
                     }
