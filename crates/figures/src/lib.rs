@@ -221,47 +221,44 @@ pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<V
     Ok(files)
 }
 
-fn load_input(dir: &Path) -> Result<LoadInput> {
+/// Fails naming `figure`, the directory and the names looked for (`also` says how to make one)
+/// when the sweep directory `dir` is missing.
+fn require_sweep(dir: &Path, figure: &str, names: &[&str], also: &str) -> Result<()> {
     if !dir.is_dir() {
         bail!(
-            "figure 7 needs a load sweep: {} does not exist (looked for {} beside it; `cargo xtask sweep load` then `cargo xtask publish` make one)",
+            "{figure}: {} does not exist (looked for {} beside it{also})",
             dir.display(),
-            LOAD_SWEEPS.join(", ")
+            names.join(", ")
         );
     }
+    Ok(())
+}
+
+fn load_input(dir: &Path) -> Result<LoadInput> {
+    let make = "; `cargo xtask sweep load` then `cargo xtask publish` make one";
+    require_sweep(dir, "figure 7 needs a load sweep", &LOAD_SWEEPS, make)?;
     load_load_sweep(dir)
 }
 
 fn routers_input(dir: &Path) -> Result<GridInput> {
-    if !dir.is_dir() {
-        bail!(
-            "figure 8 needs an N-router sweep: {} does not exist (looked for {} beside it; `cargo xtask sweep load --routers N …` then `cargo xtask publish` make one)",
-            dir.display(),
-            ROUTERS_SWEEPS.join(", ")
-        );
-    }
+    let make = "; `cargo xtask sweep load --routers N …` then `cargo xtask publish` make one";
+    require_sweep(
+        dir,
+        "figure 8 needs an N-router sweep",
+        &ROUTERS_SWEEPS,
+        make,
+    )?;
     load_grid(dir)
 }
 
 fn trace_input(dir: &Path) -> Result<GridInput> {
-    if !dir.is_dir() {
-        bail!(
-            "figure 9 needs a trace replay: {} does not exist (looked for {} beside it; `cargo xtask sweep trace --trace FILE` then `cargo xtask publish` make one)",
-            dir.display(),
-            TRACE_SWEEPS.join(", ")
-        );
-    }
+    let make = "; `cargo xtask sweep trace --trace FILE` then `cargo xtask publish` make one";
+    require_sweep(dir, "figure 9 needs a trace replay", &TRACE_SWEEPS, make)?;
     load_grid(dir)
 }
 
 fn grid_input(dir: &Path) -> Result<GridInput> {
-    if !dir.is_dir() {
-        bail!(
-            "figures 1–5 need a grid sweep: {} does not exist (looked for {} beside it)",
-            dir.display(),
-            GRID_SWEEPS.join(", ")
-        );
-    }
+    require_sweep(dir, "figures 1–5 need a grid sweep", &GRID_SWEEPS, "")?;
     load_grid(dir)
 }
 
