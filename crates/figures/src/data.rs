@@ -54,6 +54,24 @@ impl Table {
     }
 }
 
+/// A spread's median, min and max as a table writes them.
+fn spread_fields(x: &Spread) -> [String; 3] {
+    [num(x.median), num(x.min), num(x.max)]
+}
+
+/// The one point of a sweep that runs one (an N-router sweep, a trace replay); `what` says why
+/// there is one, for the error naming `figure`.
+fn only_point<'r>(report: &'r Report, figure: &str, what: &str) -> Result<&'r Point> {
+    match report.points.as_slice() {
+        [p] => Ok(p),
+        _ => bail!(
+            "{figure}: sweep `{}` has {} points; {what}",
+            report.sweep,
+            report.points.len()
+        ),
+    }
+}
+
 fn opt(x: Option<f64>) -> String {
     x.map(num).unwrap_or_default()
 }
@@ -1306,13 +1324,11 @@ pub struct RoutersData {
 /// [`RouterArm::of_cell`] reads them. Needs exactly one point and at least one cell with more
 /// than one router.
 pub fn routers(report: &Report) -> Result<RoutersData> {
-    let [p] = report.points.as_slice() else {
-        bail!(
-            "{FIG8}: sweep `{}` has {} points; an N-router sweep runs one point (its policies are the arms)",
-            report.sweep,
-            report.points.len()
-        );
-    };
+    let p = only_point(
+        report,
+        FIG8,
+        "an N-router sweep runs one point (its policies are the arms)",
+    )?;
     let mut points: Vec<(RouterArm, RoutersPoint)> = Vec::new();
     let mut not_drawn = Vec::new();
     let mut lack = Vec::new();
@@ -1417,22 +1433,17 @@ impl RoutersData {
                 .iter()
                 .flat_map(|s| {
                     s.points.iter().map(move |p| {
-                        vec![
+                        let mut row = vec![
                             s.policy.clone(),
                             s.arm.clone(),
                             p.routers.to_string(),
                             p.cell.clone(),
-                            num(p.hit_rate.median),
-                            num(p.hit_rate.min),
-                            num(p.hit_rate.max),
-                            num(p.goodput.median),
-                            num(p.goodput.min),
-                            num(p.goodput.max),
-                            num(p.attainment.median),
-                            num(p.attainment.min),
-                            num(p.attainment.max),
-                            p.goodput.n.to_string(),
-                        ]
+                        ];
+                        for x in [&p.hit_rate, &p.goodput, &p.attainment] {
+                            row.extend(spread_fields(x));
+                        }
+                        row.push(p.goodput.n.to_string());
+                        row
                     })
                 })
                 .collect(),
@@ -1474,13 +1485,7 @@ pub struct TraceData {
 /// Picks figure 9's numbers from a trace sweep (`xtask sweep trace`): its one point, every
 /// policy's goodput, attainment and hit rate.
 pub fn trace_replay(report: &Report) -> Result<TraceData> {
-    let [p] = report.points.as_slice() else {
-        bail!(
-            "{FIG9}: sweep `{}` has {} points; a trace sweep replays one slice (one point)",
-            report.sweep,
-            report.points.len()
-        );
-    };
+    let p = only_point(report, FIG9, "a trace sweep replays one slice (one point)")?;
     let mut bars = Vec::new();
     let mut not_drawn = Vec::new();
     let mut lack = Vec::new();
@@ -1539,20 +1544,13 @@ impl TraceData {
                 .bars
                 .iter()
                 .map(|b| {
-                    vec![
-                        b.policy.clone(),
-                        num(b.goodput.median),
-                        num(b.goodput.min),
-                        num(b.goodput.max),
-                        num(b.attainment.median),
-                        num(b.attainment.min),
-                        num(b.attainment.max),
-                        num(b.hit_rate.median),
-                        num(b.hit_rate.min),
-                        num(b.hit_rate.max),
-                        u8::from(b.overloaded).to_string(),
-                        b.goodput.n.to_string(),
-                    ]
+                    let mut row = vec![b.policy.clone()];
+                    for x in [&b.goodput, &b.attainment, &b.hit_rate] {
+                        row.extend(spread_fields(x));
+                    }
+                    row.push(u8::from(b.overloaded).to_string());
+                    row.push(b.goodput.n.to_string());
+                    row
                 })
                 .collect(),
         }
