@@ -217,6 +217,13 @@ pub struct PressureCell {
     pub relative: Option<f64>,
     /// Spread verdict of the two.
     pub verdict: Verdict,
+    /// Prefix-affinity's median SLO attainment: goodput is a comparison of goodput only where
+    /// some policy misses its SLO, so every cell states both sides'.
+    pub pa_attainment: Option<f64>,
+    /// Session-affinity's median SLO attainment.
+    pub sa_attainment: Option<f64>,
+    /// The report's flag: every policy met its SLO here, so the margin compares throughput.
+    pub below_pressure: bool,
 }
 
 /// Figure 1: prefix-affinity's goodput margin over session-affinity across working set × skew.
@@ -285,6 +292,9 @@ pub fn pressure(report: &Report) -> Result<PressureData> {
             margin_rps: m.margin_rps,
             relative: m.relative,
             verdict: m.verdict,
+            pa_attainment: attainment(p, PREFIX_AFFINITY),
+            sa_attainment: attainment(p, SESSION_AFFINITY),
+            below_pressure: p.below_pressure,
         });
     }
     missing(FIG1, lack)?;
@@ -308,6 +318,9 @@ impl PressureData {
                 "margin_rps",
                 "margin_relative",
                 "verdict",
+                "prefix_affinity_attainment",
+                "session_affinity_attainment",
+                "below_pressure",
             ],
             rows: self
                 .cells
@@ -320,21 +333,35 @@ impl PressureData {
                         num(c.margin_rps),
                         opt(c.relative),
                         c.verdict.as_str().to_string(),
+                        opt(c.pa_attainment),
+                        opt(c.sa_attainment),
+                        c.below_pressure.to_string(),
                     ]
                 })
-                .chain(self.no_data.iter().map(no_data_row::<2>))
+                .chain(self.no_data.iter().map(no_data_row::<2, 3>))
                 .collect(),
         }
     }
 }
 
 /// A CSV row for a cell drawn without numbers: point and axes, `EMPTY` empty fields, the
-/// verdict column saying why.
-fn no_data_row<const EMPTY: usize>(c: &NoDataCell) -> Vec<String> {
+/// verdict column saying why, then `AFTER` empty fields.
+fn no_data_row<const EMPTY: usize, const AFTER: usize>(c: &NoDataCell) -> Vec<String> {
     let mut row = vec![c.point.clone(), num(c.working_set_ratio), num(c.zipf_s)];
     row.extend(std::iter::repeat_n(String::new(), EMPTY));
     row.push(NO_ACCEPTED_REPS.to_string());
+    row.extend(std::iter::repeat_n(String::new(), AFTER));
     row
+}
+
+/// The median SLO attainment of `policy` at `point`.
+pub fn attainment(point: &Point, policy: &str) -> Option<f64> {
+    point
+        .cells
+        .iter()
+        .find(|c| c.policy == policy)
+        .and_then(|c| c.slo_attainment)
+        .map(|s| s.median)
 }
 
 /// One cell of the winners map.
@@ -356,6 +383,12 @@ pub struct WinnerCell {
     pub runner_up_rps: f64,
     /// Winner vs runner-up.
     pub verdict: Verdict,
+    /// The winner's median SLO attainment.
+    pub winner_attainment: Option<f64>,
+    /// The runner-up's median SLO attainment.
+    pub runner_up_attainment: Option<f64>,
+    /// The report's flag: every policy met its SLO here, so the winner won on throughput.
+    pub below_pressure: bool,
 }
 
 /// Figure 2: the winner and runner-up at every grid point.
@@ -409,6 +442,9 @@ pub fn winners(report: &Report) -> Result<WinnersData> {
             runner_up: r.policy.clone(),
             runner_up_rps: r.goodput_median_rps,
             verdict: v,
+            winner_attainment: attainment(p, &w.policy),
+            runner_up_attainment: attainment(p, &r.policy),
+            below_pressure: p.below_pressure,
         });
     }
     missing(FIG2, lack)?;
@@ -434,6 +470,9 @@ impl WinnersData {
                 "runner_up",
                 "runner_up_goodput_median_rps",
                 "verdict",
+                "winner_attainment",
+                "runner_up_attainment",
+                "below_pressure",
             ],
             rows: self
                 .cells
@@ -448,9 +487,12 @@ impl WinnersData {
                         c.runner_up.clone(),
                         num(c.runner_up_rps),
                         c.verdict.as_str().to_string(),
+                        opt(c.winner_attainment),
+                        opt(c.runner_up_attainment),
+                        c.below_pressure.to_string(),
                     ]
                 })
-                .chain(self.no_data.iter().map(no_data_row::<4>))
+                .chain(self.no_data.iter().map(no_data_row::<4, 3>))
                 .collect(),
         }
     }

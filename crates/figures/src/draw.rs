@@ -343,6 +343,23 @@ fn heatmap<DB: DrawingBackend>(
     Ok(())
 }
 
+/// A heatmap cell's flag where every policy met its SLO (`Point::below_pressure`).
+const BELOW_PRESSURE: &str = "below pressure";
+
+/// The subtitle line that says what the heatmaps' attainments are.
+fn attainment_note() -> String {
+    format!(
+        "SLO met: median share of measured requests within the SLO; below pressure: every \
+         policy met it on ≥ {:.0}%, so goodput there measures the offered load",
+        schema::ATTAINMENT_TARGET * 100.0
+    )
+}
+
+/// A median attainment as a whole percentage, `—` when there is none.
+fn percent(share: Option<f64>) -> String {
+    share.map_or_else(|| "—".to_string(), |v| format!("{:.0}%", v * 100.0))
+}
+
 fn index_of(values: &[f64], v: f64) -> usize {
     values.iter().position(|x| *x == v).unwrap_or(0)
 }
@@ -386,10 +403,12 @@ impl Figure for PressureFigure<'_> {
 
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
         let d = self.data;
+        let mut lines = context_lines(self.ctx, &d.reps.text());
+        lines.push(attainment_note());
         let body = header(
             root,
             "Pressure map: prefix-affinity's goodput margin over session-affinity",
-            &context_lines(self.ctx, &d.reps.text()),
+            &lines,
         )?;
         let (w, _) = body.dim_in_pixel();
         let (grid, bar) = body.split_horizontally(w - 190);
@@ -407,6 +426,14 @@ impl Figure for PressureFigure<'_> {
                     lines.push(format!("{:+.0} %", r * 100.0));
                 }
                 lines.push(verdict_line(c.verdict));
+                lines.push(format!(
+                    "SLO met: PA {} · SA {}",
+                    percent(c.pa_attainment),
+                    percent(c.sa_attainment)
+                ));
+                if c.below_pressure {
+                    lines.push(BELOW_PRESSURE.to_string());
+                }
                 HeatCell {
                     col: index_of(&d.s_values, c.zipf_s),
                     row: index_of(&d.ws_values, c.working_set_ratio),
@@ -488,6 +515,7 @@ impl Figure for WinnersFigure<'_> {
             "dotted frame: too few reps to judge (under 2 reps on a side, so no spread)"
                 .to_string(),
         );
+        lines.push(attainment_note());
         let body = header(
             root,
             "Winners map: highest median goodput, with runner-up",
@@ -500,12 +528,27 @@ impl Figure for WinnersFigure<'_> {
                 col: index_of(&d.s_values, c.zipf_s),
                 row: index_of(&d.ws_values, c.working_set_ratio),
                 fill: lighten(policy_color(&c.winner), 0.55),
-                lines: vec![
-                    c.winner.clone(),
-                    format!("{:.2} req/s", c.winner_rps),
-                    format!("runner-up: {} {:.2}", c.runner_up, c.runner_up_rps),
-                    verdict_line(c.verdict),
-                ],
+                lines: {
+                    let mut l = vec![
+                        c.winner.clone(),
+                        format!(
+                            "{:.2} req/s, SLO met {}",
+                            c.winner_rps,
+                            percent(c.winner_attainment)
+                        ),
+                        format!(
+                            "runner-up: {} {:.2} ({})",
+                            c.runner_up,
+                            c.runner_up_rps,
+                            percent(c.runner_up_attainment)
+                        ),
+                        verdict_line(c.verdict),
+                    ];
+                    if c.below_pressure {
+                        l.push(BELOW_PRESSURE.to_string());
+                    }
+                    l
+                },
                 verdict: c.verdict,
             })
             .collect();

@@ -167,7 +167,8 @@ fn cells_whose_reps_were_all_set_aside_are_drawn_as_such_not_refused() {
         |f: FigureId| std::fs::read_to_string(out.join(f.stem()).with_extension("svg")).unwrap();
     let fig1 = csv(FigureId::PressureMap);
     assert!(
-        fig1.lines().any(|l| l == "ws1-s0,1,0,,,no accepted reps"),
+        fig1.lines()
+            .any(|l| l == "ws1-s0,1,0,,,no accepted reps,,,"),
         "the set-aside point is a row saying so: {fig1}"
     );
     assert!(
@@ -186,6 +187,58 @@ fn cells_whose_reps_were_all_set_aside_are_drawn_as_such_not_refused() {
     let fig4 = csv(FigureId::KnowledgeLadder);
     assert!(!fig4.contains("ws3-s1.4,exact-residency,"), "{fig4}");
     assert!(svg(FigureId::KnowledgeLadder).contains("ws3-s1.4 exact-residency"));
+}
+
+#[test]
+fn the_heatmaps_state_both_sides_attainment_and_flag_points_below_pressure() {
+    let mut grid = figures::input::load_grid(&fixtures().join("pressure-grid")).unwrap();
+    // ws1-s0 as a point where every policy met its SLO: the report's flag, set by hand
+    let p = grid
+        .report
+        .points
+        .iter_mut()
+        .find(|p| p.point == "ws1-s0")
+        .unwrap();
+    p.below_pressure = true;
+    let out = scratch("below-pressure-out");
+    for fig in [FigureId::PressureMap, FigureId::WinnersMap] {
+        figures::render_one(fig, figures::Input::Grid(&grid), &out).unwrap();
+    }
+    let read = |f: FigureId, ext: &str| {
+        std::fs::read_to_string(out.join(f.stem()).with_extension(ext)).unwrap()
+    };
+    let fig1 = read(FigureId::PressureMap, "csv");
+    // prefix-affinity 19 of 24 measured requests within the SLO, session-affinity 13 of 24
+    assert!(
+        fig1.lines().any(|l| l.starts_with("ws1-s0,")
+            && l.ends_with(",0.7916666666666667,0.5416666666666667,true")),
+        "{fig1}"
+    );
+    assert!(
+        fig1.lines()
+            .filter(|l| !l.starts_with("point,"))
+            .filter(|l| l.ends_with(",true"))
+            .count()
+            == 1,
+        "only the flagged point is below pressure: {fig1}"
+    );
+    let svg1 = read(FigureId::PressureMap, "svg");
+    assert!(svg1.contains("SLO met: PA 79% · SA 54%"), "{svg1}");
+    assert_eq!(svg1.matches("\nbelow pressure\n").count(), 1, "{svg1}");
+    let fig2 = read(FigureId::WinnersMap, "csv");
+    assert!(
+        fig2.lines()
+            .any(|l| l.starts_with("ws1-s0,1,0,exact-residency-spec,")
+                && l.ends_with(",0.9583333333333333,0.7916666666666667,true")),
+        "{fig2}"
+    );
+    let svg2 = read(FigureId::WinnersMap, "svg");
+    assert!(svg2.contains("2.88 req/s, SLO met 96%"), "{svg2}");
+    assert!(
+        svg2.contains("runner-up: prefix-affinity 2.38 (79%)"),
+        "{svg2}"
+    );
+    assert_eq!(svg2.matches("\nbelow pressure\n").count(), 1, "{svg2}");
 }
 
 #[test]
