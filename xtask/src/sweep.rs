@@ -39,7 +39,7 @@ pub struct SweepArgs {
     #[arg(long, value_enum, default_value_t = IngressFlag::Router)]
     pub ingress: IngressFlag,
     /// Run N kvroute routers (the same policy in each; N = 1: the one router) behind HAProxy
-    /// (`--front`); cells `r<N>-<rr|hash>[-share]-<policy>` beside the one router's.
+    /// (`--front`); cells `r<N>-<rr|hash>[-share[-loads]]-<policy>` beside the one router's.
     #[arg(long, default_value_t = 1)]
     pub routers: u32,
     /// HAProxy in front of `--routers N`: `rr` (round robin, the default) or `session-hash`
@@ -51,6 +51,10 @@ pub struct SweepArgs {
     /// and inserts theirs into its own index.
     #[arg(long)]
     pub share_decisions: bool,
+    /// With `--share-decisions`: the routers share their load view too (each adds the others'
+    /// in-flight counts to its own); cells `r<N>-<front>-share-loads-<policy>`.
+    #[arg(long)]
+    pub share_loads: bool,
     /// HAProxy's load bound c (`hash-balance-factor` = c × 100), with `--ingress haproxy`
     /// (alias `--load-factor`, the router's name for session-bounded's bound).
     #[arg(long, visible_alias = "load-factor", default_value_t = 1.25)]
@@ -181,6 +185,7 @@ impl SweepArgs {
                 self.routers,
                 self.front,
                 self.share_decisions,
+                self.share_loads,
             )?,
             balance_factor: self.balance_factor,
             users: self.users.unwrap_or(experiment::calibrate::DEFAULT_USERS),

@@ -137,6 +137,9 @@ struct Args {
     /// (the router's flag); repeatable.
     #[arg(long, value_name = "ENDPOINT")]
     share_decisions_peer: Vec<String>,
+    /// Share the load view with the peers too (the router's flag).
+    #[arg(long)]
+    share_loads: bool,
 }
 
 fn config(a: Args) -> Result<epp::EppConfig, String> {
@@ -202,6 +205,8 @@ fn config(a: Args) -> Result<epp::EppConfig, String> {
     r.router_id = a.router_id;
     r.share_decisions_bind = a.share_decisions_bind;
     r.share_decisions_peers = a.share_decisions_peer;
+    r.share_loads = a.share_loads;
+    proxy::config::check_share_loads(&r)?;
     proxy::config::check_admin_exposure(&a.admin_host, a.admin_token_file.is_some())?;
     r.admin_host = a.admin_host;
     r.admin_port = a.admin_port;
@@ -282,5 +287,16 @@ mod tests {
         ]))
         .unwrap_err();
         assert!(err.contains("--router-id"), "{err}");
+        let alone = ["epp", "--replicas", "http://127.0.0.1:1", "--share-loads"];
+        let err = config(Args::parse_from(alone)).unwrap_err();
+        assert!(err.contains("--share-decisions-bind"), "{err}");
+        let mut with_peer = alone.to_vec();
+        with_peer.extend(["--share-decisions-peer", "tcp://127.0.0.1:7001"]);
+        assert!(
+            config(Args::parse_from(with_peer))
+                .unwrap()
+                .router
+                .share_loads
+        );
     }
 }

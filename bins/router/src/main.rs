@@ -165,6 +165,12 @@ struct Args {
     /// (`kvroute_shared_decisions_gaps_total`), never repaired.
     #[arg(long, value_name = "ENDPOINT")]
     share_decisions_peer: Vec<String>,
+    /// Share the load view too: publish this router's in-flight count per replica on the
+    /// --share-decisions-bind socket (when it changes, polled every 5 ms, and every 0.5 s) and
+    /// add the peers' latest counts to its own before each decision, so the spill rule and the
+    /// least-loaded choices see the whole fleet's load. A peer silent for 2 s is dropped from it.
+    #[arg(long)]
+    share_loads: bool,
 }
 
 fn config(a: Args) -> Result<RouterConfig, String> {
@@ -270,6 +276,8 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     cfg.router_id = a.router_id;
     cfg.share_decisions_bind = a.share_decisions_bind;
     cfg.share_decisions_peers = a.share_decisions_peer;
+    cfg.share_loads = a.share_loads;
+    proxy::config::check_share_loads(&cfg)?;
     Ok(cfg)
 }
 

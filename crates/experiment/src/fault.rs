@@ -1075,7 +1075,8 @@ mod tests {
         };
         through(fleet::Ingress::EnvoyEpp).check().unwrap();
         assert!(refused(through(fleet::Ingress::Haproxy)).contains("no admin API"));
-        let two = fleet::Ingress::with_routers(fleet::Ingress::Router, 2, None, false).unwrap();
+        let two =
+            fleet::Ingress::with_routers(fleet::Ingress::Router, 2, None, false, false).unwrap();
         assert!(refused(through(two)).contains("N routers"));
         let bad_rate = FaultSettings {
             rate_model_rps: Some(-1.0),

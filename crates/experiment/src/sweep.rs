@@ -86,16 +86,17 @@ impl From<IngressFlag> for Ingress {
 }
 
 /// The ingress a sweep's flags ask for: `--ingress`, with `--routers N` (N ≥ 2: N routers behind
-/// HAProxy), `--front` and `--share-decisions`; refuses the combinations that make no sense
-/// ([`Ingress::with_routers`]).
+/// HAProxy), `--front`, `--share-decisions` and `--share-loads`; refuses the combinations that
+/// make no sense ([`Ingress::with_routers`]).
 pub fn ingress_from_flags(
     flag: IngressFlag,
     routers: u32,
     front: Option<fleet::ingress::Front>,
     share_decisions: bool,
+    share_loads: bool,
 ) -> Result<Ingress> {
     let base = Ingress::from(flag);
-    Ingress::with_routers(base, routers, front, share_decisions)
+    Ingress::with_routers(base, routers, front, share_decisions, share_loads)
 }
 
 /// What a sweep runs with (defaults already applied); the live and the virtual sweep share it.
@@ -1014,21 +1015,31 @@ mod tests {
     #[test]
     fn flags_choose_the_ingress_and_the_default_capacity_scope() {
         use fleet::ingress::Front;
-        let i = ingress_from_flags(IngressFlag::Router, 4, Some(Front::SessionHash), false);
+        let i = ingress_from_flags(
+            IngressFlag::Router,
+            4,
+            Some(Front::SessionHash),
+            false,
+            false,
+        );
         assert_eq!(i.unwrap().record_file_name(), "sweep-r4-hash.json");
         assert_eq!(
-            ingress_from_flags(IngressFlag::EnvoyEpp, 1, None, false).unwrap(),
+            ingress_from_flags(IngressFlag::EnvoyEpp, 1, None, false, false).unwrap(),
             Ingress::EnvoyEpp
         );
-        assert!(ingress_from_flags(IngressFlag::Haproxy, 2, None, false).is_err());
-        let run = ingress_from_flags(IngressFlag::Router, 2, None, true)
+        assert!(ingress_from_flags(IngressFlag::Haproxy, 2, None, false, false).is_err());
+        let run = ingress_from_flags(IngressFlag::Router, 2, None, true, false)
             .unwrap()
             .routers_run_record()
             .unwrap();
         assert_eq!(
             run,
-            serde_json::json!({"routers": 2, "front": "rr", "share_decisions": true})
+            serde_json::json!({"routers": 2, "front": "rr", "share_decisions": true, "share_loads": false})
         );
+        let loads = ingress_from_flags(IngressFlag::Router, 8, None, true, true).unwrap();
+        assert_eq!(loads.record_file_name(), "sweep-r8-rr-share-loads.json");
+        assert_eq!(loads.routers_run_record().unwrap()["share_loads"], true);
+        assert!(ingress_from_flags(IngressFlag::Router, 8, None, false, true).is_err());
         assert_eq!(Ingress::Router.routers_run_record().unwrap()["routers"], 1);
         assert!(Ingress::Haproxy.routers_run_record().is_none());
         let scope = CapacityScope::default_for;
@@ -1114,6 +1125,7 @@ mod tests {
                 count,
                 front,
                 share,
+                share_loads: false,
             }))
         };
         use fleet::ingress::Front;

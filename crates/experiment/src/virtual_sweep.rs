@@ -1125,7 +1125,7 @@ mod tests {
     fn the_simulator_refuses_what_it_does_not_model() {
         use crate::sweep::SweepSettings;
         check(&SweepSettings::test_quick()).unwrap();
-        let routers = fleet::Ingress::with_routers(fleet::Ingress::Router, 2, None, false);
+        let routers = fleet::Ingress::with_routers(fleet::Ingress::Router, 2, None, false, false);
         let s = SweepSettings {
             ingress: routers.unwrap(),
             ..SweepSettings::test_quick()

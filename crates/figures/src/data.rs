@@ -1243,10 +1243,10 @@ impl LoadCurveData {
 /// Name of figure 8 in messages.
 pub const FIG8: &str = "figure 8 (N routers)";
 
-/// How a cell of an N-router sweep was run, read from its cell name: `r<N>-<front>-<policy>` or
-/// `r<N>-<front>-share-<policy>` (`xtask sweep … --routers N --front rr|hash
-/// [--share-decisions]`); any other name is one router in front of the fleet, `N = 1`, which has
-/// no front balancer and nobody to share with.
+/// How a cell of an N-router sweep was run, read from its cell name: `r<N>-<front>-<policy>`,
+/// `r<N>-<front>-share-<policy>` or `r<N>-<front>-share-loads-<policy>` (`xtask sweep …
+/// --routers N --front rr|hash [--share-decisions [--share-loads]]`); any other name is one
+/// router in front of the fleet, `N = 1`, which has no front balancer and nobody to share with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouterArm {
     /// Routers behind the front balancer.
@@ -1255,6 +1255,8 @@ pub struct RouterArm {
     pub front: String,
     /// Whether the routers shared their routing decisions.
     pub share: bool,
+    /// Whether they shared their load view too.
+    pub share_loads: bool,
     /// The routing policy every router ran.
     pub policy: String,
 }
@@ -1266,6 +1268,7 @@ impl RouterArm {
             routers: 1,
             front: String::new(),
             share: false,
+            share_loads: false,
             policy: name.to_string(),
         };
         let Some(rest) = name.strip_prefix('r') else {
@@ -1277,27 +1280,32 @@ impl RouterArm {
         let (Ok(routers), Some((front, rest))) = (n.parse::<u32>(), rest.split_once('-')) else {
             return single();
         };
-        let (share, policy) = match rest.strip_prefix("share-") {
-            Some(p) => (true, p),
-            None => (false, rest),
+        let (share, share_loads, policy) = match rest.strip_prefix("share-") {
+            Some(p) => match p.strip_prefix("loads-") {
+                Some(p) => (true, true, p),
+                None => (true, false, p),
+            },
+            None => (false, false, rest),
         };
         RouterArm {
             routers,
             front: front.to_string(),
             share,
+            share_loads,
             policy: policy.to_string(),
         }
     }
 
     /// The arm's line style in figure 8: 0 round-robin front (solid), 1 session-hash front
     /// (dashed), 2 and 3 shared decisions behind the round-robin or the session-hash front
-    /// (dotted; square or diamond markers), as the figure's caption says.
+    /// (dotted; square or diamond markers), 4 and 5 shared decisions and loads behind either
+    /// (long dashes; cross or ring markers), as the figure's caption says.
     pub fn style(&self) -> usize {
-        match (self.share, self.front.as_str()) {
-            (true, "hash") => 3,
-            (true, _) => 2,
-            (false, "hash") => 1,
-            _ => 0,
+        let hash = usize::from(self.front == "hash");
+        match (self.share, self.share_loads) {
+            (true, true) => 4 + hash,
+            (true, false) => 2 + hash,
+            _ => hash,
         }
     }
 
@@ -1308,10 +1316,10 @@ impl RouterArm {
             "hash" => "session-hash front",
             other => other,
         };
-        if self.share {
-            format!("{front} + shared decisions")
-        } else {
-            front.to_string()
+        match (self.share, self.share_loads) {
+            (true, true) => format!("{front} + shared decisions and loads"),
+            (true, false) => format!("{front} + shared decisions"),
+            _ => front.to_string(),
         }
     }
 }
@@ -1673,11 +1681,27 @@ mod tests {
             (4, "rr", true, "prefix-affinity")
         );
         assert_eq!(a.arm_label(), "round-robin front + shared decisions");
-        let styles: Vec<usize> = ["r2-rr-p", "r2-hash-p", "r2-rr-share-p", "r2-hash-share-p"]
-            .iter()
-            .map(|c| RouterArm::of_cell(c).style())
-            .collect();
-        assert_eq!(styles, [0, 1, 2, 3], "each arm its own look");
+        let styles: Vec<usize> = [
+            "r2-rr-p",
+            "r2-hash-p",
+            "r2-rr-share-p",
+            "r2-hash-share-p",
+            "r2-rr-share-loads-p",
+            "r2-hash-share-loads-p",
+        ]
+        .iter()
+        .map(|c| RouterArm::of_cell(c).style())
+        .collect();
+        assert_eq!(styles, [0, 1, 2, 3, 4, 5], "each arm its own look");
+        let l = RouterArm::of_cell("r8-hash-share-loads-prefix-affinity");
+        assert_eq!(
+            (l.routers, l.share, l.share_loads, l.policy.as_str()),
+            (8, true, true, "prefix-affinity")
+        );
+        assert_eq!(
+            l.arm_label(),
+            "session-hash front + shared decisions and loads"
+        );
         let b = RouterArm::of_cell("r8-hash-session-affinity");
         assert_eq!(
             (b.routers, b.front.as_str(), b.share, b.policy.as_str()),

@@ -1143,11 +1143,13 @@ fn marker<DB: DrawingBackend>(
     color: RGBColor,
 ) -> DynElement<'static, DB, (i32, i32)> {
     let style = color.filled();
-    match shape % 4 {
+    match shape % 6 {
         0 => Circle::new((0, 0), 5, style).into_dyn(),
         1 => TriangleMarker::new((0, 0), 7, style).into_dyn(),
         2 => Rectangle::new([(-5, -5), (5, 5)], style).into_dyn(),
-        _ => Polygon::new(vec![(0, -7), (7, 0), (0, 7), (-7, 0)], style).into_dyn(),
+        3 => Polygon::new(vec![(0, -7), (7, 0), (0, 7), (-7, 0)], style).into_dyn(),
+        4 => Cross::new((0, 0), 6, color.stroke_width(3)).into_dyn(),
+        _ => Circle::new((0, 0), 6, color.stroke_width(2)).into_dyn(),
     }
 }
 
@@ -1628,7 +1630,7 @@ impl Figure for RoutersFigure<'_> {
             d.point
         ));
         lines.push(
-            "line style: the arm (solid: round-robin front; dashed: session-hash front; dotted: + shared decisions, square markers behind round-robin, diamonds behind session-hash)"
+            "line style: the arm (solid: round-robin front; dashed: session-hash front; dotted: + shared decisions, square markers behind round-robin, diamonds behind session-hash; long dashes: + shared decisions and loads, crosses behind round-robin, rings behind session-hash)"
                 .into(),
         );
         lines.extend(set_aside_note(&d.not_drawn));
@@ -1720,7 +1722,7 @@ impl RoutersFigure<'_> {
                 .collect();
             let label = format!("{} · {}", s.policy, s.arm);
             let arm = s.arm_index;
-            let anno = match arm.min(2) {
+            let anno = match arm.min(4) {
                 0 => chart
                     .draw_series(LineSeries::new(xy.clone(), color.stroke_width(2)))
                     .map_err(de)?,
@@ -1730,6 +1732,14 @@ impl RoutersFigure<'_> {
                         9,
                         6,
                         color.stroke_width(2),
+                    )])
+                    .map_err(de)?,
+                4 => chart
+                    .draw_series([DashedPathElement::new(
+                        xy.clone(),
+                        16,
+                        4,
+                        color.stroke_width(3),
                     )])
                     .map_err(de)?,
                 _ => chart
@@ -1742,7 +1752,7 @@ impl RoutersFigure<'_> {
                     .map_err(de)?,
             };
             anno.label(label).legend(move |(x, y)| {
-                let line: DynElement<'static, DB, (i32, i32)> = match arm.min(2) {
+                let line: DynElement<'static, DB, (i32, i32)> = match arm.min(4) {
                     0 => {
                         PathElement::new(vec![(-12, 0), (12, 0)], color.stroke_width(2)).into_dyn()
                     }
@@ -1750,6 +1760,13 @@ impl RoutersFigure<'_> {
                         DashedPathElement::new(vec![(-12, 0), (12, 0)], 6, 4, color.stroke_width(2))
                             .into_dyn()
                     }
+                    4 => DashedPathElement::new(
+                        vec![(-12, 0), (12, 0)],
+                        10,
+                        3,
+                        color.stroke_width(3),
+                    )
+                    .into_dyn(),
                     _ => {
                         DashedPathElement::new(vec![(-12, 0), (12, 0)], 2, 4, color.stroke_width(3))
                             .into_dyn()

@@ -214,6 +214,7 @@ fn two_routers_behind_round_robin_both_serve_and_merge_their_rows() {
         count: 2,
         front: Front::RoundRobin,
         share: false,
+        share_loads: false,
     };
     let (dir, sent) = cell("rr", settings, 4, 2);
     let cell = dir.path().join("cell");
@@ -246,6 +247,7 @@ fn behind_session_hashing_every_turn_of_a_session_goes_through_one_router() {
         count: 2,
         front: Front::SessionHash,
         share: false,
+        share_loads: false,
     };
     let (dir, sent) = cell("hash", settings, 6, 3);
     let cell = dir.path().join("cell");
@@ -279,6 +281,7 @@ fn routers_sharing_decisions_publish_receive_and_apply_each_others() {
         count: 2,
         front: Front::RoundRobin,
         share: true,
+        share_loads: false,
     };
     let (dir, sent) = cell("share", settings, 4, 3);
     let (merged, per, record) = read_cell(&dir.path().join("cell"), 2);
@@ -329,11 +332,47 @@ fn routers_sharing_decisions_publish_receive_and_apply_each_others() {
 }
 
 #[test]
+fn routers_sharing_loads_publish_and_apply_each_others_views() {
+    let settings = RoutersSettings {
+        count: 2,
+        front: Front::RoundRobin,
+        share: true,
+        share_loads: true,
+    };
+    let (dir, sent) = cell("share-loads", settings, 4, 3);
+    let (merged, per, record) = read_cell(&dir.path().join("cell"), 2);
+    check_common(&sent, &merged, &per, &record);
+    assert!(record.share_decisions && record.share_loads);
+    for r in &record.per_router {
+        let c = r
+            .shared_decisions
+            .as_ref()
+            .expect("scraped before the stop");
+        // Every change of its in-flight counts (and a heartbeat) is a message, and the peer
+        // applies what it hears; nobody falls silent while the routers run.
+        assert!(c["loads_published"] >= 2.0, "{}: {c:?}", r.id);
+        assert!(c["loads_received"] >= 1.0, "{}: {c:?}", r.id);
+        assert_eq!(
+            (c["loads_expired"], c["loads_unknown_replica"]),
+            (0.0, 0.0),
+            "{}: {c:?}",
+            r.id
+        );
+        assert!(
+            c["applied"] >= 1.0,
+            "decisions still shared: {}: {c:?}",
+            r.id
+        );
+    }
+}
+
+#[test]
 fn one_router_behind_the_front_is_the_control_arm() {
     let settings = RoutersSettings {
         count: 1,
         front: Front::RoundRobin,
         share: false,
+        share_loads: false,
     };
     let (dir, sent) = cell("one", settings, 2, 2);
     let (merged, per, record) = read_cell(&dir.path().join("cell"), 1);

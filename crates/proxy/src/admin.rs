@@ -133,6 +133,13 @@ fn metrics(shared: &Shared) -> Response<RouterBody> {
     );
     gauge(
         &mut out,
+        "kvroute_router_peer_outstanding",
+        "Requests in flight per replica as the peer routers last reported them (--share-loads).",
+        "gauge",
+        &|r| u64::from(r.peer_outstanding.load(Ordering::Relaxed)),
+    );
+    gauge(
+        &mut out,
         "kvroute_router_replica_healthy",
         "1 when the replica passes health checks.",
         "gauge",
@@ -249,6 +256,7 @@ pub fn replica_json(r: &Replica) -> serde_json::Value {
         "marked_down": r.marked_down.load(Ordering::Relaxed),
         "draining": r.draining.load(Ordering::Relaxed),
         "outstanding": r.outstanding.load(Ordering::Relaxed),
+        "peer_outstanding": r.peer_outstanding.load(Ordering::Relaxed),
         "served": r.served.load(Ordering::Relaxed),
         "upstream_errors": r.upstream_errors.load(Ordering::Relaxed),
         "kv_event_gaps": r.events.gaps.load(Ordering::Relaxed),

@@ -116,6 +116,10 @@ pub struct RouterConfig {
     /// Capacity of the queue between the request path and the decision publisher (a full queue
     /// drops and counts); default [`crate::sharing::DEFAULT_QUEUE`].
     pub share_decisions_queue: usize,
+    /// Share the load view too (`--share-loads`): publish this router's in-flight count per
+    /// replica on the sharing socket and add the peers' to its own before every decision
+    /// ([`crate::sharing`], "Shared load view"). Needs `share_decisions_bind` or peers.
+    pub share_loads: bool,
 }
 
 /// Default of [`RouterConfig::workers`]: 2, chosen by measurement (docs/proxy-bench.md,
@@ -155,6 +159,21 @@ pub fn is_loopback_host(host: &str) -> bool {
     h.eq_ignore_ascii_case("localhost")
         || h.parse::<std::net::IpAddr>()
             .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Refuses `--share-loads` without a sharing socket: the load view travels on the decision
+/// sharing's PUB socket and subscriptions, so it needs `--share-decisions-bind` (to publish)
+/// or a `--share-decisions-peer` (to receive).
+pub fn check_share_loads(cfg: &RouterConfig) -> Result<(), String> {
+    if cfg.share_loads && cfg.share_decisions_bind.is_none() && cfg.share_decisions_peers.is_empty()
+    {
+        return Err(
+            "--share-loads shares the load view with peer routers over the decision-sharing \
+             sockets: it needs --share-decisions-bind or --share-decisions-peer"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 /// Refuses an admin listener on `admin_host` without a token unless it is loopback: the admin
@@ -222,6 +241,7 @@ impl RouterConfig {
             share_decisions_bind: None,
             share_decisions_peers: Vec::new(),
             share_decisions_queue: crate::sharing::DEFAULT_QUEUE,
+            share_loads: false,
         }
     }
 }

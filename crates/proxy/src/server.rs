@@ -586,6 +586,7 @@ pub async fn start_sharing(
             bind: cfg.share_decisions_bind.clone(),
             peers: cfg.share_decisions_peers.clone(),
             queue: cfg.share_decisions_queue,
+            share_loads: cfg.share_loads,
         },
     )
     .await

@@ -31,7 +31,31 @@
 //! no replica was sent — which is why there is no replay. A sequence going back (to 1, or to any
 //! number not above the last) is a restarted peer: tracking restarts there (the numbers below it
 //! count as missed).
+//!
+//! ## Shared load view (`--share-loads`)
+//!
+//! Sharing the belief alone concentrates load: every router believes the same group prefixes
+//! and sends their new conversations to the same replica, while each sees only its own share of
+//! that replica's in-flight requests, so the spill test never trips (results.md, "N routers over
+//! one fleet"). With `--share-loads` a router also publishes its own in-flight count per replica
+//! on the same PUB socket, and adds its peers' latest counts to its own before every decision
+//! ([`crate::state::Replica::peer_outstanding`]).
+//!
+//! | frame | content |
+//! | --- | --- |
+//! | 0 | topic [`LOADS_TOPIC`] (`kvroute.loads`) |
+//! | 1 | sequence number, 8 bytes big-endian, counted separately from the decisions' |
+//! | 2 | msgpack array `[router_id (str), ts_us (uint), [[replica (str: base URL), in_flight (uint)], …]]` |
+//!
+//! Each message is the publisher's whole view (every replica it has), so a lost one is repaired
+//! by the next and no gap rule is needed. The publisher polls its counters every
+//! [`LOAD_POLL`] and sends when they changed, and at least every [`LOAD_HEARTBEAT`]. A receiver
+//! replaces that peer's previous contribution with the new one; a peer silent for
+//! [`LOAD_STALE_AFTER`] (stopped, partitioned) has its contribution removed and counted as
+//! expired, as does a subscriber that ends. Counts lag by at most the poll period plus the
+//! transport; this router's own are exact.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -44,6 +68,22 @@ use crate::state::{Replica, Shared};
 
 /// Topic frame of every decision message (also the SUB filter).
 pub const TOPIC: &str = "kvroute.decisions";
+
+/// Topic frame of every load-view message (`--share-loads`).
+pub const LOADS_TOPIC: &str = "kvroute.loads";
+
+/// How often a router sharing its loads reads its in-flight counters (and publishes them when
+/// they changed). 5 ms: a request at the emulated fleet's capacity lasts 150–500 ms wall, so
+/// the view lags by a few per cent of a request at most, at ≤ 200 small messages a second.
+pub const LOAD_POLL: Duration = Duration::from_millis(5);
+
+/// Longest time between two load-view messages of one router, changed or not, so a peer that
+/// (re)joins learns the view without waiting for a change.
+pub const LOAD_HEARTBEAT: Duration = Duration::from_millis(500);
+
+/// A peer whose load view has not been heard from for this long (four heartbeats) is taken as
+/// gone: its contribution is removed (`kvroute_shared_loads_expired_total`).
+pub const LOAD_STALE_AFTER: Duration = Duration::from_millis(2000);
 
 /// Default capacity of the channel between the request path and the publisher task
 /// (decisions; a full channel drops and counts).
@@ -83,6 +123,14 @@ pub struct SharingStats {
     /// Peers whose SUB socket is connected and subscribed (a gauge): a harness waits for it to
     /// equal `peers` before sending load (PUB drops what it sends before a subscription).
     pub peers_connected: AtomicU64,
+    /// Load-view messages handed to the PUB socket (`kvroute_shared_loads_published_total`).
+    pub loads_published: AtomicU64,
+    /// Load-view messages received and applied.
+    pub loads_received: AtomicU64,
+    /// Peers' load views removed because the peer fell silent or its subscriber ended.
+    pub loads_expired: AtomicU64,
+    /// Entries of received load views naming a replica URL this router does not have.
+    pub loads_unknown_replica: AtomicU64,
 }
 
 impl SharingStats {
@@ -158,6 +206,40 @@ impl SharingStats {
                 &self.peers_connected,
             ),
         ];
+        let loads: [(&str, &str, &str, &AtomicU64); 4] = [
+            (
+                "published_total",
+                "counter",
+                "Load-view messages published to peers.",
+                &self.loads_published,
+            ),
+            (
+                "received_total",
+                "counter",
+                "Load-view messages received from peers and applied.",
+                &self.loads_received,
+            ),
+            (
+                "expired_total",
+                "counter",
+                "Peers' load views removed (peer silent or subscriber ended).",
+                &self.loads_expired,
+            ),
+            (
+                "unknown_replica_total",
+                "counter",
+                "Load-view entries naming a replica URL this router does not have.",
+                &self.loads_unknown_replica,
+            ),
+        ];
+        for (suffix, kind, help, v) in loads {
+            let name = format!("kvroute_shared_loads_{suffix}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}",
+                v.load(Ordering::Relaxed)
+            );
+        }
         for (suffix, kind, help, v) in series {
             let name = format!("kvroute_shared_decisions_{suffix}");
             let _ = writeln!(
@@ -239,11 +321,157 @@ pub fn decode_body(body: &[u8]) -> Result<PeerDecision, DecodeError> {
 
 /// The three frames of one decision message.
 pub fn frames(seq: u64, body: Vec<u8>) -> Vec<Bytes> {
+    topic_frames(TOPIC, seq, body)
+}
+
+/// The three frames of one message on `topic`.
+pub fn topic_frames(topic: &'static str, seq: u64, body: Vec<u8>) -> Vec<Bytes> {
     vec![
-        Bytes::from_static(TOPIC.as_bytes()),
+        Bytes::from_static(topic.as_bytes()),
         Bytes::copy_from_slice(&seq.to_be_bytes()),
         Bytes::from(body),
     ]
+}
+
+/// One decoded load-view message body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerLoads {
+    /// The publishing router's `--router-id`.
+    pub router_id: String,
+    /// The publisher's wall clock at publication, µs since the Unix epoch.
+    pub ts_us: u64,
+    /// Its in-flight requests per replica, by base URL.
+    pub in_flight: Vec<(String, u32)>,
+}
+
+/// Encodes a load-view body (frame 2 on [`LOADS_TOPIC`]; see the module documentation).
+pub fn encode_loads_body(router_id: &str, ts_us: u64, in_flight: &[(String, u32)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(32 + router_id.len() + 40 * in_flight.len());
+    // Writing to a Vec cannot fail.
+    let _ = rmp_serde::encode::write(&mut out, &(router_id, ts_us, in_flight));
+    out
+}
+
+/// Decodes a load-view body; trailing array elements (of the body and of each entry) are
+/// ignored.
+pub fn decode_loads_body(body: &[u8]) -> Result<PeerLoads, DecodeError> {
+    let mut rd = body;
+    let v = rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    let Value::Array(items) = v else {
+        return Err(DecodeError::Shape("body is not an array"));
+    };
+    let [router_id, ts_us, entries, ..] = items.as_slice() else {
+        return Err(DecodeError::Shape("body has fewer than 3 elements"));
+    };
+    let Value::Array(entries) = entries else {
+        return Err(DecodeError::Shape("in_flight is not an array"));
+    };
+    let in_flight = entries
+        .iter()
+        .map(|e| {
+            let Value::Array(pair) = e else {
+                return Err(DecodeError::Shape("an in_flight entry is not an array"));
+            };
+            let [url, n, ..] = pair.as_slice() else {
+                return Err(DecodeError::Shape(
+                    "an in_flight entry has fewer than 2 elements",
+                ));
+            };
+            let url = url
+                .as_str()
+                .ok_or(DecodeError::Shape("replica is not a string"))?;
+            let n = n
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or(DecodeError::Shape("in_flight is not a u32"))?;
+            Ok((url.to_string(), n))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(PeerLoads {
+        router_id: router_id
+            .as_str()
+            .ok_or(DecodeError::Shape("router_id is not a string"))?
+            .to_string(),
+        ts_us: ts_us
+            .as_u64()
+            .ok_or(DecodeError::Shape("ts_us is not an unsigned integer"))?,
+        in_flight,
+    })
+}
+
+/// One peer's contribution to this router's load view: what it last reported per replica, as
+/// added to [`crate::state::Replica::peer_outstanding`]. Replacing it applies only the
+/// differences; clearing (or dropping) it takes the whole contribution back, so a peer that
+/// stops or goes silent leaves nothing behind.
+#[derive(Debug, Default)]
+pub struct PeerLoadView {
+    applied: HashMap<u32, (Arc<Replica>, u32)>,
+}
+
+impl PeerLoadView {
+    /// Replaces this peer's contribution with `in_flight` (a replica absent from it counts 0);
+    /// returns how many entries named a URL `shared` does not have (ignored).
+    pub fn replace(&mut self, shared: &Shared, in_flight: &[(String, u32)]) -> u64 {
+        let mut unknown = 0;
+        let mut seen: Vec<u32> = Vec::with_capacity(in_flight.len());
+        for (url, n) in in_flight {
+            let Some(r) = shared.replica_by_url(url) else {
+                unknown += 1;
+                continue;
+            };
+            seen.push(r.id);
+            let old = self.applied.get(&r.id).map_or(0, |(_, old)| *old);
+            adjust(&r, old, *n);
+            self.applied.insert(r.id, (r, *n));
+        }
+        self.applied.retain(|id, (r, old)| {
+            let keep = seen.contains(id);
+            if !keep {
+                adjust(r, *old, 0);
+            }
+            keep
+        });
+        unknown
+    }
+
+    /// Takes the whole contribution back; true when there was any.
+    pub fn clear(&mut self) -> bool {
+        let had = !self.applied.is_empty();
+        for (r, old) in self.applied.values() {
+            adjust(r, *old, 0);
+        }
+        self.applied.clear();
+        had
+    }
+}
+
+impl Drop for PeerLoadView {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+/// Moves `r`'s peer count from a contribution of `old` to one of `new`.
+fn adjust(r: &Replica, old: u32, new: u32) {
+    use std::cmp::Ordering as Cmp;
+    match new.cmp(&old) {
+        Cmp::Greater => {
+            r.peer_outstanding.fetch_add(new - old, Ordering::AcqRel);
+        }
+        Cmp::Less => {
+            r.peer_outstanding.fetch_sub(old - new, Ordering::AcqRel);
+        }
+        Cmp::Equal => {}
+    }
+}
+
+/// This router's own in-flight count per replica, by base URL (what it publishes).
+pub fn own_in_flight(shared: &Shared) -> Vec<(String, u32)> {
+    shared
+        .replicas()
+        .iter()
+        .map(|r| (r.url.clone(), r.outstanding.load(Ordering::Acquire)))
+        .collect()
 }
 
 /// Per-peer sequence tracking (the gap rule of the module documentation), separate from the
@@ -343,6 +571,8 @@ pub struct SharingConfig {
     pub peers: Vec<String>,
     /// Capacity of the publisher queue (0 is taken as 1).
     pub queue: usize,
+    /// Publish this router's load view and apply the peers' ("Shared load view").
+    pub share_loads: bool,
 }
 
 /// Binds the PUB socket (when `cfg.bind`), installs the publisher on `shared` (so
@@ -373,6 +603,7 @@ pub async fn start(shared: &Arc<Shared>, cfg: &SharingConfig) -> Result<Sharing,
             rx,
             cfg.router_id.clone(),
             stats.clone(),
+            cfg.share_loads.then(|| Arc::downgrade(shared)),
         )));
     }
     stats
@@ -383,21 +614,59 @@ pub async fn start(shared: &Arc<Shared>, cfg: &SharingConfig) -> Result<Sharing,
             peer.clone(),
             Arc::downgrade(shared),
             stats.clone(),
+            cfg.share_loads,
         )));
     }
     Ok(sharing)
 }
 
-/// The publisher task: numbers, encodes and sends each queued decision.
+/// The publisher task: numbers, encodes and sends each queued decision, and, when `loads`
+/// holds the router state (`--share-loads`), its load view whenever it changed (polled every
+/// [`LOAD_POLL`]) and at least every [`LOAD_HEARTBEAT`].
 async fn run_publisher(
     mut sock: zeromq::PubSocket,
     mut rx: mpsc::Receiver<Outgoing>,
     router_id: String,
     stats: Arc<SharingStats>,
+    loads: Option<Weak<Shared>>,
 ) {
     use zeromq::SocketSend;
     let mut seq = 0u64;
-    while let Some(d) = rx.recv().await {
+    let mut loads_seq = 0u64;
+    let mut poll = tokio::time::interval(LOAD_POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut last_sent: Option<(Vec<(String, u32)>, tokio::time::Instant)> = None;
+    loop {
+        let d = tokio::select! {
+            d = rx.recv() => match d {
+                Some(d) => d,
+                None => return,
+            },
+            _ = poll.tick(), if loads.is_some() => {
+                let Some(shared) = loads.as_ref().and_then(Weak::upgrade) else { return };
+                let view = own_in_flight(&shared);
+                drop(shared);
+                let due = last_sent.as_ref().is_none_or(|(last, at)| {
+                    *last != view || at.elapsed() >= LOAD_HEARTBEAT
+                });
+                if !due {
+                    continue;
+                }
+                loads_seq += 1;
+                let ts_us = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_micros() as u64);
+                let body = encode_loads_body(&router_id, ts_us, &view);
+                if let Ok(msg) =
+                    zeromq::ZmqMessage::try_from(topic_frames(LOADS_TOPIC, loads_seq, body))
+                    && sock.send(msg).await.is_ok()
+                {
+                    stats.loads_published.fetch_add(1, Ordering::Relaxed);
+                }
+                last_sent = Some((view, tokio::time::Instant::now()));
+                continue;
+            }
+        };
         seq += 1;
         let body = encode_body(&router_id, d.ts_us, &d.replica.url, &d.keys);
         let bytes = (TOPIC.len() + 8 + body.len()) as u64;
@@ -417,25 +686,33 @@ async fn run_publisher(
     }
 }
 
-/// Splits a decision message into (sequence, body).
-fn split(frames: &[Bytes]) -> Option<(u64, &[u8])> {
+/// Splits a message into (is a load view, sequence, body); `None` for another shape or topic.
+fn split(frames: &[Bytes]) -> Option<(bool, u64, &[u8])> {
     let [topic, seq, body] = frames else {
         return None;
     };
-    if topic.as_ref() != TOPIC.as_bytes() {
-        return None;
-    }
+    let loads = match topic.as_ref() {
+        t if t == TOPIC.as_bytes() => false,
+        t if t == LOADS_TOPIC.as_bytes() => true,
+        _ => return None,
+    };
     let seq: [u8; 8] = seq.as_ref().try_into().ok()?;
-    Some((u64::from_be_bytes(seq), body.as_ref()))
+    Some((loads, u64::from_be_bytes(seq), body.as_ref()))
 }
 
-/// One peer's subscriber: connects (retrying), then applies every decision until the router
-/// state is dropped (or the task is aborted).
-async fn run_peer(endpoint: String, shared: Weak<Shared>, stats: Arc<SharingStats>) {
+/// One peer's subscriber: connects (retrying), then applies every decision (and, with `loads`,
+/// every load view) until the router state is dropped (or the task is aborted). The peer's load
+/// contribution is taken back when it falls silent for [`LOAD_STALE_AFTER`] and when this task
+/// ends.
+async fn run_peer(endpoint: String, shared: Weak<Shared>, stats: Arc<SharingStats>, loads: bool) {
     use zeromq::{Socket, SocketRecv};
+    let mut view = PeerLoadView::default();
     loop {
         let mut sub = zeromq::SubSocket::new();
-        if sub.connect(&endpoint).await.is_err() || sub.subscribe(TOPIC).await.is_err() {
+        let subscribed = sub.connect(&endpoint).await.is_ok()
+            && sub.subscribe(TOPIC).await.is_ok()
+            && (!loads || sub.subscribe(LOADS_TOPIC).await.is_ok());
+        if !subscribed {
             if shared.strong_count() == 0 {
                 return;
             }
@@ -445,25 +722,50 @@ async fn run_peer(endpoint: String, shared: Weak<Shared>, stats: Arc<SharingStat
         stats.peers_connected.fetch_add(1, Ordering::Relaxed);
         let _connected = Connected(&stats);
         let mut seq = PeerSeq::default();
+        let mut loads_heard = tokio::time::Instant::now();
         loop {
-            let msg = match sub.recv().await {
-                Ok(m) => m,
-                Err(_) => {
+            // Wake at least once a heartbeat to notice a silent peer.
+            let msg = match tokio::time::timeout(LOAD_HEARTBEAT, sub.recv()).await {
+                Ok(Ok(m)) => Some(m),
+                Ok(Err(_)) => {
                     // The socket reconnects on its own; pause so a dead peer cannot spin us.
                     tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
+                    None
                 }
+                Err(_) => None,
             };
+            if loads && loads_heard.elapsed() >= LOAD_STALE_AFTER && view.clear() {
+                stats.loads_expired.fetch_add(1, Ordering::Relaxed);
+            }
+            let Some(msg) = msg else { continue };
             let frames = msg.into_vec();
-            stats.received.fetch_add(1, Ordering::Relaxed);
-            stats.received_bytes.fetch_add(
-                frames.iter().map(|f| f.len() as u64).sum(),
-                Ordering::Relaxed,
-            );
-            let Some((n, body)) = split(&frames) else {
+            let split = split(&frames);
+            if !matches!(split, Some((true, ..))) {
+                // Decision messages and unreadable ones (any shape) count as received.
+                stats.received.fetch_add(1, Ordering::Relaxed);
+                stats.received_bytes.fetch_add(
+                    frames.iter().map(|f| f.len() as u64).sum(),
+                    Ordering::Relaxed,
+                );
+            }
+            let Some((is_loads, n, body)) = split else {
                 stats.decode_errors.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
+            if is_loads {
+                let Ok(l) = decode_loads_body(body) else {
+                    stats.decode_errors.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                let Some(s) = shared.upgrade() else { return };
+                let unknown = view.replace(&s, &l.in_flight);
+                stats
+                    .loads_unknown_replica
+                    .fetch_add(unknown, Ordering::Relaxed);
+                stats.loads_received.fetch_add(1, Ordering::Relaxed);
+                loads_heard = tokio::time::Instant::now();
+                continue;
+            }
             let missed = seq.observe(n);
             if missed > 0 {
                 stats.gaps.fetch_add(1, Ordering::Relaxed);
@@ -509,6 +811,114 @@ pub fn default_router_id(port: u16) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loads_body_round_trips_and_tolerates_trailing_fields() {
+        let view = vec![
+            ("http://127.0.0.1:8001".to_string(), 3u32),
+            ("http://127.0.0.1:8002".to_string(), 0),
+            ("http://127.0.0.1:8003".to_string(), u32::MAX),
+        ];
+        let body = encode_loads_body("r0", 1_700_000_000_000_000, &view);
+        assert_eq!(
+            decode_loads_body(&body).unwrap(),
+            PeerLoads {
+                router_id: "r0".into(),
+                ts_us: 1_700_000_000_000_000,
+                in_flight: view,
+            }
+        );
+        let mut longer = Vec::new();
+        rmp_serde::encode::write(
+            &mut longer,
+            &("r1", 5u64, [("http://h:1", 2u32, "x")], "extra"),
+        )
+        .unwrap();
+        assert_eq!(
+            decode_loads_body(&longer).unwrap().in_flight,
+            vec![("http://h:1".to_string(), 2)]
+        );
+        let mut negative = Vec::new();
+        rmp_serde::encode::write(&mut negative, &("r1", 5u64, [("http://h:1", -1i64)])).unwrap();
+        assert!(decode_loads_body(&negative).is_err());
+        assert!(decode_loads_body(b"\x01").is_err());
+    }
+
+    /// A router's state over two replicas that are never contacted, with `policy`.
+    fn two_replica_state(policy: &str) -> Arc<Shared> {
+        let specs = vec![
+            crate::config::ReplicaSpec::new("http://127.0.0.1:1"),
+            crate::config::ReplicaSpec::new("http://127.0.0.1:2/"),
+        ];
+        let spec = policies::PolicySpec::named(policy);
+        let cfg = crate::config::RouterConfig::new(specs, spec.clone());
+        crate::server::shared_from_config(&cfg, policies::build(&spec).unwrap()).unwrap()
+    }
+
+    fn peer_counts(shared: &Shared) -> Vec<u32> {
+        shared
+            .replicas()
+            .iter()
+            .map(|r| r.peer_outstanding.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    #[test]
+    fn a_peer_load_view_replaces_its_contribution_and_takes_it_back() {
+        let shared = two_replica_state("least-outstanding");
+        let (a, b) = (
+            "http://127.0.0.1:1".to_string(),
+            "http://127.0.0.1:2".to_string(),
+        );
+        let mut p1 = PeerLoadView::default();
+        assert_eq!(p1.replace(&shared, &[(a.clone(), 3), (b.clone(), 1)]), 0);
+        assert_eq!(peer_counts(&shared), [3, 1]);
+        // The next view replaces the last: a replica left out counts 0.
+        assert_eq!(p1.replace(&shared, &[(a.clone(), 1)]), 0);
+        assert_eq!(peer_counts(&shared), [1, 0]);
+        // A second peer adds to the first; an unknown URL is counted and ignored.
+        let mut p2 = PeerLoadView::default();
+        let unknown = p2.replace(&shared, &[(a.clone(), 2), ("http://elsewhere:9".into(), 5)]);
+        assert_eq!((unknown, peer_counts(&shared)), (1, vec![3, 0]));
+        assert!(p1.clear());
+        assert!(!p1.clear(), "nothing left to take back");
+        assert_eq!(peer_counts(&shared), [2, 0]);
+        drop(p2);
+        assert_eq!(
+            peer_counts(&shared),
+            [0, 0],
+            "a dropped view leaves nothing behind"
+        );
+    }
+
+    #[test]
+    fn decisions_see_the_peers_load_and_the_ceiling_counts_only_this_routers() {
+        let shared = two_replica_state("least-outstanding");
+        let mut peer = PeerLoadView::default();
+        peer.replace(&shared, &[("http://127.0.0.1:1".into(), 5)]);
+        let req = policies::RouteRequest {
+            session_id: None,
+            block_keys: &[],
+            tokens_per_block: 0.0,
+            now_us: 0,
+        };
+        // Replica 0 carries the peer's 5: every one of 5 requests goes to replica 1, whose own
+        // load grows to 5 (a tie with replica 0's view only at the last).
+        let mut guards = Vec::new();
+        for _ in 0..5 {
+            let routed = shared.route(&req).unwrap();
+            assert_eq!(routed.decision.replica, 1);
+            guards.push(routed.guard);
+        }
+        let own: Vec<u32> = shared
+            .replicas()
+            .iter()
+            .map(|r| r.outstanding.load(Ordering::Relaxed))
+            .collect();
+        assert_eq!(own, [0, 5], "the peer's load is not this router's own");
+        peer.clear();
+        assert_eq!(shared.route(&req).unwrap().decision.replica, 0);
+    }
 
     #[test]
     fn body_round_trips_and_tolerates_trailing_fields() {
@@ -612,9 +1022,11 @@ mod tests {
     #[test]
     fn frames_split_back() {
         let f = frames(42, encode_body("r", 1, "http://h:1", &[9]));
-        let (seq, body) = split(&f).unwrap();
-        assert_eq!(seq, 42);
+        let (loads, seq, body) = split(&f).unwrap();
+        assert_eq!((loads, seq), (false, 42));
         assert_eq!(decode_body(body).unwrap().block_keys, vec![9]);
+        let l = topic_frames(LOADS_TOPIC, 7, encode_loads_body("r", 1, &[]));
+        assert!(matches!(split(&l), Some((true, 7, _))));
         assert!(split(&f[1..]).is_none());
         let mut wrong = f.clone();
         wrong[0] = Bytes::from_static(b"kv@mock");

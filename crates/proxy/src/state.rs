@@ -41,6 +41,10 @@ pub struct Replica {
     pub kv_replay: Option<String>,
     /// Requests dispatched and not yet finished.
     pub outstanding: AtomicU32,
+    /// Requests the peer routers last reported in flight on this replica, summed over peers
+    /// (the shared load view, [`crate::sharing`]; 0 without `--share-loads`). Policies see
+    /// `outstanding + peer_outstanding`; the in-flight ceiling counts only this router's own.
+    pub peer_outstanding: AtomicU32,
     /// In rotation as far as health goes: cleared after `health_fails_to_down` consecutive
     /// failures (probes and requests alike), set again after `health_oks_to_up` consecutive
     /// passing probes ([`Replica::record_failure`], [`Replica::record_probe`]).
@@ -88,6 +92,7 @@ impl Replica {
             kv_events: spec.kv_events.clone(),
             kv_replay: spec.kv_replay.clone(),
             outstanding: AtomicU32::new(0),
+            peer_outstanding: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
             fail_streak: AtomicU32::new(0),
             ok_streak: AtomicU32::new(0),
@@ -378,7 +383,9 @@ impl Shared {
             }
             ReplicaView {
                 id: r.id,
-                outstanding,
+                // The fleet's load as far as this router knows it: its own plus what its peers
+                // last reported (zero unless loads are shared).
+                outstanding: outstanding.saturating_add(r.peer_outstanding.load(Ordering::Relaxed)),
                 healthy,
                 draining,
                 kv_usage: r.kv_usage(),
@@ -453,6 +460,17 @@ impl Shared {
         };
         core.policy.on_peer_served(block_keys, id, now_us);
         true
+    }
+
+    /// The replica whose base URL is `url` (a trailing `/` ignored), if present.
+    pub fn replica_by_url(&self, url: &str) -> Option<Arc<Replica>> {
+        let url = url.trim_end_matches('/');
+        self.core
+            .lock()
+            .replicas
+            .iter()
+            .find(|r| r.url == url)
+            .cloned()
     }
 
     /// A snapshot of the replica table.

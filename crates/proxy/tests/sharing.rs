@@ -279,3 +279,194 @@ async fn peer_gaps_are_counted_and_bad_messages_ignored() {
     assert_eq!(shared_metric(&admin_url, "missed_total").await, 1.0);
     router.shutdown(Duration::from_secs(5)).await;
 }
+
+/// A router's view of its peers' in-flight requests (`kvroute_router_peer_outstanding`), by
+/// replica URL.
+fn peer_outstanding_by_url(router: &Router) -> std::collections::HashMap<String, u32> {
+    router
+        .shared()
+        .replicas()
+        .iter()
+        .map(|r| {
+            (
+                r.url.clone(),
+                r.peer_outstanding
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            )
+        })
+        .collect()
+}
+
+/// The replica (by URL) of an in-flight stream through `router`.
+fn stream_replica(router: &Router, s: &SseStream) -> String {
+    let id: u32 = s.headers["x-kvroute-replica"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    router.shared().replica(id).unwrap().url.clone()
+}
+
+/// Router A (session-affinity) holds 3 streams of one session on one replica X; router B
+/// (least-outstanding, its replicas listed in the other order) then takes 2 streams. Returns
+/// how many of B's went to X and to the other replica, and X's URL.
+async fn least_loaded_through_another_router(share_loads: bool) -> (usize, usize) {
+    let held = || Script {
+        hold: true,
+        ..Script::default()
+    };
+    let reps = [
+        MockReplica::start(held()).await,
+        MockReplica::start(held()).await,
+    ];
+    let mut cfg_a = router_config(&[&reps[0], &reps[1]], "session-affinity");
+    cfg_a.router_id = Some("r0".into());
+    cfg_a.share_decisions_bind = Some("tcp://127.0.0.1:0".into());
+    cfg_a.share_loads = share_loads;
+    let a = start_router(cfg_a).await;
+    let mut cfg_b = router_config(&[&reps[1], &reps[0]], "least-outstanding");
+    cfg_b.router_id = Some("r1".into());
+    cfg_b.share_decisions_peers = vec![a.share_endpoint().unwrap().to_string()];
+    cfg_b.share_loads = share_loads;
+    let b = start_router(cfg_b).await;
+    let b_admin = admin(&b);
+    wait_metric(&b_admin, "peers_connected", 1.0).await;
+    if share_loads {
+        // A's heartbeat (every 0.5 s) reaches B once the subscription is live.
+        eventually(|| {
+            let b_admin = b_admin.clone();
+            async move {
+                let (_, text) = get(&format!("{b_admin}/metrics")).await;
+                metric(&text, "kvroute_shared_loads_received_total").unwrap_or(0.0) >= 1.0
+            }
+        })
+        .await;
+    }
+    let a_url = format!("http://{}", a.local_addr());
+    let mut a_streams = Vec::new();
+    for _ in 0..3 {
+        let mut s = post(
+            &a_url,
+            "/v1/completions",
+            completion("hold me"),
+            &[("x-session-id", "one-session")],
+        )
+        .await;
+        assert_eq!(s.status, 200);
+        s.next_event().await.expect("first event");
+        a_streams.push(s);
+    }
+    let x = stream_replica(&a, &a_streams[0]);
+    assert!(a_streams.iter().all(|s| stream_replica(&a, s) == x));
+    if share_loads {
+        eventually(|| {
+            let seen = peer_outstanding_by_url(&b).get(&x).copied();
+            async move { seen == Some(3) }
+        })
+        .await;
+    } else {
+        assert!(peer_outstanding_by_url(&b).values().all(|n| *n == 0));
+    }
+    let b_url = format!("http://{}", b.local_addr());
+    let mut b_streams = Vec::new();
+    for _ in 0..2 {
+        let mut s = post(&b_url, "/v1/completions", completion("and me"), &[]).await;
+        assert_eq!(s.status, 200);
+        s.next_event().await.expect("first event");
+        b_streams.push(s);
+    }
+    let on_x = b_streams
+        .iter()
+        .filter(|s| stream_replica(&b, s) == x)
+        .count();
+    for r in &reps {
+        r.state.release(5);
+    }
+    for s in a_streams.into_iter().chain(b_streams) {
+        assert!(s.finish().await.done);
+    }
+    if share_loads {
+        // A publishes the change: its streams are done, so B's view of X empties.
+        eventually(|| {
+            let seen = peer_outstanding_by_url(&b).get(&x).copied();
+            async move { seen == Some(0) }
+        })
+        .await;
+        let (_, text) = get(&format!("{}/metrics", admin(&a))).await;
+        assert!(metric(&text, "kvroute_shared_loads_published_total").unwrap() >= 2.0);
+    }
+    a.shutdown(Duration::from_secs(5)).await;
+    b.shutdown(Duration::from_secs(5)).await;
+    (on_x, 2 - on_x)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_in_flight_requests_steer_the_least_loaded_choice() {
+    assert_eq!(
+        least_loaded_through_another_router(true).await,
+        (0, 2),
+        "B sees A's 3 streams on X and sends both of its own to the other replica"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_shared_loads_the_other_router_splits_its_streams() {
+    assert_eq!(
+        least_loaded_through_another_router(false).await,
+        (1, 1),
+        "B sees only its own streams: one on each replica"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peers_load_view_expires_and_bad_entries_are_counted() {
+    use proxy::sharing::{LOADS_TOPIC, encode_loads_body, topic_frames};
+    let a = MockReplica::start(Script::default()).await;
+    let b = MockReplica::start(Script::default()).await;
+    let mut publisher = HandPub::bind().await;
+    let mut cfg = router_config(&[&a, &b], "least-outstanding");
+    cfg.share_decisions_peers = vec![publisher.endpoint.clone()];
+    cfg.share_loads = true;
+    let router = start_router(cfg).await;
+    let admin_url = admin(&router);
+    wait_metric(&admin_url, "peers_connected", 1.0).await;
+    let loads = |view: &[(&str, u32)]| {
+        let view: Vec<(String, u32)> = view.iter().map(|(u, n)| (u.to_string(), *n)).collect();
+        topic_frames(LOADS_TOPIC, 1, encode_loads_body("hand", 1, &view))
+    };
+    let b_url = format!("{}/", b.url);
+    let loads_metric = |suffix: &'static str| {
+        let admin_url = admin_url.clone();
+        async move {
+            let (_, text) = get(&format!("{admin_url}/metrics")).await;
+            metric(&text, &format!("kvroute_shared_loads_{suffix}")).unwrap()
+        }
+    };
+    // Until the subscription is live, repeat the view (each replaces the last).
+    let deadline = std::time::Instant::now() + WAIT;
+    while loads_metric("received_total").await < 1.0 {
+        publisher
+            .send(loads(&[(&b_url, 4), ("http://127.0.0.1:1", 9)]))
+            .await;
+        assert!(std::time::Instant::now() < deadline, "not live in {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(peer_outstanding_by_url(&router)[&b.url], 4);
+    assert_eq!(peer_outstanding_by_url(&router)[&a.url], 0);
+    assert!(loads_metric("unknown_replica_total").await >= 1.0);
+    // A malformed view is a decode error and changes nothing.
+    publisher
+        .send(topic_frames(LOADS_TOPIC, 2, b"\x93not a view".to_vec()))
+        .await;
+    // The hand publisher now falls silent: after LOAD_STALE_AFTER its contribution is removed.
+    let started = std::time::Instant::now();
+    eventually(|| {
+        let expired = loads_metric("expired_total");
+        async move { expired.await >= 1.0 }
+    })
+    .await;
+    assert!(started.elapsed() >= proxy::sharing::LOAD_STALE_AFTER / 2);
+    assert_eq!(peer_outstanding_by_url(&router)[&b.url], 0);
+    assert!(shared_metric(&admin_url, "decode_errors_total").await >= 1.0);
+    router.shutdown(Duration::from_secs(5)).await;
+}

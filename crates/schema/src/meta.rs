@@ -292,6 +292,15 @@ impl Meta {
             .and_then(|v| v.as_bool())
             .unwrap_or(false)
     }
+
+    /// Whether the routers shared their load view too (`run.share_loads`); false when not
+    /// recorded (cells from before the flag shared decisions only).
+    pub fn share_loads(&self) -> bool {
+        self.run
+            .get("share_loads")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false)
+    }
 }
 
 /// Lenient field readers: what older or hand-written `meta.json` files may hold.
@@ -451,6 +460,12 @@ mod tests {
             (r.routers(), r.routers_front(), r.share_decisions()),
             (4, Some("session-hash"), true)
         );
+        assert!(
+            !m.share_loads() && !r.share_loads(),
+            "absent: decisions only"
+        );
+        r.run["share_loads"] = true.into();
+        assert!(r.share_loads());
         assert_eq!(m.window.measured_s(), 100.0);
         assert!(
             serde_json::from_value::<Meta>(serde_json::json!({

@@ -64,15 +64,16 @@ impl Ingress {
     }
 
     /// What `meta.json`'s `run` records about the routers: `routers` (1 for the router, N),
-    /// `front` (`rr`, `session-hash`; `null` for one router) and `share_decisions`; `None` for
-    /// HAProxy or Envoy in place of the router.
+    /// `front` (`rr`, `session-hash`; `null` for one router), `share_decisions` and
+    /// `share_loads`; `None` for HAProxy or Envoy in place of the router.
     pub fn routers_run_record(&self) -> Option<serde_json::Value> {
         match self {
             Ingress::Router => Some(serde_json::json!({
-                "routers": 1, "front": null, "share_decisions": false,
+                "routers": 1, "front": null, "share_decisions": false, "share_loads": false,
             })),
             Ingress::Routers(r) => Some(serde_json::json!({
                 "routers": r.count, "front": r.front.as_str(), "share_decisions": r.share,
+                "share_loads": r.share_loads,
             })),
             Ingress::Haproxy | Ingress::EnvoyEpp => None,
         }

@@ -98,16 +98,25 @@ pub struct RoutersSettings {
     /// Each router publishes its routing decisions to the others and applies theirs
     /// (`--share-decisions-bind` / `--share-decisions-peer`).
     pub share: bool,
+    /// With `share`, the routers share their load view too (`--share-loads`: each adds the
+    /// others' in-flight counts to its own before deciding). Cells `r<N>-<front>-share-loads-`.
+    #[serde(default)]
+    pub share_loads: bool,
 }
 
 impl RoutersSettings {
-    /// The prefix of its cells' policy directory names: `r4-rr-`, `r4-hash-`, `r4-rr-share-`.
+    /// The prefix of its cells' policy directory names: `r4-rr-`, `r4-hash-`, `r4-rr-share-`,
+    /// `r4-rr-share-loads-`.
     pub fn cell_prefix(&self) -> String {
         format!(
             "r{}-{}-{}",
             self.count,
             self.front.cell_tag(),
-            if self.share { "share-" } else { "" }
+            match (self.share, self.share_loads) {
+                (true, true) => "share-loads-",
+                (true, false) => "share-",
+                _ => "",
+            }
         )
     }
 
@@ -117,8 +126,8 @@ impl RoutersSettings {
     }
 }
 
-/// The routers' policy of a cell name: `r<N>-<rr|hash>[-share]-<policy>` → `<policy>`; any other
-/// name is returned as it is.
+/// The routers' policy of a cell name: `r<N>-<rr|hash>[-share[-loads]]-<policy>` → `<policy>`;
+/// any other name is returned as it is.
 pub fn router_policy(cell: &str) -> &str {
     let strip = || -> Option<&str> {
         let rest = cell.strip_prefix('r')?;
@@ -128,26 +137,36 @@ pub fn router_policy(cell: &str) -> &str {
         }
         let rest = rest[digits..].strip_prefix('-')?;
         let rest = ["rr-", "hash-"].iter().find_map(|t| rest.strip_prefix(t))?;
-        Some(rest.strip_prefix("share-").unwrap_or(rest))
+        Some(
+            rest.strip_prefix("share-loads-")
+                .or_else(|| rest.strip_prefix("share-"))
+                .unwrap_or(rest),
+        )
     };
     strip().unwrap_or(cell)
 }
 
 impl Ingress {
-    /// `base` (the `--ingress` flag) with the sweep's `--routers count`, `--front` and
-    /// `--share-decisions`: `base` itself for one router without `--front`, [`Ingress::Routers`]
-    /// for more — or for one router with `--front` given, a control arm that measures the
-    /// front's own cost (cells `r1-rr-<policy>`). Refuses what does not make sense: routers
-    /// behind HAProxy or Envoy in place of the router, none, and `--share-decisions` with one
-    /// router.
+    /// `base` (the `--ingress` flag) with the sweep's `--routers count`, `--front`,
+    /// `--share-decisions` and `--share-loads`: `base` itself for one router without `--front`,
+    /// [`Ingress::Routers`] for more — or for one router with `--front` given, a control arm
+    /// that measures the front's own cost (cells `r1-rr-<policy>`). Refuses what does not make
+    /// sense: routers behind HAProxy or Envoy in place of the router, none, `--share-decisions`
+    /// with one router, and `--share-loads` without `--share-decisions`.
     pub fn with_routers(
         base: Ingress,
         count: u32,
         front: Option<Front>,
         share: bool,
+        share_loads: bool,
     ) -> Result<Ingress> {
         if count == 0 {
             bail!("--routers must be at least 1");
+        }
+        if share_loads && !share {
+            bail!(
+                "--share-loads shares the routers' load view over their decision-sharing sockets; it needs --share-decisions"
+            );
         }
         if count == 1 && share {
             bail!(
@@ -162,6 +181,7 @@ impl Ingress {
                 count,
                 front: front.unwrap_or(Front::RoundRobin),
                 share,
+                share_loads,
             })),
             Ingress::Haproxy | Ingress::EnvoyEpp | Ingress::Routers(_) => bail!(
                 "--routers and --front run kvroute routers behind HAProxy; they cannot be combined with --ingress {} (which replaces the router)",
@@ -181,12 +201,16 @@ pub fn router_id(k: usize) -> String {
 
 /// The decision-sharing flags of router `k` when the routers' sharing sockets are on `ports`
 /// (one per router, in order): `--share-decisions-bind tcp://127.0.0.1:<ports[k]>` and
-/// `--share-decisions-peer tcp://127.0.0.1:<ports[j]>` for every j ≠ k.
-pub fn share_args(k: usize, ports: &[u16]) -> Vec<String> {
+/// `--share-decisions-peer tcp://127.0.0.1:<ports[j]>` for every j ≠ k, and `--share-loads`
+/// when `loads`.
+pub fn share_args(k: usize, ports: &[u16], loads: bool) -> Vec<String> {
     let mut args = vec![
         "--share-decisions-bind".to_string(),
         format!("tcp://127.0.0.1:{}", ports[k]),
     ];
+    if loads {
+        args.push("--share-loads".to_string());
+    }
     for (_, port) in ports.iter().enumerate().filter(|(j, _)| *j != k) {
         args.push("--share-decisions-peer".to_string());
         args.push(format!("tcp://127.0.0.1:{port}"));
@@ -221,6 +245,10 @@ pub const SHARED_DECISION_COUNTERS: [&str; 10] = [
     "decode_errors",
 ];
 
+/// The load-view counters every router exports (`kvroute_shared_loads_<name>_total`), recorded
+/// beside [`SHARED_DECISION_COUNTERS`] as `loads_<name>` (zero unless `--share-loads`).
+pub const SHARED_LOAD_COUNTERS: [&str; 4] = ["published", "received", "expired", "unknown_replica"];
+
 /// A gauge's value in a `/metrics` text (the first sample of that name).
 fn gauge(metrics: &str, name: &str) -> Option<f64> {
     prom_text::samples(metrics)
@@ -229,24 +257,38 @@ fn gauge(metrics: &str, name: &str) -> Option<f64> {
 }
 
 /// The shared-decision counters of a `/metrics` text, summed over label sets, by short name
-/// ([`SHARED_DECISION_COUNTERS`]). Fails naming the first counter the text lacks.
+/// ([`SHARED_DECISION_COUNTERS`]), and the load-view counters as `loads_<name>`
+/// ([`SHARED_LOAD_COUNTERS`]). Fails naming the first counter the text lacks.
 pub fn shared_decision_counters(metrics: &str) -> Result<BTreeMap<String, f64>> {
     let mut out = BTreeMap::new();
     for s in prom_text::samples(metrics) {
-        if let Some(short) = s
-            .name
-            .strip_prefix("kvroute_shared_decisions_")
-            .and_then(|n| n.strip_suffix("_total"))
-            && SHARED_DECISION_COUNTERS.contains(&short)
+        let Some(name) = s.name.strip_suffix("_total") else {
+            continue;
+        };
+        let short = if let Some(d) = name.strip_prefix("kvroute_shared_decisions_")
+            && SHARED_DECISION_COUNTERS.contains(&d)
         {
-            *out.entry(short.to_string()).or_insert(0.0) += s.value;
-        }
+            d.to_string()
+        } else if let Some(l) = name.strip_prefix("kvroute_shared_loads_")
+            && SHARED_LOAD_COUNTERS.contains(&l)
+        {
+            format!("loads_{l}")
+        } else {
+            continue;
+        };
+        *out.entry(short).or_insert(0.0) += s.value;
     }
     if let Some(missing) = SHARED_DECISION_COUNTERS
         .iter()
         .find(|c| !out.contains_key(**c))
     {
         bail!("no kvroute_shared_decisions_{missing}_total (a router without decision sharing?)");
+    }
+    if let Some(missing) = SHARED_LOAD_COUNTERS
+        .iter()
+        .find(|c| !out.contains_key(&format!("loads_{c}")))
+    {
+        bail!("no kvroute_shared_loads_{missing}_total (a router from before --share-loads?)");
     }
     Ok(out)
 }
@@ -348,6 +390,9 @@ pub struct RoutersRecord {
     pub front: Front,
     /// Whether the routers shared their decisions.
     pub share_decisions: bool,
+    /// Whether they shared their load view too (absent in records from before `--share-loads`).
+    #[serde(default)]
+    pub share_loads: bool,
     /// The unit of `/proc/<pid>/stat`'s CPU times the `cpu_s` came from, ticks per second.
     pub clock_ticks_per_s: u64,
     /// Each router, `r0` first.
@@ -409,7 +454,7 @@ impl Routers {
             let mut cmd = fleet_router_command(router_bin, fleet, router, &rows)?;
             cmd.args(["--router-id", &id]);
             if settings.share {
-                cmd.args(share_args(k, &ports));
+                cmd.args(share_args(k, &ports, settings.share_loads));
             }
             let log = dir.join(format!("router-{k}.log"));
             let (guard, url, admin_url) =
@@ -571,6 +616,7 @@ impl Routers {
             routers: settings.count,
             front: settings.front,
             share_decisions: settings.share,
+            share_loads: settings.share_loads,
             clock_ticks_per_s: clock_ticks_per_s(),
             per_router: routers
                 .iter()
@@ -679,6 +725,7 @@ mod tests {
             count,
             front,
             share,
+            share_loads: false,
         };
         assert_eq!(
             s(4, Front::RoundRobin, false).cell_policy("prefix-affinity"),
@@ -696,7 +743,17 @@ mod tests {
             s(8, Front::SessionHash, true).cell_prefix(),
             "r8-hash-share-"
         );
+        let loads = RoutersSettings {
+            share_loads: true,
+            ..s(8, Front::SessionHash, true)
+        };
+        assert_eq!(
+            loads.cell_policy("prefix-affinity"),
+            "r8-hash-share-loads-prefix-affinity"
+        );
         for cell in [
+            "r8-hash-share-loads-prefix-affinity",
+            "r2-rr-share-loads-prefix-affinity",
             "r4-rr-prefix-affinity",
             "r2-hash-prefix-affinity",
             "r16-rr-share-prefix-affinity",
@@ -734,34 +791,51 @@ mod tests {
 
     #[test]
     fn flags_that_make_no_sense_are_refused() {
-        let ok = Ingress::with_routers(Ingress::Router, 4, None, false).unwrap();
+        let ok = Ingress::with_routers(Ingress::Router, 4, None, false, false).unwrap();
         assert_eq!(
             ok,
             Ingress::Routers(RoutersSettings {
                 count: 4,
                 front: Front::RoundRobin,
-                share: false
+                share: false,
+                share_loads: false,
             })
         );
-        let hash =
-            Ingress::with_routers(Ingress::Router, 2, Some(Front::SessionHash), true).unwrap();
+        let hash = Ingress::with_routers(Ingress::Router, 2, Some(Front::SessionHash), true, false)
+            .unwrap();
         assert_eq!(
             hash,
             Ingress::Routers(RoutersSettings {
                 count: 2,
                 front: Front::SessionHash,
-                share: true
+                share: true,
+                share_loads: false,
             })
         );
+        let loads = Ingress::with_routers(Ingress::Router, 8, Some(Front::SessionHash), true, true);
+        let Ingress::Routers(loads) = loads.unwrap() else {
+            panic!("routers sharing loads")
+        };
+        assert!(loads.share && loads.share_loads);
         // One router: today's ingress, unchanged.
         for base in [Ingress::Router, Ingress::Haproxy, Ingress::EnvoyEpp] {
-            assert_eq!(Ingress::with_routers(base, 1, None, false).unwrap(), base);
+            assert_eq!(
+                Ingress::with_routers(base, 1, None, false, false).unwrap(),
+                base
+            );
         }
         let err = |base, n, front, share| {
-            Ingress::with_routers(base, n, front, share)
+            Ingress::with_routers(base, n, front, share, false)
                 .unwrap_err()
                 .to_string()
         };
+        let e = Ingress::with_routers(Ingress::Router, 4, None, false, true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("--share-loads") && e.contains("--share-decisions"),
+            "{e}"
+        );
         let e = err(Ingress::Haproxy, 2, None, false);
         assert!(e.contains("--ingress haproxy"), "{e}");
         let e = err(Ingress::EnvoyEpp, 4, None, false);
@@ -772,7 +846,7 @@ mod tests {
             "{e}"
         );
         // One router behind the front: the control arm (its cost alone).
-        let one = Ingress::with_routers(Ingress::Router, 1, Some(Front::SessionHash), false);
+        let one = Ingress::with_routers(Ingress::Router, 1, Some(Front::SessionHash), false, false);
         let Ingress::Routers(one) = one.unwrap() else {
             panic!("one router behind the front")
         };
@@ -786,12 +860,16 @@ mod tests {
     fn share_flags_name_the_own_socket_and_every_peer() {
         let ports = [7001, 7002, 7003];
         assert_eq!(
-            share_args(1, &ports).join(" "),
+            share_args(1, &ports, false).join(" "),
             "--share-decisions-bind tcp://127.0.0.1:7002 --share-decisions-peer tcp://127.0.0.1:7001 --share-decisions-peer tcp://127.0.0.1:7003"
         );
         assert_eq!(
-            share_args(0, &ports[..2]).join(" "),
+            share_args(0, &ports[..2], false).join(" "),
             "--share-decisions-bind tcp://127.0.0.1:7001 --share-decisions-peer tcp://127.0.0.1:7002"
+        );
+        assert_eq!(
+            share_args(0, &ports[..2], true).join(" "),
+            "--share-decisions-bind tcp://127.0.0.1:7001 --share-loads --share-decisions-peer tcp://127.0.0.1:7002"
         );
         let p = free_ports(4).unwrap();
         let mut d = p.clone();
@@ -809,8 +887,14 @@ mod tests {
         }
         // Label sets are summed.
         text.push_str("kvroute_shared_decisions_received_total{peer=\"r2\"} 5\n");
+        let e = shared_decision_counters(&text).unwrap_err().to_string();
+        assert!(e.contains("kvroute_shared_loads_published_total"), "{e}");
+        for (i, c) in SHARED_LOAD_COUNTERS.iter().enumerate() {
+            text.push_str(&format!("kvroute_shared_loads_{c}_total {}\n", i + 1));
+        }
         let c = shared_decision_counters(&text).unwrap();
-        assert_eq!(c.len(), 10);
+        assert_eq!(c.len(), 14);
+        assert_eq!((c["loads_published"], c["loads_expired"]), (1.0, 3.0));
         assert_eq!(c["published"], 0.0);
         assert_eq!(c["received"], 35.0);
         assert_eq!(c["unknown_replica"], 80.0);
