@@ -1630,7 +1630,11 @@ impl Figure for RoutersFigure<'_> {
             d.point
         ));
         lines.push(
-            "line style: the arm (solid: round-robin front; dashed: session-hash front; dotted: + shared decisions, square markers behind round-robin, diamonds behind session-hash; long dashes: + shared decisions and loads, crosses behind round-robin, rings behind session-hash)"
+            "line style: the arm (solid: round-robin front; dashed: session-hash front; dotted: + shared decisions, square markers behind round-robin, diamonds behind session-hash;"
+                .into(),
+        );
+        lines.push(
+            "long dashes: + shared decisions and loads, crosses behind round-robin, rings behind session-hash)"
                 .into(),
         );
         lines.extend(set_aside_note(&d.not_drawn));
