@@ -51,8 +51,7 @@ pub struct SweepArgs {
     /// and inserts theirs into its own index.
     #[arg(long)]
     pub share_decisions: bool,
-    /// With `--share-decisions`: the routers share their load view too (each adds the others'
-    /// in-flight counts to its own); cells `r<N>-<front>-share-loads-<policy>`.
+    /// With `--share-decisions`: share the routers' in-flight counts too (`-share-loads-` cells).
     #[arg(long)]
     pub share_loads: bool,
     /// HAProxy's load bound c (`hash-balance-factor` = c × 100), with `--ingress haproxy`
@@ -256,22 +255,7 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
     let (points, policies) = (live.points.clone(), live.policies.clone());
     let total = points.len() * policies.len() * args.reps as usize;
     let mut progress = Progress::new(total, Duration::from_secs_f64(settings.run_s() + 4.0));
-    let cal = &live.calibration;
-    eprintln!(
-        "xtask sweep {}: {} points × {} policies × {} reps = {total} cells into {} (SLO TTFT < {:.1} ms, ITL p50 < {:.2} ms; KV capacity {} tokens{})",
-        args.name.as_str(),
-        points.len(),
-        policies.len(),
-        args.reps,
-        sweep_dir.display(),
-        cal.slo.ttft_ms,
-        cal.slo.itl_ms,
-        cal.capacity_tokens,
-        cal.capacity.as_ref().map_or_else(String::new, |c| format!(
-            "; fleet capacity {} req/s",
-            c.rate_rps
-        ))
-    );
+    eprintln!("{}", live.banner());
     for point in &points {
         let plan = live.plan_for(point)?;
         for rep in 1..=args.reps {

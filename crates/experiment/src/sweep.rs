@@ -673,6 +673,26 @@ impl<'a> LiveSweep<'a> {
         Ok(())
     }
 
+    /// The sweep's opening line: how many cells run where, and the SLO, KV capacity and fleet
+    /// capacity they are judged by.
+    pub fn banner(&self) -> String {
+        let cal = &self.calibration;
+        let (points, policies, reps) = (self.points.len(), self.policies.len(), self.settings.reps);
+        format!(
+            "xtask sweep {}: {points} points × {policies} policies × {reps} reps = {} cells into {} (SLO TTFT < {:.1} ms, ITL p50 < {:.2} ms; KV capacity {} tokens{})",
+            self.settings.name.as_str(),
+            points * policies * reps as usize,
+            self.dir.display(),
+            cal.slo.ttft_ms,
+            cal.slo.itl_ms,
+            cal.capacity_tokens,
+            cal.capacity.as_ref().map_or_else(String::new, |c| format!(
+                "; fleet capacity {} req/s",
+                c.rate_rps
+            ))
+        )
+    }
+
     /// The calibration `point`'s cells run under: its own capacity's, else the sweep's.
     fn calibration_of(&self, point: &Point) -> &Calibration {
         self.own_calibrations
