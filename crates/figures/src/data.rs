@@ -107,29 +107,33 @@ impl Reps {
     }
 }
 
+/// The cell of `policy` at `point`, if it ran there.
+fn cell<'a>(point: &'a Point, policy: &str) -> Option<&'a analysis::report::Cell> {
+    point.cells.iter().find(|c| c.policy == policy)
+}
+
 /// The goodput spread of `policy` at `point`.
 pub fn goodput(point: &Point, policy: &str) -> Option<Spread> {
-    point
-        .cells
-        .iter()
-        .find(|c| c.policy == policy)
-        .and_then(|c| c.goodput_rps)
+    cell(point, policy).and_then(|c| c.goodput_rps)
+}
+
+/// The median SLO attainment of `policy` at `point`.
+pub fn attainment(point: &Point, policy: &str) -> Option<f64> {
+    cell(point, policy)
+        .and_then(|c| c.slo_attainment)
+        .map(|s| s.median)
 }
 
 fn has_cell(point: &Point, policy: &str) -> bool {
-    point.cells.iter().any(|c| c.policy == policy)
+    cell(point, policy).is_some()
 }
 
 /// The cell ran, but the drift check set every one of its repetitions aside: there is nothing to
 /// draw, and that is a finding to show, not data missing from the input.
 pub fn all_set_aside(point: &Point, policy: &str) -> bool {
-    point
-        .cells
-        .iter()
-        .find(|c| c.policy == policy)
-        .is_some_and(|c| {
-            c.goodput_rps.is_none() && c.reps_used.is_empty() && !c.set_aside.is_empty()
-        })
+    cell(point, policy).is_some_and(|c| {
+        c.goodput_rps.is_none() && c.reps_used.is_empty() && !c.set_aside.is_empty()
+    })
 }
 
 /// A grid cell drawn without numbers because the cells it needs had every repetition set aside.
@@ -354,16 +358,6 @@ fn no_data_row<const EMPTY: usize, const AFTER: usize>(c: &NoDataCell) -> Vec<St
     row
 }
 
-/// The median SLO attainment of `policy` at `point`.
-pub fn attainment(point: &Point, policy: &str) -> Option<f64> {
-    point
-        .cells
-        .iter()
-        .find(|c| c.policy == policy)
-        .and_then(|c| c.slo_attainment)
-        .map(|s| s.median)
-}
-
 /// One cell of the winners map.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WinnerCell {
@@ -570,7 +564,7 @@ pub fn mechanism(report: &Report) -> Result<MechanismData> {
             (PREFIX_AFFINITY, MechRole::SpillOn),
             (PREFIX_AFFINITY_SPILL_OFF, MechRole::SpillOff),
         ] {
-            let Some(cell) = p.cells.iter().find(|c| c.policy == policy) else {
+            let Some(cell) = cell(p, policy) else {
                 if role != MechRole::Reference {
                     lack.push(format!("point `{}` has no `{policy}` cell", p.point));
                 }
@@ -1135,7 +1129,7 @@ pub fn load_curve(input: &LoadInput) -> Result<LoadCurveData> {
     for policy in policies {
         let mut points = Vec::new();
         for p in &report.points {
-            let Some(cell) = p.cells.iter().find(|c| c.policy == policy) else {
+            let Some(cell) = cell(p, policy) else {
                 continue;
             };
             if all_set_aside(p, policy) {

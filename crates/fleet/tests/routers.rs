@@ -62,6 +62,15 @@ fn chat(url: &str, session: &str, request_id: &str, content: &str) {
 /// Runs `sessions` × `turns` streamed requests (turn by turn, every session in each turn)
 /// through `routers` routers behind `front` on three emulated replicas, finishes the ingress and
 /// returns the cell directory (kept by the returned guard) and the (session, request id) pairs.
+/// The settings the sweep's flags `--routers count --front front [--share-decisions]
+/// [--share-loads]` give (through `Ingress::with_routers`, as the sweep gets them).
+fn routers(count: u32, front: Front, share: bool, share_loads: bool) -> RoutersSettings {
+    match Ingress::with_routers(Ingress::Router, count, Some(front), share, share_loads).unwrap() {
+        Ingress::Routers(r) => r,
+        other => panic!("{count} routers behind a front are routers, got {other:?}"),
+    }
+}
+
 fn cell(
     name: &str,
     settings: RoutersSettings,
@@ -210,12 +219,7 @@ fn check_common(
 
 #[test]
 fn two_routers_behind_round_robin_both_serve_and_merge_their_rows() {
-    let settings = RoutersSettings {
-        count: 2,
-        front: Front::RoundRobin,
-        share: false,
-        share_loads: false,
-    };
+    let settings = routers(2, Front::RoundRobin, false, false);
     let (dir, sent) = cell("rr", settings, 4, 2);
     let cell = dir.path().join("cell");
     let cfg = std::fs::read_to_string(cell.join("haproxy.cfg")).unwrap();
@@ -243,12 +247,7 @@ fn two_routers_behind_round_robin_both_serve_and_merge_their_rows() {
 
 #[test]
 fn behind_session_hashing_every_turn_of_a_session_goes_through_one_router() {
-    let settings = RoutersSettings {
-        count: 2,
-        front: Front::SessionHash,
-        share: false,
-        share_loads: false,
-    };
+    let settings = routers(2, Front::SessionHash, false, false);
     let (dir, sent) = cell("hash", settings, 6, 3);
     let cell = dir.path().join("cell");
     let cfg = std::fs::read_to_string(cell.join("haproxy.cfg")).unwrap();
@@ -277,12 +276,7 @@ fn behind_session_hashing_every_turn_of_a_session_goes_through_one_router() {
 
 #[test]
 fn routers_sharing_decisions_publish_receive_and_apply_each_others() {
-    let settings = RoutersSettings {
-        count: 2,
-        front: Front::RoundRobin,
-        share: true,
-        share_loads: false,
-    };
+    let settings = routers(2, Front::RoundRobin, true, false);
     let (dir, sent) = cell("share", settings, 4, 3);
     let (merged, per, record) = read_cell(&dir.path().join("cell"), 2);
     check_common(&sent, &merged, &per, &record);
@@ -333,12 +327,7 @@ fn routers_sharing_decisions_publish_receive_and_apply_each_others() {
 
 #[test]
 fn routers_sharing_loads_publish_and_apply_each_others_views() {
-    let settings = RoutersSettings {
-        count: 2,
-        front: Front::RoundRobin,
-        share: true,
-        share_loads: true,
-    };
+    let settings = routers(2, Front::RoundRobin, true, true);
     let (dir, sent) = cell("share-loads", settings, 4, 3);
     let (merged, per, record) = read_cell(&dir.path().join("cell"), 2);
     check_common(&sent, &merged, &per, &record);
@@ -368,12 +357,7 @@ fn routers_sharing_loads_publish_and_apply_each_others_views() {
 
 #[test]
 fn one_router_behind_the_front_is_the_control_arm() {
-    let settings = RoutersSettings {
-        count: 1,
-        front: Front::RoundRobin,
-        share: false,
-        share_loads: false,
-    };
+    let settings = routers(1, Front::RoundRobin, false, false);
     let (dir, sent) = cell("one", settings, 2, 2);
     let (merged, per, record) = read_cell(&dir.path().join("cell"), 1);
     check_common(&sent, &merged, &per, &record);

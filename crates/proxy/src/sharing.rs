@@ -284,13 +284,31 @@ pub fn encode_body(router_id: &str, ts_us: u64, replica_url: &str, block_keys: &
     out
 }
 
-/// Decodes a decision body; trailing array elements are ignored.
-pub fn decode_body(body: &[u8]) -> Result<PeerDecision, DecodeError> {
+/// A body's top-level msgpack array (every message body is one).
+fn body_items(body: &[u8]) -> Result<Vec<Value>, DecodeError> {
     let mut rd = body;
     let v = rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    let Value::Array(items) = v else {
-        return Err(DecodeError::Shape("body is not an array"));
-    };
+    match v {
+        Value::Array(items) => Ok(items),
+        _ => Err(DecodeError::Shape("body is not an array")),
+    }
+}
+
+/// A string field, or the shape error naming it.
+fn string_field(v: &Value, what: &'static str) -> Result<String, DecodeError> {
+    v.as_str()
+        .map(str::to_string)
+        .ok_or(DecodeError::Shape(what))
+}
+
+/// An unsigned field, or the shape error naming it.
+fn u64_field(v: &Value, what: &'static str) -> Result<u64, DecodeError> {
+    v.as_u64().ok_or(DecodeError::Shape(what))
+}
+
+/// Decodes a decision body; trailing array elements are ignored.
+pub fn decode_body(body: &[u8]) -> Result<PeerDecision, DecodeError> {
+    let items = body_items(body)?;
     let [router_id, ts_us, replica, keys, ..] = items.as_slice() else {
         return Err(DecodeError::Shape("body has fewer than 4 elements"));
     };
@@ -298,23 +316,12 @@ pub fn decode_body(body: &[u8]) -> Result<PeerDecision, DecodeError> {
         return Err(DecodeError::Shape("block_keys is not an array"));
     };
     Ok(PeerDecision {
-        router_id: router_id
-            .as_str()
-            .ok_or(DecodeError::Shape("router_id is not a string"))?
-            .to_string(),
-        ts_us: ts_us
-            .as_u64()
-            .ok_or(DecodeError::Shape("ts_us is not an unsigned integer"))?,
-        replica_url: replica
-            .as_str()
-            .ok_or(DecodeError::Shape("replica is not a string"))?
-            .to_string(),
+        router_id: string_field(router_id, "router_id is not a string")?,
+        ts_us: u64_field(ts_us, "ts_us is not an unsigned integer")?,
+        replica_url: string_field(replica, "replica is not a string")?,
         block_keys: keys
             .iter()
-            .map(|k| {
-                k.as_u64()
-                    .ok_or(DecodeError::Shape("block key is not a u64"))
-            })
+            .map(|k| u64_field(k, "block key is not a u64"))
             .collect::<Result<_, _>>()?,
     })
 }
@@ -355,11 +362,7 @@ pub fn encode_loads_body(router_id: &str, ts_us: u64, in_flight: &[(String, u32)
 /// Decodes a load-view body; trailing array elements (of the body and of each entry) are
 /// ignored.
 pub fn decode_loads_body(body: &[u8]) -> Result<PeerLoads, DecodeError> {
-    let mut rd = body;
-    let v = rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    let Value::Array(items) = v else {
-        return Err(DecodeError::Shape("body is not an array"));
-    };
+    let items = body_items(body)?;
     let [router_id, ts_us, entries, ..] = items.as_slice() else {
         return Err(DecodeError::Shape("body has fewer than 3 elements"));
     };
@@ -377,24 +380,14 @@ pub fn decode_loads_body(body: &[u8]) -> Result<PeerLoads, DecodeError> {
                     "an in_flight entry has fewer than 2 elements",
                 ));
             };
-            let url = url
-                .as_str()
-                .ok_or(DecodeError::Shape("replica is not a string"))?;
-            let n = n
-                .as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or(DecodeError::Shape("in_flight is not a u32"))?;
-            Ok((url.to_string(), n))
+            let n = u64_field(n, "in_flight is not a u32")?;
+            let n = u32::try_from(n).map_err(|_| DecodeError::Shape("in_flight is not a u32"))?;
+            Ok((string_field(url, "replica is not a string")?, n))
         })
         .collect::<Result<_, _>>()?;
     Ok(PeerLoads {
-        router_id: router_id
-            .as_str()
-            .ok_or(DecodeError::Shape("router_id is not a string"))?
-            .to_string(),
-        ts_us: ts_us
-            .as_u64()
-            .ok_or(DecodeError::Shape("ts_us is not an unsigned integer"))?,
+        router_id: string_field(router_id, "router_id is not a string")?,
+        ts_us: u64_field(ts_us, "ts_us is not an unsigned integer")?,
         in_flight,
     })
 }
@@ -414,15 +407,17 @@ impl PeerLoadView {
     pub fn replace(&mut self, shared: &Shared, in_flight: &[(String, u32)]) -> u64 {
         let mut unknown = 0;
         let mut seen: Vec<u32> = Vec::with_capacity(in_flight.len());
+        // One snapshot of the table for the whole view (not a lock per entry).
+        let table = shared.replicas();
         for (url, n) in in_flight {
-            let Some(r) = shared.replica_by_url(url) else {
+            let Some(r) = crate::state::find_by_url(&table, url) else {
                 unknown += 1;
                 continue;
             };
             seen.push(r.id);
             let old = self.applied.get(&r.id).map_or(0, |(_, old)| *old);
-            adjust(&r, old, *n);
-            self.applied.insert(r.id, (r, *n));
+            adjust(r, old, *n);
+            self.applied.insert(r.id, (r.clone(), *n));
         }
         self.applied.retain(|id, (r, old)| {
             let keep = seen.contains(id);
@@ -465,15 +460,6 @@ fn adjust(r: &Replica, old: u32, new: u32) {
     }
 }
 
-/// This router's own in-flight count per replica, by base URL (what it publishes).
-pub fn own_in_flight(shared: &Shared) -> Vec<(String, u32)> {
-    shared
-        .replicas()
-        .iter()
-        .map(|r| (r.url.clone(), r.outstanding.load(Ordering::Acquire)))
-        .collect()
-}
-
 /// Per-peer sequence tracking (the gap rule of the module documentation), separate from the
 /// socket so it can be tested deterministically.
 #[derive(Debug, Default, Clone)]
@@ -493,6 +479,13 @@ impl PeerSeq {
         self.last = Some(seq);
         seq.saturating_sub(expected)
     }
+}
+
+/// The wall clock in µs since the Unix epoch (0 before it): every message's `ts_us`.
+fn wall_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// A decision waiting for the publisher task.
@@ -523,11 +516,8 @@ impl Publisher {
     /// Queues one served decision without waiting: a full queue drops it (counted in
     /// `dropped`). One allocation (the keys) and a wall-clock read.
     pub fn offer(&self, replica: Arc<Replica>, block_keys: &[u64]) {
-        let ts_us = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros() as u64);
         let out = Outgoing {
-            ts_us,
+            ts_us: wall_us(),
             replica,
             keys: block_keys.to_vec(),
         };
@@ -635,7 +625,9 @@ async fn run_publisher(
     let mut loads_seq = 0u64;
     let mut poll = tokio::time::interval(LOAD_POLL);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let mut last_sent: Option<(Vec<(String, u32)>, tokio::time::Instant)> = None;
+    // The counts last published (by replica id) and when: a poll that finds them unchanged
+    // before the heartbeat builds nothing.
+    let mut last_sent: Option<(Vec<(u32, u32)>, tokio::time::Instant)> = None;
     loop {
         let d = tokio::select! {
             d = rx.recv() => match d {
@@ -644,26 +636,32 @@ async fn run_publisher(
             },
             _ = poll.tick(), if loads.is_some() => {
                 let Some(shared) = loads.as_ref().and_then(Weak::upgrade) else { return };
-                let view = own_in_flight(&shared);
+                let table = shared.replicas();
                 drop(shared);
+                let counts: Vec<(u32, u32)> = table
+                    .iter()
+                    .map(|r| (r.id, r.outstanding.load(Ordering::Acquire)))
+                    .collect();
                 let due = last_sent.as_ref().is_none_or(|(last, at)| {
-                    *last != view || at.elapsed() >= LOAD_HEARTBEAT
+                    *last != counts || at.elapsed() >= LOAD_HEARTBEAT
                 });
                 if !due {
                     continue;
                 }
                 loads_seq += 1;
-                let ts_us = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_micros() as u64);
-                let body = encode_loads_body(&router_id, ts_us, &view);
+                let view: Vec<(String, u32)> = table
+                    .iter()
+                    .zip(&counts)
+                    .map(|(r, (_, n))| (r.url.clone(), *n))
+                    .collect();
+                let body = encode_loads_body(&router_id, wall_us(), &view);
                 if let Ok(msg) =
                     zeromq::ZmqMessage::try_from(topic_frames(LOADS_TOPIC, loads_seq, body))
                     && sock.send(msg).await.is_ok()
                 {
                     stats.loads_published.fetch_add(1, Ordering::Relaxed);
                 }
-                last_sent = Some((view, tokio::time::Instant::now()));
+                last_sent = Some((counts, tokio::time::Instant::now()));
                 continue;
             }
         };

@@ -183,6 +183,13 @@ impl Replica {
     }
 }
 
+/// The replica in `table` whose base URL is `url` (a trailing `/` ignored): how a peer's
+/// message, which names replicas by URL, finds this router's.
+pub fn find_by_url<'a>(table: &'a [Arc<Replica>], url: &str) -> Option<&'a Arc<Replica>> {
+    let url = url.trim_end_matches('/');
+    table.iter().find(|r| r.url == url)
+}
+
 /// Holds one unit of a replica's outstanding load until dropped (body end, error, or client
 /// disconnect — every path out of a request drops it).
 #[derive(Debug)]
@@ -452,25 +459,13 @@ impl Shared {
     /// `replica_url`: hands it to the policy ([`policies::Policy::on_peer_served`]) with this
     /// router's clock as the time. False when no replica here has that URL.
     pub fn peer_served(&self, replica_url: &str, block_keys: &[u64]) -> bool {
-        let url = replica_url.trim_end_matches('/');
         let now_us = self.clock.now_us();
         let mut core = self.core.lock();
-        let Some(id) = core.replicas.iter().find(|r| r.url == url).map(|r| r.id) else {
+        let Some(id) = find_by_url(&core.replicas, replica_url).map(|r| r.id) else {
             return false;
         };
         core.policy.on_peer_served(block_keys, id, now_us);
         true
-    }
-
-    /// The replica whose base URL is `url` (a trailing `/` ignored), if present.
-    pub fn replica_by_url(&self, url: &str) -> Option<Arc<Replica>> {
-        let url = url.trim_end_matches('/');
-        self.core
-            .lock()
-            .replicas
-            .iter()
-            .find(|r| r.url == url)
-            .cloned()
     }
 
     /// A snapshot of the replica table.

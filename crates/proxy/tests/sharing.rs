@@ -198,25 +198,40 @@ impl HandPub {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn peer_gaps_are_counted_and_bad_messages_ignored() {
+/// Two scripted replicas and a router (`policy`, `--share-loads` when `share_loads`) subscribed
+/// to a hand-made publisher, its subscription connected. Returns the replicas, the publisher,
+/// the router and its admin URL.
+async fn router_on_hand_pub(
+    policy: &str,
+    share_loads: bool,
+) -> (MockReplica, MockReplica, HandPub, Router, String) {
     let a = MockReplica::start(Script::default()).await;
     let b = MockReplica::start(Script::default()).await;
-    let mut publisher = HandPub::bind().await;
-    let mut cfg = router_config(&[&a, &b], "prefix-affinity");
+    let publisher = HandPub::bind().await;
+    let mut cfg = router_config(&[&a, &b], policy);
     cfg.share_decisions_peers = vec![publisher.endpoint.clone()];
+    cfg.share_loads = share_loads;
     let router = start_router(cfg).await;
     let admin_url = admin(&router);
     assert_eq!(shared_metric(&admin_url, "peers").await, 1.0);
     wait_metric(&admin_url, "peers_connected", 1.0).await;
-    let good = |keys: &[u64]| encode_body("hand", 1, &format!("{}/", b.url), keys);
-    // Probe with sequence 1 until the subscription is live: a repeated 1 is a restarted peer
-    // whose stream starts at 1, so the repeats count no gap.
+    (a, b, publisher, router, admin_url)
+}
+
+/// Sends `frames` until the router's `series` counter shows one received (PUB drops what it
+/// sends before the subscription is live); each repeat must be harmless to the test.
+async fn send_until_received(
+    publisher: &mut HandPub,
+    frames: Vec<bytes::Bytes>,
+    admin_url: &str,
+    series: &str,
+) {
     let deadline = std::time::Instant::now() + WAIT;
     loop {
-        publisher.decision(1, good(&[1, 2, 3])).await;
-        if shared_metric(&admin_url, "received_total").await >= 1.0 {
-            break;
+        publisher.send(frames.clone()).await;
+        let (_, text) = get(&format!("{admin_url}/metrics")).await;
+        if metric(&text, series).unwrap_or(0.0) >= 1.0 {
+            return;
         }
         assert!(
             std::time::Instant::now() < deadline,
@@ -224,6 +239,22 @@ async fn peer_gaps_are_counted_and_bad_messages_ignored() {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_gaps_are_counted_and_bad_messages_ignored() {
+    let (_a, b, mut publisher, router, admin_url) =
+        router_on_hand_pub("prefix-affinity", false).await;
+    let good = |keys: &[u64]| encode_body("hand", 1, &format!("{}/", b.url), keys);
+    // Probe with sequence 1 until the subscription is live: a repeated 1 is a restarted peer
+    // whose stream starts at 1, so the repeats count no gap.
+    send_until_received(
+        &mut publisher,
+        proxy::sharing::frames(1, good(&[1, 2, 3])),
+        &admin_url,
+        "kvroute_shared_decisions_received_total",
+    )
+    .await;
     let received = shared_metric(&admin_url, "received_total").await;
     let applied = shared_metric(&admin_url, "applied_total").await;
     assert_eq!(
@@ -299,12 +330,7 @@ fn peer_outstanding_by_url(router: &Router) -> std::collections::HashMap<String,
 
 /// The replica (by URL) of an in-flight stream through `router`.
 fn stream_replica(router: &Router, s: &SseStream) -> String {
-    let id: u32 = s.headers["x-kvroute-replica"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
-    router.shared().replica(id).unwrap().url.clone()
+    router.shared().replica(s.replica()).unwrap().url.clone()
 }
 
 /// Router A (session-affinity) holds 3 streams of one session on one replica X; router B
@@ -421,15 +447,8 @@ async fn without_shared_loads_the_other_router_splits_its_streams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_peers_load_view_expires_and_bad_entries_are_counted() {
     use proxy::sharing::{LOADS_TOPIC, encode_loads_body, topic_frames};
-    let a = MockReplica::start(Script::default()).await;
-    let b = MockReplica::start(Script::default()).await;
-    let mut publisher = HandPub::bind().await;
-    let mut cfg = router_config(&[&a, &b], "least-outstanding");
-    cfg.share_decisions_peers = vec![publisher.endpoint.clone()];
-    cfg.share_loads = true;
-    let router = start_router(cfg).await;
-    let admin_url = admin(&router);
-    wait_metric(&admin_url, "peers_connected", 1.0).await;
+    let (a, b, mut publisher, router, admin_url) =
+        router_on_hand_pub("least-outstanding", true).await;
     let loads = |view: &[(&str, u32)]| {
         let view: Vec<(String, u32)> = view.iter().map(|(u, n)| (u.to_string(), *n)).collect();
         topic_frames(LOADS_TOPIC, 1, encode_loads_body("hand", 1, &view))
@@ -443,14 +462,13 @@ async fn a_silent_peers_load_view_expires_and_bad_entries_are_counted() {
         }
     };
     // Until the subscription is live, repeat the view (each replaces the last).
-    let deadline = std::time::Instant::now() + WAIT;
-    while loads_metric("received_total").await < 1.0 {
-        publisher
-            .send(loads(&[(&b_url, 4), ("http://127.0.0.1:1", 9)]))
-            .await;
-        assert!(std::time::Instant::now() < deadline, "not live in {WAIT:?}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    send_until_received(
+        &mut publisher,
+        loads(&[(&b_url, 4), ("http://127.0.0.1:1", 9)]),
+        &admin_url,
+        "kvroute_shared_loads_received_total",
+    )
+    .await;
     assert_eq!(peer_outstanding_by_url(&router)[&b.url], 4);
     assert_eq!(peer_outstanding_by_url(&router)[&a.url], 0);
     assert!(loads_metric("unknown_replica_total").await >= 1.0);

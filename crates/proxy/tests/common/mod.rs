@@ -569,16 +569,21 @@ pub struct StreamResult {
     pub headers: HeaderMap,
 }
 
+/// The replica id a response names in its `x-kvroute-replica` header.
+fn replica_header(headers: &HeaderMap) -> u32 {
+    headers
+        .get("x-kvroute-replica")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 impl StreamResult {
     /// The `x-kvroute-replica` header.
     pub fn replica(&self) -> u32 {
-        self.headers
-            .get("x-kvroute-replica")
-            .unwrap()
-            .to_str()
-            .unwrap()
-            .parse()
-            .unwrap()
+        replica_header(&self.headers)
     }
 
     /// Error events (JSON with an `error` key).
@@ -592,6 +597,11 @@ impl StreamResult {
 }
 
 impl SseStream {
+    /// The `x-kvroute-replica` header (the replica serving this stream, while it is open).
+    pub fn replica(&self) -> u32 {
+        replica_header(&self.headers)
+    }
+
     /// Next `data:` payload as OpenAI clients parse SSE (`None` at end of body).
     pub async fn next_event(&mut self) -> Option<String> {
         loop {
