@@ -13,7 +13,7 @@ use workload::spec::{
     DEFAULT_OUTPUT_TOKENS, DEFAULT_PREFIX_TOKENS, DEFAULT_PRIVATE_CONTEXT_TOKENS, DEFAULT_TURNS,
     DEFAULT_USER_TOKENS,
 };
-use workload::{ArrivalSpec, Plan, PrefixGroups, Sharing, Sizing, WorkloadSpec};
+use workload::{ArrivalSpec, OpenStart, Plan, PrefixGroups, Sharing, Sizing, WorkloadSpec};
 
 #[derive(Parser)]
 #[command(name = "driver", version, about = "kvroute load driver")]
@@ -56,6 +56,25 @@ enum SharingArg {
     Exclusive,
     /// Several users may send turns of one conversation at once.
     Shared,
+}
+
+/// `--open-start`: the command-line face of [`OpenStart`].
+#[derive(Clone, Copy, ValueEnum)]
+enum OpenStartArg {
+    /// Every conversation starts at turn 1 (plans before format 4).
+    Fresh,
+    /// Every conversation starts at a uniformly drawn turn: the steady state's turn mix from the
+    /// first arrival (what the experiment runs).
+    Stationary,
+}
+
+impl From<OpenStartArg> for OpenStart {
+    fn from(a: OpenStartArg) -> OpenStart {
+        match a {
+            OpenStartArg::Fresh => OpenStart::Fresh,
+            OpenStartArg::Stationary => OpenStart::Stationary,
+        }
+    }
 }
 
 impl From<SharingArg> for Sharing {
@@ -133,6 +152,9 @@ struct PlanArgs {
     /// Open loop: schedule length, seconds.
     #[arg(long, default_value_t = 120.0)]
     duration_s: f64,
+    /// Open loop: where the conversations stand at the first arrival.
+    #[arg(long, value_enum, default_value_t = OpenStartArg::Stationary)]
+    open_start: OpenStartArg,
 }
 
 #[derive(Args)]
@@ -276,6 +298,7 @@ fn make_plan(a: &PlanArgs) -> Result<()> {
         Arrival::Open => ArrivalSpec::Open {
             rate_rps: a.rate,
             duration_s: a.duration_s,
+            start: a.open_start.into(),
         },
     };
     let plan = Plan::build(&spec, &arrival)?;

@@ -1,11 +1,18 @@
 //! Drift check: has a repetition settled, is it still warming up, or is it overloaded? Two trend
-//! tests over the measured window — goodput per time bucket, and the TTFT the SLO judges of each
-//! request against the time that places it in the window (the window's clock: scheduled time for
-//! an open loop, send time for a closed one) — each an OLS slope with its t-statistic. A series
-//! is flagged when |t| exceeds `t_threshold` (default 3) AND the fitted change across the whole
-//! window exceeds `min_relative_change` (default 10 %) of the series mean: the first guards
-//! against noise, the second against trends too small to matter (long windows make tiny slopes
-//! "significant"). Either flagged series marks the rep as drifting.
+//! tests over the measured window — the SLO's outcome per time bucket, and the TTFT the SLO
+//! judges of each request against the time that places it in the window (the window's clock:
+//! scheduled time for an open loop, send time for a closed one) — each an OLS slope with its
+//! t-statistic. The outcome per bucket is goodput for a closed loop, whose users send as fast as
+//! they are served; for an open loop it is SLO attainment (the share of the bucket's requests that
+//! met the SLO), because an open loop's arrivals are its plan's, identical for every policy, and
+//! a Poisson plan whose arrivals thin out across a 40-s window would otherwise make every
+//! policy's goodput "trend" at once (the virtual grid at a 1.35-req/s point, 1 Dec 2026). A
+//! series is flagged when |t| exceeds `t_threshold` (default 3) AND the fitted change across the
+//! whole window exceeds `min_relative_change` (default 10 %) of the series' scale: the first
+//! guards against noise, the second against trends too small to matter (long windows make tiny
+//! slopes "significant"). The scale is the series mean, except for TTFT, whose scale is the larger
+//! of its mean and the SLO's TTFT bound: a TTFT that rises from 10 to 20 ms under a 167-ms bound
+//! changes no request's verdict. Either flagged series marks the rep as drifting.
 //!
 //! A drifting repetition is not always warming (DESIGN.md §3.9): near and above capacity, a
 //! policy that cannot sustain the offered load builds a backlog that grows through the whole
@@ -75,7 +82,7 @@ pub struct TrendTest {
 
 /// The rule that tells a warming repetition from an overloaded one, as `meta.json`'s `drift`
 /// records it beside the evidence.
-pub const CLASSIFICATION_RULE: &str = "drifting = goodput per bucket or the TTFT the SLO judges trends across the measured window (OLS slope, |t| > t_threshold and fitted change > min_relative_change of the mean); overloaded = open loop and the backlog (requests scheduled and not yet finished: queued in the driver or in flight; its mean over each bucket) rises by the same test, drifting or not; warming = drifting without a rising backlog (a flat or falling one, or a closed loop, which has no backlog to grow); an overloaded rep is a result, recorded with its goodput and attainment and marked, a warming one is re-run with a longer warm-up or set aside";
+pub const CLASSIFICATION_RULE: &str = "drifting = the SLO outcome per bucket (closed loop: goodput; open loop: SLO attainment, as its arrivals are the plan's) or the TTFT the SLO judges trends across the measured window (OLS slope, |t| > t_threshold and fitted change > min_relative_change of the series mean; for TTFT, of the larger of its mean and the TTFT bound); overloaded = open loop and the backlog (requests scheduled and not yet finished: queued in the driver or in flight; its mean over each bucket) rises by the same test, drifting or not; warming = drifting without a rising backlog (a flat or falling one, or a closed loop, which has no backlog to grow); an overloaded rep is a result, recorded with its goodput and attainment and marked, a warming one is re-run with a longer warm-up or set aside";
 
 /// What the drift check concluded about a repetition.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -110,8 +117,14 @@ impl DriftClass {
 pub struct DriftVerdict {
     /// Still warming: a series flagged and no growing backlog ([`DriftClass::Warming`]).
     pub warming: bool,
-    /// Goodput per bucket vs time; `None` with fewer than 3 buckets.
+    /// Goodput per bucket vs time, for a closed loop; `None` for an open loop (judged by
+    /// `attainment` instead) or with fewer than 3 buckets.
     pub goodput: Option<TrendTest>,
+    /// Share of each bucket's measured requests that met the SLO vs time, for an open loop
+    /// (whose arrivals, and so whose goodput per bucket, are the plan's); `None` for a closed
+    /// loop or with fewer than 3 buckets.
+    #[serde(default)]
+    pub attainment: Option<TrendTest>,
     /// TTFT (as the SLO judges it) vs the window's time; `None` with fewer than 3 successful
     /// requests.
     pub ttft: Option<TrendTest>,
@@ -184,15 +197,31 @@ pub fn backlog_per_bucket(client: &[ClientRow], window: &Window, buckets: usize)
     busy_s.into_iter().map(|b| b / width).collect()
 }
 
+/// One trend test: OLS of `y` on `x`, flagged when |t| > `t_threshold` and the fitted change
+/// across the window exceeds `min_relative_change` of the series mean.
 fn trend(x: &[f64], y: &[f64], window_s: f64, cfg: &DriftConfig) -> Option<TrendTest> {
     let fit = ols(x, y)?;
-    let relative_change =
-        (fit.y_mean.abs() > 0.0).then(|| (fit.slope * window_s).abs() / fit.y_mean.abs());
+    trend_on_scale(x, y, window_s, fit.y_mean.abs(), cfg)
+}
+
+/// [`trend`] with the fitted change judged against `scale` instead of the series mean: flagged
+/// when |t| > `t_threshold` and |slope × window| > `min_relative_change` × `scale`;
+/// `relative_change` is |slope × window| ÷ the series mean, as in [`trend`].
+fn trend_on_scale(
+    x: &[f64],
+    y: &[f64],
+    window_s: f64,
+    scale: f64,
+    cfg: &DriftConfig,
+) -> Option<TrendTest> {
+    let fit = ols(x, y)?;
+    let change = (fit.slope * window_s).abs();
+    let relative_change = (fit.y_mean.abs() > 0.0).then(|| change / fit.y_mean.abs());
     let significant = match fit.t_stat {
         Some(t) => t.abs() > cfg.t_threshold,
         None => fit.slope != 0.0,
     };
-    let flagged = significant && relative_change.is_some_and(|r| r > cfg.min_relative_change);
+    let flagged = significant && scale > 0.0 && change / scale > cfg.min_relative_change;
     Some(TrendTest {
         n: fit.n,
         slope_per_s: fit.slope,
@@ -233,6 +262,7 @@ pub fn check_rows(
         return DriftVerdict {
             warming: false,
             goodput: None,
+            attainment: None,
             ttft: None,
             reason: None,
             skipped: Some(format!(
@@ -250,27 +280,56 @@ pub fn check_rows(
     }
     let bucket_width_s = window_s / cfg.buckets.max(1) as f64;
     let bucket_mid = |i: usize| window.measured_start_s + (i as f64 + 0.5) * bucket_width_s;
-    let goodput = (cfg.buckets >= 3 && window_s > 0.0)
-        .then(|| {
-            let width = bucket_width_s;
-            let mut good = vec![0u64; cfg.buckets];
-            for (t, c) in &measured {
-                if is_good(c, slo, window.clock) {
-                    let i = ((t - window.measured_start_s) / width) as usize;
-                    good[i.min(cfg.buckets - 1)] += 1;
-                }
+    let open_loop = window.clock == WindowClock::Scheduled;
+    // Good and measured requests per bucket.
+    let per_bucket = (cfg.buckets >= 3 && window_s > 0.0).then(|| {
+        let mut good = vec![0u64; cfg.buckets];
+        let mut all = vec![0u64; cfg.buckets];
+        for (t, c) in &measured {
+            let i =
+                (((t - window.measured_start_s) / bucket_width_s) as usize).min(cfg.buckets - 1);
+            all[i] += 1;
+            if is_good(c, slo, window.clock) {
+                good[i] += 1;
             }
+        }
+        (good, all)
+    });
+    // A closed loop's goodput per bucket: its users send as fast as they are served, so a
+    // trend in it is the system's. An open loop's arrivals are the plan's: its goodput per bucket
+    // follows the Poisson draws of that plan (identical for every policy, so a plan whose
+    // arrivals happen to thin out across the window set every policy aside at once), and the
+    // share of each bucket's requests that met the SLO is what the policy changes.
+    let goodput = per_bucket
+        .as_ref()
+        .filter(|_| !open_loop)
+        .and_then(|(good, _)| {
             let x: Vec<f64> = (0..cfg.buckets).map(bucket_mid).collect();
-            let y: Vec<f64> = good.iter().map(|&g| g as f64 / width).collect();
+            let y: Vec<f64> = good.iter().map(|&g| g as f64 / bucket_width_s).collect();
             trend(&x, &y, window_s, cfg)
-        })
-        .flatten();
+        });
+    let attainment = per_bucket
+        .as_ref()
+        .filter(|_| open_loop)
+        .and_then(|(good, all)| {
+            let (x, y): (Vec<f64>, Vec<f64>) = (0..cfg.buckets)
+                .filter(|&i| all[i] > 0)
+                .map(|i| (bucket_mid(i), good[i] as f64 / all[i] as f64))
+                .unzip();
+            trend(&x, &y, window_s, cfg)
+        });
     let (x, y): (Vec<f64>, Vec<f64>) = measured
         .iter()
         .filter(|(_, c)| c.error.is_none() && (200..300).contains(&c.status))
         .filter_map(|(t, c)| slo_ttft_ms(c, window.clock).map(|v| (*t, v)))
         .unzip();
-    let ttft = trend(&x, &y, window_s, cfg);
+    // A TTFT trend matters on the scale the SLO judges: a change of a tenth of a 10-ms mean
+    // cannot move a request across a 167-ms bound, and at a small working set a few slow turns
+    // of a hot conversation late in the window are enough to make such a mean trend.
+    let ttft_scale = crate::stats::mean(&y)
+        .map_or(slo.ttft_ms, |m| m.max(slo.ttft_ms))
+        .max(f64::MIN_POSITIVE);
+    let ttft = trend_on_scale(&x, &y, window_s, ttft_scale, cfg);
     // The backlog of an open loop: a closed loop's users wait for their replies, so its backlog
     // is bounded by its users and says nothing about overload.
     let (backlog, backlog_mean) = if window.clock == WindowClock::Scheduled && cfg.buckets >= 3 {
@@ -283,6 +342,9 @@ pub fn check_rows(
     let mut reasons = Vec::new();
     if let Some(t) = goodput.as_ref().filter(|t| t.flagged) {
         reasons.push(describe("goodput", t));
+    }
+    if let Some(t) = attainment.as_ref().filter(|t| t.flagged) {
+        reasons.push(describe("SLO attainment", t));
     }
     if let Some(t) = ttft.as_ref().filter(|t| t.flagged) {
         reasons.push(describe("TTFT", t));
@@ -304,7 +366,7 @@ pub fn check_rows(
             b.t_stat
                 .map_or_else(|| "unbounded".to_string(), |v| format!("{v:.1}")),
             if reasons.is_empty() {
-                "goodput and TTFT do not trend".to_string()
+                "attainment and TTFT do not trend".to_string()
             } else {
                 reasons.join("; ")
             }
@@ -315,6 +377,7 @@ pub fn check_rows(
     DriftVerdict {
         warming: class == DriftClass::Warming,
         goodput,
+        attainment,
         ttft,
         reason,
         skipped: None,

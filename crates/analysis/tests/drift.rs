@@ -136,9 +136,9 @@ fn a_real_but_small_trend_is_not_flagged() {
     assert!(t.t_stat.unwrap() > 3.0, "{t:?}");
     assert!(t.relative_change.unwrap() < 0.10);
     assert!(!v.warming);
-    // a stricter threshold catches it
+    // a stricter threshold catches it (the 20-ms change is 2% of the 990-ms bound, TTFT's scale)
     let strict = DriftConfig {
-        min_relative_change: 0.02,
+        min_relative_change: 0.015,
         ..DriftConfig::default()
     };
     assert!(check_rows(&rows, &SLO, &WINDOW, &strict).warming);
@@ -233,9 +233,9 @@ fn an_open_loop_warming_up_with_a_flat_or_falling_backlog_is_warming() {
 }
 
 #[test]
-fn a_growing_backlog_is_overloaded_even_when_goodput_and_ttft_do_not_trend() {
+fn a_growing_backlog_is_overloaded_even_when_attainment_and_ttft_do_not_trend() {
     // Sent on time, first token in 100 ms, but each request streams longer than the one before:
-    // requests pile up in flight while goodput and TTFT stay flat.
+    // requests pile up in flight while attainment and TTFT stay flat.
     let rows: Vec<ClientRow> = (0..440)
         .map(|i| {
             let sent = i as f64 * 0.25;
@@ -247,13 +247,79 @@ fn a_growing_backlog_is_overloaded_even_when_goodput_and_ttft_do_not_trend() {
         })
         .collect();
     let v = check_rows(&rows, &SLO, &OPEN, &DriftConfig::default());
-    assert!(!v.goodput.as_ref().unwrap().flagged && !v.ttft.as_ref().unwrap().flagged);
+    assert!(!v.attainment.as_ref().unwrap().flagged && !v.ttft.as_ref().unwrap().flagged);
     assert_eq!(v.class, DriftClass::Overloaded, "{v:?}");
     assert!(v.overloaded && !v.warming && v.drifting());
     let reason = v.reason.unwrap();
     assert!(
         reason.starts_with("overloaded: the backlog grows")
-            && reason.ends_with("goodput and TTFT do not trend"),
+            && reason.ends_with("attainment and TTFT do not trend"),
         "{reason}"
     );
+}
+
+/// Every request served in 400 ms, sent on time, but the arrivals thin out: 5 a second in the
+/// window's first half, 3 in its second (a Poisson plan's draws can do this over 40 s).
+fn thinning_cell() -> Vec<ClientRow> {
+    let mut rows = Vec::new();
+    let mut t = 0.0f64;
+    while t < WINDOW.measured_end_s {
+        let rate = if t < 60.0 { 5.0 } else { 3.0 };
+        rows.push(row(rows.len(), t, 400.0, t < WINDOW.warmup_s));
+        t += 1.0 / rate;
+    }
+    rows
+}
+
+#[test]
+fn an_open_loops_outcome_is_judged_by_attainment_not_by_its_plans_arrivals() {
+    let rows = thinning_cell();
+    let v = check_rows(&rows, &SLO, &OPEN, &DriftConfig::default());
+    // Every request met the SLO in every bucket: nothing the policy did trends.
+    assert_eq!(v.class, DriftClass::Settled, "{v:?}");
+    assert!(v.goodput.is_none());
+    let a = v.attainment.as_ref().unwrap();
+    assert!(!a.flagged && a.slope_per_s == 0.0, "{a:?}");
+    // A closed loop's users send as fast as they are served, so there the same fall in goodput
+    // is the system's own.
+    let closed = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
+    assert_eq!(closed.class, DriftClass::Warming, "{closed:?}");
+    assert!(closed.goodput.as_ref().unwrap().flagged && closed.attainment.is_none());
+    assert!(closed.reason.unwrap().contains("goodput trends down"));
+    // An open loop whose later requests miss the SLO is drifting by its attainment.
+    let missing: Vec<ClientRow> = rows
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut r)| {
+            if r.sent_s.unwrap() > 80.0 && i % 2 == 0 {
+                r.ttft_ms = Some(1200.0);
+            }
+            r
+        })
+        .collect();
+    let v = check_rows(&missing, &SLO, &OPEN, &DriftConfig::default());
+    assert!(v.attainment.as_ref().unwrap().flagged, "{v:?}");
+    assert!(v.reason.unwrap().contains("SLO attainment trends down"));
+}
+
+#[test]
+fn a_ttft_trend_is_judged_on_the_scale_of_the_slo_bound() {
+    // TTFT doubles across the window, from 10 to 20 ms, with little noise: a real trend of 67%
+    // of its mean, but 1% of a 990-ms bound, so no request's verdict changes.
+    let rows = cell(|t| 10.0 + 0.1 * t, 17, 1.0);
+    let v = check_rows(&rows, &SLO, &OPEN, &DriftConfig::default());
+    let t = v.ttft.as_ref().unwrap();
+    assert!(
+        t.t_stat.unwrap() > 3.0 && t.relative_change.unwrap() > 0.5,
+        "{t:?}"
+    );
+    assert!(!t.flagged && v.class == DriftClass::Settled, "{v:?}");
+    // Under a 15-ms bound the same trend crosses it: drifting.
+    let tight = Slo {
+        ttft_ms: 15.0,
+        ..SLO
+    };
+    let v = check_rows(&rows, &tight, &OPEN, &DriftConfig::default());
+    assert!(v.ttft.as_ref().unwrap().flagged, "{v:?}");
+    assert!(v.drifting());
 }

@@ -309,6 +309,7 @@ async fn open_loop_sends_on_schedule_one_turn_per_conversation_at_a_time() {
         &ArrivalSpec::Open {
             rate_rps: 60.0,
             duration_s: 2.0,
+            start: workload::OpenStart::Fresh,
         },
     )
     .unwrap();
@@ -544,6 +545,7 @@ async fn shared_open_loop_arrivals_are_sent_on_time_while_a_turn_is_in_flight() 
                 &ArrivalSpec::Open {
                     rate_rps: 40.0,
                     duration_s: 1.0,
+                    start: workload::OpenStart::Fresh,
                 },
             )
             .unwrap();
@@ -621,6 +623,7 @@ async fn queued_turns_past_the_bound_after_the_end_are_abandoned_not_sent() {
         &ArrivalSpec::Open {
             rate_rps: 40.0,
             duration_s: 1.0,
+            start: workload::OpenStart::Fresh,
         },
     )
     .unwrap();

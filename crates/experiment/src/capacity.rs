@@ -64,6 +64,14 @@ pub const DEFAULT_POLICIES: &[&str] = &["session-affinity", "prefix-affinity"];
 /// settled, ws1-s1.4 from 27 settled to 27 warming). At a point's capacity the fleet is at the
 /// edge, and a longer run gives a marginal backlog longer to show; the steps' cache inflow
 /// stays recorded (`StepMeasurement::inflow_tokens_per_s`) as the evidence.
+///
+/// What those cells were warming through was mostly not the caches but the workload: every
+/// conversation started at turn 1, and at 3× and 8× the KV capacity the prompts kept growing for
+/// 2–5 minutes. Since open loops start at the steady state's turn mix ([`grid::OPEN_START`]) and
+/// an open loop's drift is judged by attainment rather than by its plan's arrivals, the same
+/// virtual grid with this margin settles 291 of 324 cells (2 Dec 2026; 27 of 27 at ws3-s0 and
+/// 24 of 27 at ws8-s0), and a point's hit rate is at its steady level from the second 20-s
+/// bucket of a 600-s cell on.
 pub const WARMUP_MARGIN: f64 = 1.5;
 
 /// A measured window holds at least this many times the drift check's minimum requests at the
@@ -189,6 +197,10 @@ pub struct Capacity {
     pub search: SearchConfig,
     /// The workload the steps ran (the reference point's, open loop), by name.
     pub workload: String,
+    /// Where the steps' open loops started their conversations; absent in a file written
+    /// before the start was chosen, which searched fresh starts.
+    #[serde(default)]
+    pub open_start: workload::OpenStart,
     /// Wall seconds the whole search took (fleet starts included).
     pub search_wall_s: f64,
     /// Every step, in the order measured.
@@ -196,6 +208,18 @@ pub struct Capacity {
 }
 
 impl Capacity {
+    /// Why this capacity cannot size today's open loops: its steps started their
+    /// conversations otherwise than [`grid::OPEN_START`]; `None` when it can.
+    pub fn stale(&self) -> Option<String> {
+        (self.open_start != grid::OPEN_START).then(|| {
+            format!(
+                "its capacity was searched on open loops with a {:?} start, and open loops now start {:?} (the turn mix of the steady state)",
+                self.open_start,
+                grid::OPEN_START
+            )
+        })
+    }
+
     /// The settled steps (those that say something about their rate).
     pub fn settled(&self) -> impl Iterator<Item = &CurvePoint> {
         self.curve.iter().filter(|p| p.step.settled)
@@ -413,6 +437,7 @@ pub fn search(
         policies: cfg.policies.clone(),
         search: cfg.clone(),
         workload: String::new(),
+        open_start: grid::OPEN_START,
         search_wall_s: started.elapsed().as_secs_f64(),
         curve: s.curve,
     })
@@ -773,6 +798,7 @@ pub fn find_live(
         let arrival = ArrivalSpec::Open {
             rate_rps: wall_rate,
             duration_s: run_s,
+            start: crate::grid::OPEN_START,
         };
         let plan = ensure_plan(&sweep_dir.join(&point), &spec, &arrival)?;
         workload_name = plan.workload_name.clone();
@@ -1179,6 +1205,7 @@ mod tests {
             policies: vec!["prefix-affinity".into()],
             search: config(2.0),
             workload: String::new(),
+            open_start: grid::OPEN_START,
             search_wall_s: 0.0,
             curve: curve
                 .into_iter()

@@ -459,6 +459,7 @@ impl<'a> FaultRun<'a> {
             &ArrivalSpec::Open {
                 rate_rps: rate * speed,
                 duration_s: s.run_s(),
+                start: crate::grid::OPEN_START,
             },
         )?;
         let source = s

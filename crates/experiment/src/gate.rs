@@ -92,6 +92,7 @@ mod tests {
         DriftVerdict {
             warming,
             goodput: None,
+            attainment: None,
             ttft: None,
             reason: warming.then(|| "warming: TTFT trends down by 20%".to_string()),
             skipped: None,

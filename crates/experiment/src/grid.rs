@@ -27,6 +27,12 @@ pub const ALL_POLICIES: &[&str] = &[
 /// baseline and the cache-aware router.
 pub const QUICK_POLICIES: &[&str] = &["round-robin", "session-affinity", "prefix-affinity"];
 
+/// Where every open loop the experiment runs (sweep cells, capacity-search steps, faults) starts
+/// its conversations: at the steady state's turn mix ([`workload::OpenStart`]). With every
+/// conversation at turn 1 the prompts grew through the first minutes, longer the larger the
+/// working set, and the cells at 3× and 8× the KV capacity never settled (1 Dec 2026).
+pub const OPEN_START: workload::OpenStart = workload::OpenStart::Stationary;
+
 /// Warm-up per cell, wall s: long enough for the caches to fill and the users' turns to fall out
 /// of step after their simultaneous start.
 pub const FULL_WARMUP_S: f64 = 20.0;

@@ -251,6 +251,19 @@ impl SweepSettings {
                 path.display()
             );
         }
+        if let Some(why) = cal
+            .capacity
+            .as_ref()
+            .filter(|_| self.needs_capacity())
+            .and_then(|c| c.stale())
+        {
+            bail!(
+                "{}: {why}; run `cargo xtask calibrate{} --out {}` with this sweep's fleet flags (or pass --recalibrate)",
+                path.display(),
+                if self.quick { " --quick" } else { "" },
+                path.display()
+            );
+        }
         Ok(())
     }
 
@@ -393,6 +406,7 @@ impl SweepSettings {
             Arrival::Open { rate_rps } => ArrivalSpec::Open {
                 rate_rps: rate_rps * speed,
                 duration_s: run_s,
+                start: crate::grid::OPEN_START,
             },
             Arrival::Trace { .. } => {
                 return crate::trace_sweep::ensure_trace_plan(self, point, sweep_dir);
@@ -435,6 +449,20 @@ impl SweepSettings {
         }
         if !self.recalibrate && self.calibration.exists() {
             match Calibration::read(&self.calibration) {
+                Ok(c)
+                    if c.fleet == key
+                        && self.needs_capacity()
+                        && c.capacity.as_ref().and_then(|c| c.stale()).is_some() =>
+                {
+                    eprintln!(
+                        "xtask: {}: {}; recalibrating",
+                        self.calibration.display(),
+                        c.capacity
+                            .as_ref()
+                            .and_then(|c| c.stale())
+                            .unwrap_or_default()
+                    )
+                }
                 Ok(c) if c.fleet == key && c.routing().is_ok() => {
                     eprintln!("xtask: using {}", self.calibration.display());
                     self.check_capacity(&c, &self.calibration)?;
@@ -1094,6 +1122,28 @@ mod tests {
         assert!(err.contains("--users"), "{err}");
         assert!(s.sweep_points(&cal).is_err());
         // Closed loop needs no capacity.
+        settings(None).check_capacity(&cal, path).unwrap();
+    }
+
+    #[test]
+    fn a_capacity_searched_on_fresh_open_loops_is_refused_naming_the_command() {
+        // A calibration written before open loops started at the steady state's turn mix: its
+        // file has no `open_start`, which reads as a fresh start.
+        let mut cal = calibration(true);
+        let mut json = serde_json::to_value(cal.capacity.as_ref().unwrap()).unwrap();
+        json.as_object_mut().unwrap().remove("open_start");
+        cal.capacity = Some(serde_json::from_value(json).unwrap());
+        let s = settings(Some(vec![]));
+        let path = Path::new("measurements/calibration.json");
+        let err = s.check_capacity(&cal, path).unwrap_err().to_string();
+        assert!(err.contains("Fresh start"), "{err}");
+        assert!(
+            err.contains("cargo xtask calibrate --quick --out measurements/calibration.json"),
+            "{err}"
+        );
+        // The same capacity searched today passes, and a closed loop needs none.
+        cal.capacity.as_mut().unwrap().open_start = crate::grid::OPEN_START;
+        s.check_capacity(&cal, path).unwrap();
         settings(None).check_capacity(&cal, path).unwrap();
     }
 

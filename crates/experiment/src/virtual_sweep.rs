@@ -327,6 +327,7 @@ pub fn find_capacity_of(
         let arrival = ArrivalSpec::Open {
             rate_rps: wall_rate,
             duration_s: run_s,
+            start: crate::grid::OPEN_START,
         };
         let plan = Plan::build(spec, &arrival).map_err(|e| anyhow!("{e}"))?;
         workload_name = plan.spec.name();
@@ -409,7 +410,9 @@ fn searched_in_parallel(
         let reused = std::fs::read_to_string(record(name))
             .ok()
             .and_then(|t| serde_json::from_str::<PointCapacity>(&t).ok())
-            .filter(|c| c.capacity.workload == spec.name() && c.slo == slo);
+            .filter(|c| {
+                c.capacity.workload == spec.name() && c.slo == slo && c.capacity.stale().is_none()
+            });
         if let Some(c) = reused {
             return Ok((name.clone(), c.capacity));
         }

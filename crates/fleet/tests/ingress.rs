@@ -224,6 +224,7 @@ fn the_driver_streams_through_haproxy_to_emulated_engines() {
         &workload::ArrivalSpec::Open {
             rate_rps: 20.0,
             duration_s: 4.0,
+            start: workload::OpenStart::Fresh,
         },
     )
     .unwrap();

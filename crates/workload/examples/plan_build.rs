@@ -31,6 +31,7 @@ fn main() {
         ArrivalSpec::Open {
             rate_rps: 60.0,
             duration_s: 60.0,
+            start: workload::OpenStart::Fresh,
         },
     ];
     println!(

@@ -19,7 +19,7 @@ pub use plan::{
     Arrival, Conversation, Layout, Message, PLAN_FORMAT, Plan, Role, Schedule, Step,
     closed_request_id, layout, open_request_id, prefix_lengths,
 };
-pub use spec::{ArrivalSpec, PrefixGroups, Sharing, Sizing, WorkloadSpec};
+pub use spec::{ArrivalSpec, OpenStart, PrefixGroups, Sharing, Sizing, WorkloadSpec};
 pub use walk::{Pick, SKIP_WINDOW_DRAWS, Walk, WalkCursor, walks};
 pub use zipf::Zipf;
 

@@ -8,14 +8,15 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::WorkloadError;
-use crate::spec::{ArrivalSpec, MAX_CONVERSATIONS, Sharing, Sizing, WorkloadSpec};
+use crate::spec::{ArrivalSpec, MAX_CONVERSATIONS, OpenStart, Sharing, Sizing, WorkloadSpec};
 use crate::text::english_like;
 use crate::walk::SKIP_WINDOW_DRAWS;
 use crate::zipf::Zipf;
 
 /// Version of the serialized plan layout; bumped whenever [`Plan`]'s fields change (3: prefix
-/// groups and conversation sharing in the spec, each conversation's group).
-pub const PLAN_FORMAT: u32 = 3;
+/// groups and conversation sharing in the spec, each conversation's group; 4: the open loop's
+/// start).
+pub const PLAN_FORMAT: u32 = 4;
 
 /// Decoding refuses inputs that claim more than this many bytes, so a corrupt file fails
 /// with an error instead of a huge allocation.
@@ -140,6 +141,7 @@ mod tag {
     pub const CLOSED_SPARE: u64 = 6;
     pub const GROUP_TEXT: u64 = 7;
     pub const GROUP_OF: u64 = 8;
+    pub const OPEN_START: u64 = 9;
 }
 
 /// A seed for one stream, independent of how many other streams exist, so that (for example)
@@ -407,6 +409,7 @@ impl Plan {
             ArrivalSpec::Open {
                 rate_rps,
                 duration_s,
+                start,
             } => Schedule::Open {
                 arrivals: open_arrivals(
                     derive_seed(spec.seed, tag::OPEN, 0, 0),
@@ -414,6 +417,10 @@ impl Plan {
                     spec.turns,
                     rate_rps,
                     duration_s,
+                    match start {
+                        OpenStart::Fresh => None,
+                        OpenStart::Stationary => Some(spec.seed),
+                    },
                 ),
             },
         };
@@ -711,15 +718,25 @@ fn closed_script(
 
 /// Poisson arrivals; each goes to a Zipf-drawn conversation's next turn, and a conversation
 /// that has sent its last turn starts again from turn 1 (the same bytes: a returning user).
+/// `stationary_seed`: each conversation's first turn is drawn uniformly from its own stream of
+/// that seed ([`OpenStart::Stationary`]); `None`, every conversation starts at turn 1.
 fn open_arrivals(
     seed: u64,
     zipf: &Zipf,
     turns: u32,
     rate_rps: f64,
     duration_s: f64,
+    stationary_seed: Option<u64>,
 ) -> Vec<Arrival> {
     let mut rng = Pcg64::seed_from_u64(seed);
-    let mut cursor = vec![0u32; zipf.len()];
+    // A stream per conversation, so a conversation's start does not move when the sizing adds
+    // conversations.
+    let mut cursor: Vec<u32> = match stationary_seed {
+        None => vec![0; zipf.len()],
+        Some(s) => (0..zipf.len() as u64)
+            .map(|c| (derive_seed(s, tag::OPEN_START, c, 0) % u64::from(turns)) as u32)
+            .collect(),
+    };
     let mut out = Vec::with_capacity((rate_rps * duration_s * 1.1) as usize + 16);
     let mut t_s = 0.0f64;
     loop {

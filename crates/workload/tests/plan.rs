@@ -17,6 +17,7 @@ fn open() -> ArrivalSpec {
     ArrivalSpec::Open {
         rate_rps: 50.0,
         duration_s: 10.0,
+        start: workload::OpenStart::Fresh,
     }
 }
 
@@ -326,10 +327,12 @@ fn names_and_fingerprints_change_with_every_parameter() {
         ArrivalSpec::Open {
             rate_rps: 51.0,
             duration_s: 10.0,
+            start: workload::OpenStart::Fresh,
         },
         ArrivalSpec::Open {
             rate_rps: 50.0,
             duration_s: 11.0,
+            start: workload::OpenStart::Fresh,
         },
     ];
     for a in &arrivals {
@@ -476,16 +479,86 @@ fn open_arrivals_are_poisson_and_turns_advance_per_conversation() {
 }
 
 #[test]
+fn a_stationary_open_loop_starts_each_conversation_at_a_drawn_turn_and_keeps_the_arrivals() {
+    let fresh = Plan::build(&WorkloadSpec::default(), &open()).unwrap();
+    let steady_arrival = ArrivalSpec::Open {
+        rate_rps: 50.0,
+        duration_s: 10.0,
+        start: workload::OpenStart::Stationary,
+    };
+    let steady = Plan::build(&WorkloadSpec::default(), &steady_arrival).unwrap();
+    let (Schedule::Open { arrivals: a }, Schedule::Open { arrivals: b }) =
+        (&fresh.schedule, &steady.schedule)
+    else {
+        panic!("open plans expected")
+    };
+    // The same Poisson times and conversation draws: only the turns differ.
+    assert_eq!(a.len(), b.len());
+    assert!(
+        a.iter()
+            .zip(b)
+            .all(|(x, y)| x.at_us == y.at_us && x.conversation == y.conversation)
+    );
+    // Each conversation still walks its turns in order, from wherever it started.
+    let mut next: Vec<Option<u32>> = vec![None; 64];
+    let mut first_turns = Vec::new();
+    for x in b {
+        let c = x.conversation as usize;
+        match next[c] {
+            Some(t) => assert_eq!(x.turn, t),
+            None => first_turns.push(x.turn),
+        }
+        next[c] = Some(x.turn % 6 + 1);
+    }
+    // The turn mix is the steady state's from the start: the first arrivals' turns spread over
+    // all six (64 conversations; a fresh start sends turn 1 every time).
+    let mut seen = [0u32; 6];
+    for t in &first_turns {
+        seen[*t as usize - 1] += 1;
+    }
+    assert!(seen.iter().all(|&n| n >= 3), "{seen:?}");
+    let fresh_first_turn_sum: u32 = {
+        let mut started = [false; 64];
+        a.iter()
+            .filter(|x| !std::mem::replace(&mut started[x.conversation as usize], true))
+            .map(|x| x.turn)
+            .sum()
+    };
+    assert_eq!(fresh_first_turn_sum as usize, first_turns.len());
+    // The start is in the arrival's name, so the fingerprints differ; a fresh start keeps the
+    // name it always had.
+    assert_eq!(open().name(), "open-l50-d10");
+    assert_eq!(steady_arrival.name(), "open-l50-d10-steady");
+    assert_ne!(
+        fresh.fingerprint_hex().unwrap(),
+        steady.fingerprint_hex().unwrap()
+    );
+    assert_eq!(
+        fresh.workload_fingerprint_hex().unwrap(),
+        steady.workload_fingerprint_hex().unwrap()
+    );
+    // Deterministic, and round-trips.
+    let again = Plan::build(&WorkloadSpec::default(), &steady_arrival).unwrap();
+    assert_eq!(again.to_bytes().unwrap(), steady.to_bytes().unwrap());
+    assert_eq!(
+        Plan::from_bytes(&steady.to_bytes().unwrap()).unwrap(),
+        steady
+    );
+}
+
+#[test]
 fn invalid_arrivals_are_errors() {
     let spec = WorkloadSpec::default();
     for a in [
         ArrivalSpec::Open {
             rate_rps: 0.0,
             duration_s: 1.0,
+            start: workload::OpenStart::Fresh,
         },
         ArrivalSpec::Open {
             rate_rps: 1.0,
             duration_s: f64::INFINITY,
+            start: workload::OpenStart::Fresh,
         },
         ArrivalSpec::Closed {
             users: 0,

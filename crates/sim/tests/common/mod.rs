@@ -81,6 +81,7 @@ pub fn open_plan(conversations: u32, rate_rps: f64, duration_s: f64, seed: u64) 
     let arrival = ArrivalSpec::Open {
         rate_rps,
         duration_s,
+        start: workload::OpenStart::Fresh,
     };
     Plan::build(&spec, &arrival).expect("plan")
 }
