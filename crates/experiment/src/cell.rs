@@ -21,6 +21,10 @@ pub enum CellState {
         /// Counted in the comparison.
         accepted: bool,
     },
+    /// `meta.json` with `complete: true`, set aside because its evidence failed on every attempt
+    /// ([`crate::gate::EVIDENCE_SET_ASIDE_PREFIX`]): the machine was too noisy to measure it, so a
+    /// resumed sweep measures it again.
+    SetAsideForEvidence,
 }
 
 impl CellState {
@@ -35,8 +39,15 @@ impl CellState {
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         {
             Some(v) if v.get("complete").and_then(|c| c.as_bool()) == Some(true) => {
-                CellState::Complete {
-                    accepted: v.get("accepted").and_then(|a| a.as_bool()) != Some(false),
+                let accepted = v.get("accepted").and_then(|a| a.as_bool()) != Some(false);
+                let for_evidence = v
+                    .get("set_aside_reason")
+                    .and_then(|r| r.as_str())
+                    .is_some_and(|r| r.starts_with(crate::gate::EVIDENCE_SET_ASIDE_PREFIX));
+                if !accepted && for_evidence {
+                    CellState::SetAsideForEvidence
+                } else {
+                    CellState::Complete { accepted }
                 }
             }
             _ => {
@@ -50,7 +61,8 @@ impl CellState {
         }
     }
 
-    /// Whether a resumed sweep skips this repetition.
+    /// Whether a resumed sweep skips this repetition: complete, and not set aside for its
+    /// evidence.
     pub fn is_done(&self) -> bool {
         matches!(self, CellState::Complete { .. })
     }
@@ -206,7 +218,15 @@ mod tests {
         write_meta(&dir, &meta(true, false)).unwrap();
         let state = CellState::of(&dir);
         assert_eq!(state, CellState::Complete { accepted: false });
-        assert!(state.is_done(), "a set-aside rep is final too");
+        assert!(state.is_done(), "a rep set aside for drift is final too");
+        // One set aside because the machine's evidence failed is measured again on a resume.
+        let mut noisy = meta(true, false);
+        noisy["set_aside_reason"] = serde_json::json!(
+            "evidence failed on 3 attempts: replica 0 lateness p99 5.000 ms exceeds the bound 0.326 ms"
+        );
+        write_meta(&dir, &noisy).unwrap();
+        assert_eq!(CellState::of(&dir), CellState::SetAsideForEvidence);
+        assert!(!CellState::of(&dir).is_done());
         clear(&dir).unwrap();
         assert_eq!(
             CellState::of(&dir),

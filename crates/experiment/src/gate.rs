@@ -10,6 +10,11 @@
 
 use analysis::DriftVerdict;
 
+/// How a repetition set aside for failed evidence begins its `set_aside_reason`. Such a
+/// repetition says nothing about its cell (the machine was noisy, not the policy), so a resumed
+/// sweep measures it again ([`crate::cell::CellState::is_done`]); one set aside for drift is final.
+pub const EVIDENCE_SET_ASIDE_PREFIX: &str = "evidence failed on ";
+
 /// What to do with the attempt just measured.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GateDecision {
@@ -57,7 +62,7 @@ impl Gates {
             }
             return GateDecision::Record {
                 set_aside: Some(format!(
-                    "evidence failed on {} attempts: {why}",
+                    "{EVIDENCE_SET_ASIDE_PREFIX}{} attempts: {why}",
                     self.evidence_reruns + 1
                 )),
             };
