@@ -69,7 +69,7 @@ pub const DEFAULT_POLICIES: &[&str] = &["session-affinity", "prefix-affinity"];
 /// conversation started at turn 1, and at 3× and 8× the KV capacity the prompts kept growing for
 /// 2–5 minutes. Since open loops start at the steady state's turn mix ([`grid::OPEN_START`]) and
 /// an open loop's drift is judged by attainment rather than by its plan's arrivals, the same
-/// virtual grid with this margin settles 291 of 324 cells (2 Dec 2026; 27 of 27 at ws3-s0 and
+/// virtual grid with this margin settles 291 of 324 cells (1 Dec 2026, 21:50 UTC; 27 of 27 at ws3-s0 and
 /// 24 of 27 at ws8-s0), and a point's hit rate is at its steady level from the second 20-s
 /// bucket of a 600-s cell on.
 pub const WARMUP_MARGIN: f64 = 1.5;
