@@ -200,23 +200,23 @@ pub fn backlog_per_bucket(client: &[ClientRow], window: &Window, buckets: usize)
 /// One trend test: OLS of `y` on `x`, flagged when |t| > `t_threshold` and the fitted change
 /// across the window exceeds `min_relative_change` of the series mean.
 fn trend(x: &[f64], y: &[f64], window_s: f64, cfg: &DriftConfig) -> Option<TrendTest> {
-    let fit = ols(x, y)?;
-    trend_on_scale(x, y, window_s, fit.y_mean.abs(), cfg)
+    trend_on_scale(x, y, window_s, |mean| mean, cfg)
 }
 
-/// [`trend`] with the fitted change judged against `scale` instead of the series mean: flagged
-/// when |t| > `t_threshold` and |slope × window| > `min_relative_change` × `scale`;
+/// [`trend`] with the fitted change judged against `scale(series mean)` instead of the mean:
+/// flagged when |t| > `t_threshold` and |slope × window| > `min_relative_change` × that scale;
 /// `relative_change` is |slope × window| ÷ the series mean, as in [`trend`].
 fn trend_on_scale(
     x: &[f64],
     y: &[f64],
     window_s: f64,
-    scale: f64,
+    scale: impl FnOnce(f64) -> f64,
     cfg: &DriftConfig,
 ) -> Option<TrendTest> {
     let fit = ols(x, y)?;
     let change = (fit.slope * window_s).abs();
     let relative_change = (fit.y_mean.abs() > 0.0).then(|| change / fit.y_mean.abs());
+    let scale = scale(fit.y_mean.abs());
     let significant = match fit.t_stat {
         Some(t) => t.abs() > cfg.t_threshold,
         None => fit.slope != 0.0,
@@ -326,10 +326,7 @@ pub fn check_rows(
     // A TTFT trend matters on the scale the SLO judges: a change of a tenth of a 10-ms mean
     // cannot move a request across a 167-ms bound, and at a small working set a few slow turns
     // of a hot conversation late in the window are enough to make such a mean trend.
-    let ttft_scale = crate::stats::mean(&y)
-        .map_or(slo.ttft_ms, |m| m.max(slo.ttft_ms))
-        .max(f64::MIN_POSITIVE);
-    let ttft = trend_on_scale(&x, &y, window_s, ttft_scale, cfg);
+    let ttft = trend_on_scale(&x, &y, window_s, |mean| mean.max(slo.ttft_ms), cfg);
     // The backlog of an open loop: a closed loop's users wait for their replies, so its backlog
     // is bounded by its users and says nothing about overload.
     let (backlog, backlog_mean) = if window.clock == WindowClock::Scheduled && cfg.buckets >= 3 {

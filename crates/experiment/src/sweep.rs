@@ -251,12 +251,7 @@ impl SweepSettings {
                 path.display()
             );
         }
-        if let Some(why) = cal
-            .capacity
-            .as_ref()
-            .filter(|_| self.needs_capacity())
-            .and_then(|c| c.stale())
-        {
+        if let Some(why) = self.stale_capacity(cal) {
             bail!(
                 "{}: {why}; run `cargo xtask calibrate{} --out {}` with this sweep's fleet flags (or pass --recalibrate)",
                 path.display(),
@@ -265,6 +260,15 @@ impl SweepSettings {
             );
         }
         Ok(())
+    }
+
+    /// Why `cal`'s capacity cannot size this sweep's open loops ([`capacity::Capacity::stale`]);
+    /// `None` when it can or the sweep needs none.
+    fn stale_capacity(&self, cal: &Calibration) -> Option<String> {
+        cal.capacity
+            .as_ref()
+            .filter(|_| self.needs_capacity())
+            .and_then(|c| c.stale())
     }
 
     /// The warm-up and measured window of `point`'s cells: for a `--load` point, derived from
@@ -449,25 +453,19 @@ impl SweepSettings {
         }
         if !self.recalibrate && self.calibration.exists() {
             match Calibration::read(&self.calibration) {
-                Ok(c)
-                    if c.fleet == key
-                        && self.needs_capacity()
-                        && c.capacity.as_ref().and_then(|c| c.stale()).is_some() =>
-                {
-                    eprintln!(
-                        "xtask: {}: {}; recalibrating",
-                        self.calibration.display(),
-                        c.capacity
-                            .as_ref()
-                            .and_then(|c| c.stale())
-                            .unwrap_or_default()
-                    )
-                }
-                Ok(c) if c.fleet == key && c.routing().is_ok() => {
-                    eprintln!("xtask: using {}", self.calibration.display());
-                    self.check_capacity(&c, &self.calibration)?;
-                    return Ok(c);
-                }
+                Ok(c) if c.fleet == key && c.routing().is_ok() => match self.stale_capacity(&c) {
+                    Some(why) => {
+                        eprintln!(
+                            "xtask: {}: {why}; recalibrating",
+                            self.calibration.display()
+                        )
+                    }
+                    None => {
+                        eprintln!("xtask: using {}", self.calibration.display());
+                        self.check_capacity(&c, &self.calibration)?;
+                        return Ok(c);
+                    }
+                },
                 Ok(c) if c.fleet == key => eprintln!(
                     "xtask: {} is for this fleet but {:#}; recalibrating",
                     self.calibration.display(),
