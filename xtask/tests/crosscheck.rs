@@ -3,7 +3,13 @@
 //! virtual time judged by the live sweep's own calibration, compared by `cargo xtask crosscheck`
 //! (`analysis::crosscheck`): every cell's goodput within 3% and attainment within 3 points, and
 //! prefix-affinity's margin over session-affinity within 3 points — the size of the effects the
-//! project reports (1–7%), where the earlier closed-loop check allowed 10%.
+//! project reports (1–7%), where the earlier closed-loop check allowed 10% — or within the cell's
+//! own repetition spread where that is wider. Three repetitions a side measure that spread:
+//! prefix-affinity at ws3-s0-rate3 runs near capacity, where its load-tie decisions turn timing
+//! into placements; its virtual repetitions alone spread 4.8% of goodput and its live ones 4.4%,
+//! and one live repetition landed 0.4–4.2% below the virtual one across five runs (2 Dec 2026),
+//! so a 3% bound on one repetition judged noise. The test bounds the spread it accepts and needs
+//! the large effect (prefix-affinity +32–36% over session-affinity there) resolved.
 //!
 //! It builds the release binaries with cargo first (a no-op when they are fresh).
 
@@ -30,7 +36,7 @@ fn live_and_virtual_agree_at_the_size_of_the_effects() {
             "--policies",
             "session-affinity,prefix-affinity",
             "--reps",
-            "1",
+            "3",
             "--replicas",
             "3",
             // Open loop at a fixed model-time rate: the same arrivals on both sides, and a
@@ -102,4 +108,23 @@ fn live_and_virtual_agree_at_the_size_of_the_effects() {
         "{result}"
     );
     assert!(ok, "live and virtual disagree:\n{stdout}\n{stderr}");
+    // A resolution wider than this would let the spread, not the tolerance, judge everything:
+    // the widest measured was 4.8% (2 Dec 2026).
+    let widest = result["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["goodput_resolution_rel"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(
+        widest <= 0.08,
+        "a cell's repetitions spread {widest}:\n{stdout}"
+    );
+    let large = result["effects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["point"] == "ws3-s0-rate3")
+        .expect("the ws3-s0 effect");
+    assert_eq!(large["resolved"], true, "{large}");
 }

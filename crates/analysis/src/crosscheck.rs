@@ -12,6 +12,14 @@
 //! Unlike cells are refused, never compared: the two reports must hold the same plan and the same
 //! SLO at a point (a virtual sweep calibrated on its own would judge against other bounds; run it
 //! with the live sweep's `calibration.json`).
+//!
+//! A difference is judged at the tolerance or at the cell's resolution, whichever is wider: the
+//! resolution is the larger of the two sides' repetition ranges (max − min). A cell whose own
+//! repetitions spread wider than the tolerance cannot be called different at that tolerance —
+//! prefix-affinity near capacity is such a cell: its load-tie decisions turn microseconds of
+//! timing into different placements, and its virtual repetitions alone (seeds only) spread 4.8%
+//! of goodput at ws3-s0-rate3 on the quick fleet (2 Dec 2026). The resolution is reported beside
+//! every verdict; with one repetition a side it is zero and the tolerance alone judges.
 
 use serde::Serialize;
 
@@ -67,7 +75,13 @@ pub struct CellCheck {
     pub live_hit_rate: Option<f64>,
     /// Virtual engine prefix-hit rate median.
     pub virtual_hit_rate: Option<f64>,
-    /// Goodput and attainment within the tolerance.
+    /// The cell's goodput resolution: the larger of the live and virtual repetition ranges
+    /// (max − min), ÷ the virtual median.
+    pub goodput_resolution_rel: f64,
+    /// The cell's attainment resolution: the larger of the two sides' repetition ranges.
+    pub attainment_resolution_abs: f64,
+    /// Goodput within max(tolerance, resolution) and attainment within max(tolerance,
+    /// resolution).
     pub agrees: bool,
 }
 
@@ -84,9 +98,15 @@ pub struct EffectCheck {
     pub live_rel: f64,
     /// Virtual margin ÷ virtual baseline median.
     pub virtual_rel: f64,
-    /// |live − virtual| within the tolerance.
+    /// The bound it was judged at: the tolerance, or the two cells' goodput resolutions carried
+    /// into the margin when that is wider: (1 + virtual margin) × √(policy² + baseline²).
+    pub bound_abs: f64,
+    /// The virtual effect is larger than that bound: agreement vouches for its size. When not,
+    /// agreement says only that both sides find the effect small.
+    pub resolved: bool,
+    /// |live − virtual| within the bound.
     pub agrees: bool,
-    /// Both have the same sign, or one of them is within the tolerance of zero.
+    /// Both have the same sign, or one of them is within the bound of zero.
     pub same_direction: bool,
 }
 
@@ -130,10 +150,24 @@ impl Crosscheck {
             .filter_map(|c| c.goodput_rel_diff.map(f64::abs))
             .max_by(f64::total_cmp)
     }
+
+    /// The widest goodput resolution over cells (0 with one repetition a side): the smallest
+    /// goodput difference this cross-check could call a disagreement.
+    pub fn worst_goodput_resolution_rel(&self) -> f64 {
+        self.cells
+            .iter()
+            .map(|c| c.goodput_resolution_rel)
+            .fold(0.0, f64::max)
+    }
 }
 
 fn goodput(c: &Cell) -> Option<(f64, f64, f64)> {
     c.goodput_rps.as_ref().map(|s| (s.median, s.min, s.max))
+}
+
+/// max − min of a spread over repetitions (0 when absent).
+fn range(s: &Option<crate::stats::Spread>) -> f64 {
+    s.as_ref().map_or(0.0, |s| s.max - s.min)
 }
 
 fn median(s: &Option<crate::stats::Spread>) -> Option<f64> {
@@ -212,9 +246,18 @@ pub fn crosscheck(live: &Report, virt: &Report, baseline: &str, tol: Tolerance) 
                 continue;
             };
             let rel = (vg.0 != 0.0).then(|| (lg.0 - vg.0) / vg.0);
+            let goodput_resolution_rel = if vg.0 != 0.0 {
+                (lg.2 - lg.1).max(vg.2 - vg.1) / vg.0
+            } else {
+                0.0
+            };
+            let attainment_resolution_abs =
+                range(&lc.slo_attainment).max(range(&vc.slo_attainment));
             let (la, va) = (median(&lc.slo_attainment), median(&vc.slo_attainment));
             let attainment_ok = match (la, va) {
-                (Some(a), Some(b)) => (a - b).abs() <= tol.attainment_abs,
+                (Some(a), Some(b)) => {
+                    (a - b).abs() <= tol.attainment_abs.max(attainment_resolution_abs)
+                }
                 _ => false,
             };
             out.cells.push(CellCheck {
@@ -230,28 +273,35 @@ pub fn crosscheck(live: &Report, virt: &Report, baseline: &str, tol: Tolerance) 
                 virtual_ttft_p90_ms: median(&vc.ttft_p90_ms),
                 live_hit_rate: hit_rate(lc),
                 virtual_hit_rate: hit_rate(vc),
-                agrees: rel.is_some_and(|r| r.abs() <= tol.goodput_rel) && attainment_ok,
+                goodput_resolution_rel,
+                attainment_resolution_abs,
+                agrees: rel.is_some_and(|r| r.abs() <= tol.goodput_rel.max(goodput_resolution_rel))
+                    && attainment_ok,
             });
-            pairs.push((lc.policy.clone(), lg.0, vg.0));
+            pairs.push((lc.policy.clone(), lg.0, vg.0, goodput_resolution_rel));
         }
-        let Some(&(_, lb, vb)) = pairs.iter().find(|p| p.0 == baseline) else {
+        let Some(&(_, lb, vb, base_resolution)) = pairs.iter().find(|p| p.0 == baseline) else {
             continue;
         };
         if lb == 0.0 || vb == 0.0 {
             continue;
         }
-        for (policy, lg, vg) in pairs.iter().filter(|p| p.0 != baseline) {
+        for (policy, lg, vg, resolution) in pairs.iter().filter(|p| p.0 != baseline) {
             let (l, v) = ((lg - lb) / lb, (vg - vb) / vb);
+            // The margin is g/b − 1: relative uncertainties of g and b carry into it scaled by
+            // g/b, combined as independent (root sum of squares).
+            let carried = (1.0 + v).abs() * resolution.hypot(base_resolution);
+            let bound = tol.effect_abs.max(carried);
             out.effects.push(EffectCheck {
                 point: lp.point.clone(),
                 policy: policy.clone(),
                 baseline: baseline.to_string(),
                 live_rel: l,
                 virtual_rel: v,
-                agrees: (l - v).abs() <= tol.effect_abs,
-                same_direction: l * v >= 0.0
-                    || l.abs() <= tol.effect_abs
-                    || v.abs() <= tol.effect_abs,
+                bound_abs: bound,
+                resolved: v.abs() > bound,
+                agrees: (l - v).abs() <= bound,
+                same_direction: l * v >= 0.0 || l.abs() <= bound || v.abs() <= bound,
             });
         }
     }
@@ -278,18 +328,19 @@ pub fn render_markdown(c: &Crosscheck) -> String {
     let _ = writeln!(
         s,
         "Agreement bounds: goodput within {:.0}% of virtual, attainment within {:.0} points, \
-         each policy's margin over {} within {:.0} points.\n",
+         each policy's margin over {} within {:.0} points — or within the cell's resolution \
+         (the wider of the two sides' repetition ranges) where that is wider.\n",
         t.goodput_rel * 100.0,
         t.attainment_abs * 100.0,
         c.baseline,
         t.effect_abs * 100.0
     );
-    s.push_str("| point | policy | goodput live (range) | virtual | live − virtual | attainment live / virtual | TTFT p90 ms live / virtual | hit rate live / virtual | agrees |\n");
-    s.push_str("|---|---|---:|---:|---:|---:|---:|---:|:---:|\n");
+    s.push_str("| point | policy | goodput live (range) | virtual | live − virtual | resolution | attainment live / virtual | TTFT p90 ms live / virtual | hit rate live / virtual | agrees |\n");
+    s.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|\n");
     for x in &c.cells {
         let _ = writeln!(
             s,
-            "| {} | {} | {:.3} ({:.3}–{:.3}) | {:.3} | {} | {} / {} | {} / {} | {} / {} | {} |",
+            "| {} | {} | {:.3} ({:.3}–{:.3}) | {:.3} | {} | {:.1}% | {} / {} | {} / {} | {} / {} | {} |",
             x.point,
             x.policy,
             x.live_goodput_rps,
@@ -297,6 +348,7 @@ pub fn render_markdown(c: &Crosscheck) -> String {
             x.live_goodput_range_rps.1,
             x.virtual_goodput_rps,
             pct(x.goodput_rel_diff),
+            x.goodput_resolution_rel * 100.0,
             share(x.live_attainment),
             share(x.virtual_attainment),
             ms(x.live_ttft_p90_ms),
@@ -307,16 +359,22 @@ pub fn render_markdown(c: &Crosscheck) -> String {
         );
     }
     if !c.effects.is_empty() {
-        s.push_str("\n| point | effect | live | virtual | same direction | agrees |\n|---|---|---:|---:|:---:|:---:|\n");
+        s.push_str("\n| point | effect | live | virtual | judged within | resolved | same direction | agrees |\n|---|---|---:|---:|---:|:---:|:---:|:---:|\n");
         for e in &c.effects {
             let _ = writeln!(
                 s,
-                "| {} | {} vs {} | {} | {} | {} | {} |",
+                "| {} | {} vs {} | {} | {} | {:.1} points | {} | {} | {} |",
                 e.point,
                 e.policy,
                 e.baseline,
                 pct(Some(e.live_rel)),
                 pct(Some(e.virtual_rel)),
+                e.bound_abs * 100.0,
+                if e.resolved {
+                    "yes"
+                } else {
+                    "no: within the bound of zero"
+                },
                 if e.same_direction { "yes" } else { "**no**" },
                 if e.agrees { "yes" } else { "**no**" }
             );
@@ -335,8 +393,9 @@ pub fn render_markdown(c: &Crosscheck) -> String {
         },
         c.worst_goodput_rel_diff()
             .map_or(String::new(), |w| format!(
-                " (largest goodput difference {:.1}%)",
-                w * 100.0
+                " (largest goodput difference {:.1}%; widest cell resolution {:.1}%)",
+                w * 100.0,
+                c.worst_goodput_resolution_rel() * 100.0
             ))
     );
     s

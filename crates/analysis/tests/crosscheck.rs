@@ -1,18 +1,37 @@
 //! The live/virtual cross-check on the recorded sweep-basic fixture: a report agrees with itself,
 //! and every way the two sides can part — a cell's goodput, its attainment, an effect's size or
-//! direction, the SLO they are judged by — is caught at the effect-sized bounds.
+//! direction, the SLO they are judged by — is caught at the effect-sized bounds; a difference
+//! inside the cells' own repetition spread is judged at that spread and says so.
 
 use analysis::crosscheck::{Tolerance, crosscheck, render_markdown};
 use analysis::{Report, ReportConfig, analyze_dir};
 
 mod common;
 
-fn live() -> Report {
+fn recorded() -> Report {
     analyze_dir(
         &common::fixtures().join("sweep-basic"),
         &ReportConfig::default(),
     )
     .unwrap()
+}
+
+/// The recorded report with every goodput and attainment spread collapsed to its median, as
+/// one repetition a side reports it: the tolerance alone judges.
+fn live() -> Report {
+    let mut r = recorded();
+    for p in &mut r.points {
+        for c in &mut p.cells {
+            for s in [c.goodput_rps.as_mut(), c.slo_attainment.as_mut()]
+                .into_iter()
+                .flatten()
+            {
+                s.min = s.median;
+                s.max = s.median;
+            }
+        }
+    }
+    r
 }
 
 fn as_virtual(r: &Report) -> Report {
@@ -183,4 +202,72 @@ fn a_point_measured_by_another_clock_is_refused() {
     let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
     assert_eq!(c.refused.len(), 1, "{:?}", c.refused);
     assert!(c.refused[0].reason.contains("window clock differs"));
+}
+
+#[test]
+fn a_difference_inside_the_repetitions_spread_is_judged_at_that_spread() {
+    let mut l = live();
+    let mut v = as_virtual(&l);
+    // Live prefix-affinity 4% below virtual, each side's repetitions spreading 5% of the
+    // virtual median (the size measured for prefix-affinity near capacity): not a disagreement
+    // at this resolution, and the report says which resolution judged it.
+    let spread = |r: &mut Report, f: f64, half: f64| {
+        let p = r.points.iter_mut().find(|p| p.point == "ws1-s0").unwrap();
+        let c = p
+            .cells
+            .iter_mut()
+            .find(|c| c.policy == "prefix-affinity")
+            .unwrap();
+        let g = c.goodput_rps.as_mut().unwrap();
+        let m = g.median;
+        g.median = m * f;
+        g.min = m * (f - half);
+        g.max = m * (f + half);
+    };
+    spread(&mut l, 0.96, 0.025);
+    spread(&mut v, 1.0, 0.025);
+    let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
+    let cell = c
+        .cells
+        .iter()
+        .find(|x| x.point == "ws1-s0" && x.policy == "prefix-affinity")
+        .unwrap();
+    assert!(
+        (cell.goodput_resolution_rel - 0.05).abs() < 1e-9,
+        "{cell:?}"
+    );
+    assert!(cell.agrees, "{cell:?}");
+    let effect = c
+        .effects
+        .iter()
+        .find(|e| e.point == "ws1-s0" && e.policy == "prefix-affinity")
+        .unwrap();
+    // The 5% resolution carried into a margin of +60%: 1.6 × 5% = 8 points.
+    assert!(
+        (effect.bound_abs - (1.0 + effect.virtual_rel) * 0.05).abs() < 1e-9,
+        "{effect:?}"
+    );
+    assert!(effect.agrees, "{effect:?}");
+    assert!(c.passes(), "{}", render_markdown(&c));
+    assert!(render_markdown(&c).contains("widest cell resolution 5.0%"));
+
+    // 7% apart at the same spread: beyond the resolution, a disagreement.
+    let mut l = live();
+    spread(&mut l, 0.93, 0.025);
+    let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
+    assert!(!c.passes(), "{}", render_markdown(&c));
+}
+
+#[test]
+fn an_effect_no_larger_than_its_bound_is_not_called_resolved() {
+    let l = live();
+    let c = crosscheck(
+        &l,
+        &as_virtual(&l),
+        "session-affinity",
+        Tolerance::EFFECT_SIZED,
+    );
+    for e in &c.effects {
+        assert_eq!(e.resolved, e.virtual_rel.abs() > e.bound_abs, "{e:?}");
+    }
 }
