@@ -3,7 +3,9 @@
 //! direction, the SLO they are judged by — is caught at the effect-sized bounds; a difference
 //! inside the cells' own repetition spread is judged at that spread and says so.
 
-use analysis::crosscheck::{Tolerance, crosscheck, render_markdown};
+use analysis::crosscheck::{
+    CellCheck, Crosscheck, EffectCheck, Tolerance, crosscheck, render_markdown,
+};
 use analysis::{Report, ReportConfig, analyze_dir};
 
 mod common;
@@ -42,6 +44,22 @@ fn as_virtual(r: &Report) -> Report {
     v
 }
 
+/// The compared cell at `point` for `policy`.
+fn cell_of<'a>(c: &'a Crosscheck, point: &str, policy: &str) -> &'a CellCheck {
+    c.cells
+        .iter()
+        .find(|x| x.point == point && x.policy == policy)
+        .unwrap()
+}
+
+/// The compared effect of `policy` at `point`.
+fn effect_of<'a>(c: &'a Crosscheck, point: &str, policy: &str) -> &'a EffectCheck {
+    c.effects
+        .iter()
+        .find(|e| e.point == point && e.policy == policy)
+        .unwrap()
+}
+
 /// Multiplies one cell's goodput (median, min, max) by `f`.
 fn scale_goodput(r: &mut Report, point: &str, policy: &str, f: f64) {
     let p = r.points.iter_mut().find(|p| p.point == point).unwrap();
@@ -77,19 +95,11 @@ fn a_goodput_gap_larger_than_the_effects_fails_the_cell_and_the_effect() {
     scale_goodput(&mut v, "ws1-s0", "prefix-affinity", 1.05);
     let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
     assert!(!c.passes());
-    let cell = c
-        .cells
-        .iter()
-        .find(|x| x.point == "ws1-s0" && x.policy == "prefix-affinity")
-        .unwrap();
+    let cell = cell_of(&c, "ws1-s0", "prefix-affinity");
     assert!(!cell.agrees);
     let rel = cell.goodput_rel_diff.unwrap();
     assert!((rel - (1.0 / 1.05 - 1.0)).abs() < 1e-9, "{rel}");
-    let effect = c
-        .effects
-        .iter()
-        .find(|e| e.point == "ws1-s0" && e.policy == "prefix-affinity")
-        .unwrap();
+    let effect = effect_of(&c, "ws1-s0", "prefix-affinity");
     assert!(!effect.agrees, "{effect:?}");
     // The other point is untouched.
     assert!(
@@ -129,11 +139,7 @@ fn attainment_apart_fails_the_cell() {
     let a = c.slo_attainment.as_mut().unwrap();
     a.median = (a.median - 0.05).max(0.0);
     let x = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
-    let cell = x
-        .cells
-        .iter()
-        .find(|c| c.point == "ws1-s0" && c.policy == "session-affinity")
-        .unwrap();
+    let cell = cell_of(&x, "ws1-s0", "session-affinity");
     assert!(!cell.agrees);
     assert!(!x.passes());
 }
@@ -185,11 +191,7 @@ fn opposite_directions_are_named() {
         (1.0 + target) * g("session-affinity") / g("prefix-affinity"),
     );
     let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
-    let e = c
-        .effects
-        .iter()
-        .find(|e| e.point == "ws1-s0" && e.policy == "prefix-affinity")
-        .unwrap();
+    let e = effect_of(&c, "ws1-s0", "prefix-affinity");
     assert!(!e.same_direction, "{e:?}");
     assert!(!e.agrees);
 }
@@ -227,21 +229,13 @@ fn a_difference_inside_the_repetitions_spread_is_judged_at_that_spread() {
     spread(&mut l, 0.96, 0.025);
     spread(&mut v, 1.0, 0.025);
     let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
-    let cell = c
-        .cells
-        .iter()
-        .find(|x| x.point == "ws1-s0" && x.policy == "prefix-affinity")
-        .unwrap();
+    let cell = cell_of(&c, "ws1-s0", "prefix-affinity");
     assert!(
         (cell.goodput_resolution_rel - 0.05).abs() < 1e-9,
         "{cell:?}"
     );
     assert!(cell.agrees, "{cell:?}");
-    let effect = c
-        .effects
-        .iter()
-        .find(|e| e.point == "ws1-s0" && e.policy == "prefix-affinity")
-        .unwrap();
+    let effect = effect_of(&c, "ws1-s0", "prefix-affinity");
     // The 5% resolution carried into a margin of +60%: 1.6 × 5% = 8 points.
     assert!(
         (effect.bound_abs - (1.0 + effect.virtual_rel) * 0.05).abs() < 1e-9,
