@@ -1,15 +1,10 @@
 //! Live vs virtual at the size of the effects: one small open-loop sweep (2 points × session-
-//! affinity and prefix-affinity, 3 emulated replicas through the router) run live and then in
-//! virtual time judged by the live sweep's own calibration, compared by `cargo xtask crosscheck`
-//! (`analysis::crosscheck`): every cell's goodput within 3% and attainment within 3 points, and
-//! prefix-affinity's margin over session-affinity within 3 points — the size of the effects the
-//! project reports (1–7%), where the earlier closed-loop check allowed 10% — or within the cell's
-//! own repetition spread where that is wider. Three repetitions a side measure that spread:
-//! prefix-affinity at ws3-s0-rate3 runs near capacity, where its load-tie decisions turn timing
-//! into placements; its virtual repetitions alone spread 4.8% of goodput and its live ones 4.4%,
-//! and one live repetition landed 0.4–4.2% below the virtual one across five runs (2 Dec 2026),
-//! so a 3% bound on one repetition judged noise. The test bounds the spread it accepts and needs
-//! the large effect (prefix-affinity +32–36% over session-affinity there) resolved.
+//! affinity and prefix-affinity, 3 emulated replicas through the router, 3 repetitions) run live
+//! and then in virtual time with the live calibration, compared by `cargo xtask crosscheck`: each
+//! cell within 3% of goodput and 3 points of attainment, each margin within 3 points, or within
+//! the cell's own repetition spread where wider. Prefix-affinity at ws3-s0-rate3 runs near
+//! capacity and spreads 4.4% live, 4.8% in virtual by seed alone (2 Dec 2026): the test caps the
+//! spread it accepts and needs that point's large effect (+32–36%) resolved.
 //!
 //! It builds the release binaries with cargo first (a no-op when they are fresh).
 
@@ -49,9 +44,7 @@ fn live_and_virtual_agree_at_the_size_of_the_effects() {
             // on both sides (attainment trending down 21%, 1 Dec 2026), at 12 s all four settle.
             "--warmup-s",
             "12",
-            // 16 s: with 8 s (144 requests a cell) prefix-affinity's live ws3-s0 goodput moved
-            // 2.5–4.2% from the virtual one between runs, across the 3% bound; at 16 s the
-            // largest cell difference was 0.6% (1 Dec 2026).
+            // 16 s (about 290 requests a cell): at 8 s one repetition's goodput moved 2.5–4.2%.
             "--measure-s",
             "16",
             // The test machine is shared: evidence is recorded, not used to reject here.
@@ -92,21 +85,9 @@ fn live_and_virtual_agree_at_the_size_of_the_effects() {
     ]);
     eprintln!("{stdout}");
     let result = json(&live.join("crosscheck.json"));
-    assert_eq!(
-        result["refused"].as_array().map(Vec::len),
-        Some(0),
-        "{result}"
-    );
-    assert_eq!(
-        result["cells"].as_array().map(Vec::len),
-        Some(4),
-        "{result}"
-    );
-    assert_eq!(
-        result["effects"].as_array().map(Vec::len),
-        Some(2),
-        "{result}"
-    );
+    let len = |k: &str| result[k].as_array().map(Vec::len);
+    let counts = (len("refused"), len("cells"), len("effects"));
+    assert_eq!(counts, (Some(0), Some(4), Some(2)), "{result}");
     assert!(ok, "live and virtual disagree:\n{stdout}\n{stderr}");
     // A resolution wider than this would let the spread, not the tolerance, judge everything:
     // the widest measured was 4.8% (2 Dec 2026).
