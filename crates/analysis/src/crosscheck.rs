@@ -247,7 +247,7 @@ pub fn crosscheck(live: &Report, virt: &Report, baseline: &str, tol: Tolerance) 
             };
             let rel = (vg.0 != 0.0).then(|| (lg.0 - vg.0) / vg.0);
             let goodput_resolution_rel = if vg.0 != 0.0 {
-                (lg.2 - lg.1).max(vg.2 - vg.1) / vg.0
+                range(&lc.goodput_rps).max(range(&vc.goodput_rps)) / vg.0
             } else {
                 0.0
             };

@@ -44,6 +44,11 @@ fn as_virtual(r: &Report) -> Report {
     v
 }
 
+/// Cross-checks at the effect-sized tolerance against session-affinity.
+fn check(live: &Report, virt: &Report) -> Crosscheck {
+    crosscheck(live, virt, "session-affinity", Tolerance::EFFECT_SIZED)
+}
+
 /// The compared cell at `point` for `policy`.
 fn cell_of<'a>(c: &'a Crosscheck, point: &str, policy: &str) -> &'a CellCheck {
     c.cells
@@ -73,12 +78,7 @@ fn scale_goodput(r: &mut Report, point: &str, policy: &str, f: f64) {
 #[test]
 fn a_report_agrees_with_itself() {
     let l = live();
-    let c = crosscheck(
-        &l,
-        &as_virtual(&l),
-        "session-affinity",
-        Tolerance::EFFECT_SIZED,
-    );
+    let c = check(&l, &as_virtual(&l));
     assert!(c.passes(), "{}", render_markdown(&c));
     assert!(c.refused.is_empty());
     // Both fixture points hold session-affinity and prefix-affinity: cells and effects exist.
@@ -93,7 +93,7 @@ fn a_goodput_gap_larger_than_the_effects_fails_the_cell_and_the_effect() {
     let mut v = as_virtual(&l);
     // 5% more virtual goodput for prefix-affinity: inside the old 10% bound, outside 3%.
     scale_goodput(&mut v, "ws1-s0", "prefix-affinity", 1.05);
-    let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
+    let c = check(&l, &v);
     assert!(!c.passes());
     let cell = cell_of(&c, "ws1-s0", "prefix-affinity");
     assert!(!cell.agrees);
@@ -119,7 +119,7 @@ fn a_small_shift_of_both_policies_keeps_the_effect() {
     for policy in ["session-affinity", "prefix-affinity", "round-robin"] {
         scale_goodput(&mut v, "ws1-s0", policy, 1.02);
     }
-    let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
+    let c = check(&l, &v);
     assert!(c.passes(), "{}", render_markdown(&c));
     for e in c.effects.iter().filter(|e| e.point == "ws1-s0") {
         assert!((e.live_rel - e.virtual_rel).abs() < 1e-9, "{e:?}");
@@ -138,7 +138,7 @@ fn attainment_apart_fails_the_cell() {
         .unwrap();
     let a = c.slo_attainment.as_mut().unwrap();
     a.median = (a.median - 0.05).max(0.0);
-    let x = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
+    let x = check(&l, &v);
     let cell = cell_of(&x, "ws1-s0", "session-affinity");
     assert!(!cell.agrees);
     assert!(!x.passes());
@@ -150,14 +150,14 @@ fn unlike_points_are_refused_not_compared() {
     let mut v = as_virtual(&l);
     v.points[0].slo.ttft_ms *= 2.0;
     v.points[1].plan_fingerprint = "0000000000000000".into();
-    let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
+    let c = check(&l, &v);
     assert_eq!(c.refused.len(), 2, "{:?}", c.refused);
     assert!(c.refused[0].reason.contains("SLO differs"));
     assert!(c.refused[1].reason.contains("plan_fingerprint differs"));
     assert!(c.cells.is_empty());
     assert!(!c.passes());
     // A live report on the virtual side is refused too.
-    let c = crosscheck(&l, &l, "session-affinity", Tolerance::EFFECT_SIZED);
+    let c = check(&l, &l);
     assert!(c.refused.iter().all(|r| r.reason.contains("live")));
 }
 
@@ -190,7 +190,7 @@ fn opposite_directions_are_named() {
         "prefix-affinity",
         (1.0 + target) * g("session-affinity") / g("prefix-affinity"),
     );
-    let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
+    let c = check(&l, &v);
     let e = effect_of(&c, "ws1-s0", "prefix-affinity");
     assert!(!e.same_direction, "{e:?}");
     assert!(!e.agrees);
@@ -201,7 +201,7 @@ fn a_point_measured_by_another_clock_is_refused() {
     let l = live();
     let mut v = as_virtual(&l);
     v.points[0].window_clock = schema::WindowClock::Scheduled;
-    let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
+    let c = check(&l, &v);
     assert_eq!(c.refused.len(), 1, "{:?}", c.refused);
     assert!(c.refused[0].reason.contains("window clock differs"));
 }
@@ -228,7 +228,7 @@ fn a_difference_inside_the_repetitions_spread_is_judged_at_that_spread() {
     };
     spread(&mut l, 0.96, 0.025);
     spread(&mut v, 1.0, 0.025);
-    let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
+    let c = check(&l, &v);
     let cell = cell_of(&c, "ws1-s0", "prefix-affinity");
     assert!(
         (cell.goodput_resolution_rel - 0.05).abs() < 1e-9,
@@ -248,19 +248,14 @@ fn a_difference_inside_the_repetitions_spread_is_judged_at_that_spread() {
     // 7% apart at the same spread: beyond the resolution, a disagreement.
     let mut l = live();
     spread(&mut l, 0.93, 0.025);
-    let c = crosscheck(&l, &v, "session-affinity", Tolerance::EFFECT_SIZED);
+    let c = check(&l, &v);
     assert!(!c.passes(), "{}", render_markdown(&c));
 }
 
 #[test]
 fn an_effect_no_larger_than_its_bound_is_not_called_resolved() {
     let l = live();
-    let c = crosscheck(
-        &l,
-        &as_virtual(&l),
-        "session-affinity",
-        Tolerance::EFFECT_SIZED,
-    );
+    let c = check(&l, &as_virtual(&l));
     for e in &c.effects {
         assert_eq!(e.resolved, e.virtual_rel.abs() > e.bound_abs, "{e:?}");
     }
