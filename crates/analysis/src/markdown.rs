@@ -165,10 +165,18 @@ fn notes(out: &mut String, c: &Cell) {
     for s in &c.set_aside {
         let _ = writeln!(
             out,
-            "- {}: rep-{} set aside ({}); the figures rest on {} repetition(s).",
+            "- {}: rep-{} set aside ({}){}; the figures rest on {} repetition(s).",
             c.policy,
             s.rep,
             s.reason,
+            match (s.goodput_rps, s.slo_attainment) {
+                (Some(g), Some(a)) => format!(
+                    "; not counted, it measured {g:.3} req/s at {:.1}% attainment",
+                    a * 100.0
+                ),
+                (Some(g), None) => format!("; not counted, it measured {g:.3} req/s"),
+                _ => String::new(),
+            },
             c.reps_used.len()
         );
     }

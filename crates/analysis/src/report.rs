@@ -67,6 +67,14 @@ pub struct SetAside {
     pub rep: u32,
     /// Reason from meta.json.
     pub reason: String,
+    /// Its goodput (req/s) and SLO attainment, measured like a used repetition's and never
+    /// counted: what the cell's figures leave out, so a reader sees its size. `None` in reports
+    /// written before 2 Dec 2026.
+    #[serde(default)]
+    pub goodput_rps: Option<f64>,
+    /// See `goodput_rps`.
+    #[serde(default)]
+    pub slo_attainment: Option<f64>,
 }
 
 /// A used repetition that is overloaded (DESIGN.md §3.9): its drift is a backlog growing through
@@ -330,6 +338,7 @@ fn build_cell(policy: &str, reps: &[&RepData], cfg: &ReportConfig) -> (Cell, Ove
     let mut used: Vec<&RepData> = Vec::new();
     for r in reps {
         if !r.meta.accepted {
+            let m = rep_metrics(r, &measured_requests(r, &r.meta.slo), &cfg.metrics);
             set_aside.push(SetAside {
                 rep: r.rep,
                 reason: r
@@ -337,6 +346,8 @@ fn build_cell(policy: &str, reps: &[&RepData], cfg: &ReportConfig) -> (Cell, Ove
                     .set_aside_reason
                     .clone()
                     .unwrap_or_else(|| "set aside (no reason recorded)".into()),
+                goodput_rps: Some(m.goodput_rps),
+                slo_attainment: m.latency.slo_attainment,
             });
         } else {
             used.push(r);

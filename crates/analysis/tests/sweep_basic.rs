@@ -78,6 +78,11 @@ fn set_aside_and_incomplete_reps_are_not_analysed() {
     assert_eq!(pa.set_aside.len(), 1);
     assert_eq!(pa.set_aside[0].rep, 4);
     assert!(pa.set_aside[0].reason.starts_with("warming"));
+    // What it measured is shown beside the reason, and kept out of the cell's figures: the
+    // fixture's rep-4 met the SLO on 2 of its 4 measured requests in a 4-s window.
+    assert_eq!(pa.set_aside[0].goodput_rps, Some(0.5));
+    assert_eq!(pa.set_aside[0].slo_attainment, Some(0.5));
+    assert!(pa.reps.iter().all(|m| m.rep != 4));
     let rr = p.cells.iter().find(|c| c.policy == "round-robin").unwrap();
     assert_eq!(rr.reps_used, [1, 2, 3]);
     let inc: Vec<(u32, &str)> = r
