@@ -152,9 +152,9 @@ pub struct SweepArgs {
     #[arg(long, requires = "virtual_time")]
     pub live_calibration: Option<PathBuf>,
     /// Which capacity `--load` is a fraction of: `per-point` (each point's own; live on an
-    /// emulated fleet, the measured reference capacity × the simulator's ratio of the point's to
-    /// the reference point's; the default) or `reference` (the calibration's at ws 1 / skew 0;
-    /// the default on other fleets and with `--live-calibration`).
+    /// emulated fleet, and virtual with `--live-calibration`, the measured reference × the
+    /// simulator's ratio of the point's to the reference's; the default) or `reference` (the
+    /// calibration's at ws 1 / skew 0; the default on other fleets and with `--live-calibration`).
     #[arg(long, value_enum)]
     pub capacity: Option<CapacityScope>,
     /// The fleet.

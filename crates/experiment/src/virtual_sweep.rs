@@ -973,7 +973,14 @@ pub fn prepare(s: &SweepSettings, dir: &Path) -> Result<Prepared> {
         })?
         .as_bytes(),
     )?;
-    let own_capacities = point_capacities(s, &base, &cal, &points, dir)?;
+    // Judged by a live calibration, each point runs at the rate the live sweep gave it (the
+    // measured reference × the simulator's ratio), so the two sweeps' plans are the same bytes
+    // and `crosscheck` can compare every point; otherwise each point's own simulated search.
+    let own_capacities = if s.live_calibration.is_some() {
+        simulated_point_capacities(s, &cal, &points, dir)?
+    } else {
+        point_capacities(s, &base, &cal, &points, dir)?
+    };
     let mut jobs = Vec::new();
     let mut skipped = 0usize;
     for point in &points {
@@ -1118,6 +1125,30 @@ mod tests {
         // A resume finds both searches recorded and reuses them.
         let again = simulated_point_capacities(&s, &cal, &points, &dir.0).unwrap();
         assert_eq!(again[1].1.rate_rps, found[1].1.rate_rps);
+        // A virtual sweep judged by that live calibration runs each point at the live sweep's
+        // rate, so its plans are the same bytes and `crosscheck` can compare every point.
+        let judged = Scratch::new("live-per-point-virtual");
+        // The published calibration predates stationary open starts, which a sweep refuses;
+        // marked stationary here, since only its rates matter to this test.
+        let mut live: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(root.join("pressure-grid-quick-capacity/calibration.json"))
+                .unwrap(),
+        )
+        .unwrap();
+        live["capacity"]["open_start"] = serde_json::json!("stationary");
+        let live_path = judged.0.join("live-calibration.json");
+        std::fs::write(&live_path, live.to_string()).unwrap();
+        let virtual_settings = SweepSettings {
+            live_calibration: Some(live_path),
+            ..s.clone()
+        };
+        prepare(&virtual_settings, &judged.0).unwrap();
+        let record: PointCapacity = serde_json::from_str(
+            &std::fs::read_to_string(judged.0.join("ws1-s1.4-load1.0/capacity.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(record.capacity.rate_rps, found[1].1.rate_rps);
+        assert!(record.simulated.is_some(), "{record:?}");
         s.fleet.kind = FleetKind::Static;
         let e = simulated_point_capacities(&s, &cal, &points, &dir.0).unwrap_err();
         assert!(e.to_string().contains("--capacity reference"), "{e}");
