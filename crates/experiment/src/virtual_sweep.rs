@@ -577,7 +577,9 @@ pub const SIMULATED_RESOLUTION: f64 = 0.05;
 /// to [`SIMULATED_RESOLUTION`] (steps under `<dir>/calibration-runs/simulated/`). The reference
 /// point's own workload keeps the live capacity as measured. Each point's `capacity.json` records
 /// the three rates ([`SimulatedScaling`]); a resume with the same workloads and SLO reuses them.
-/// Other fleets are refused: the simulator models the emulator only.
+/// A virtual sweep judged by a live calibration (`prepare`) takes its points' rates from here
+/// too, so its plans are the live sweep's. Other fleets are refused: the simulator models the
+/// emulator only.
 pub fn simulated_point_capacities(
     s: &SweepSettings,
     cal: &Calibration,
