@@ -1331,7 +1331,11 @@ pub(crate) mod tests {
     #[test]
     fn an_old_calibration_reads_but_its_ttl_is_refused() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/measurements");
-        for sweep in ["pressure-grid-quick", "pressure-grid-closed-loop", "fault-kill"] {
+        for sweep in [
+            "pressure-grid-quick",
+            "pressure-grid-closed-loop",
+            "fault-kill",
+        ] {
             let cal = Calibration::read(&root.join(sweep).join("calibration.json")).unwrap();
             let e = cal.routing().unwrap_err().to_string();
             assert!(e.contains("recalibrate"), "{sweep}: {e}");
