@@ -392,6 +392,23 @@ fn pressure_label(p: &Point) -> String {
 pub fn render(report: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "# Sweep `{}`\n", report.sweep);
+    if let Some(p) = &report.in_progress {
+        let list = |v: &[String]| {
+            if v.is_empty() {
+                "none".to_owned()
+            } else {
+                v.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
+            }
+        };
+        let _ = writeln!(
+            out,
+            "**In progress: {} of the {} repetitions `sweep.json` plans have finished.** What follows covers only those; resume with the sweep's own command. Partly run: {}. Not started: {}.\n",
+            p.finished_reps,
+            p.planned_reps,
+            list(&p.points_partial),
+            list(&p.points_not_started)
+        );
+    }
     let _ = writeln!(
         out,
         "Goodput = requests meeting the SLO (TTFT and per-request ITL p50 below their bounds, no error) in the measured window ÷ window length; an open loop's requests are placed in the window by their scheduled time and their TTFT counts from it (a turn that waited in the driver counts its wait), a closed loop's by their send time. Each figure is the median of repetitions with [min–max]; two policies *separate* when their ranges do not overlap, otherwise the difference is *within spread* (*too few reps* when either side rests on fewer than two repetitions).\n"

@@ -281,6 +281,62 @@ pub struct Beat {
     pub margin: Margin,
 }
 
+/// A sweep still in progress: its record (`sweep.json`: points × policies × repetitions) plans
+/// repetitions that have not finished, as when a grid longer than a session is interrupted and
+/// published to be resumed. The report says so first, so the tables are never read as the whole.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InProgress {
+    /// Repetitions the record plans.
+    pub planned_reps: usize,
+    /// Of those, finished (a complete `meta.json`, accepted or set aside).
+    pub finished_reps: usize,
+    /// Planned points with no finished repetition.
+    pub points_not_started: Vec<String>,
+    /// Planned points with some, not all, repetitions finished.
+    pub points_partial: Vec<String>,
+}
+
+/// The sweep record's plan against the finished `(point, policy, rep)`s; `None` when the record
+/// is absent or unreadable or every planned repetition has finished.
+pub fn in_progress(
+    record: &serde_json::Value,
+    finished: &std::collections::BTreeSet<(String, String, u32)>,
+) -> Option<InProgress> {
+    let names = |key: &str, field: Option<&str>| -> Option<Vec<String>> {
+        (record.get(key)?.as_array()?.iter())
+            .map(|v| match field {
+                Some(f) => v.get(f)?.as_str().map(str::to_owned),
+                None => v.as_str().map(str::to_owned),
+            })
+            .collect()
+    };
+    let points = names("points", Some("name"))?;
+    let policies = names("policies", None)?;
+    let reps = u32::try_from(record.get("reps")?.as_u64()?).ok()?;
+    let (mut planned, mut done) = (0, 0);
+    let (mut not_started, mut partial) = (Vec::new(), Vec::new());
+    for point in &points {
+        let planned_here = policies.len() * reps as usize;
+        let done_here = (policies.iter())
+            .flat_map(|p| (1..=reps).map(move |k| (p, k)))
+            .filter(|(p, k)| finished.contains(&(point.clone(), (*p).clone(), *k)))
+            .count();
+        planned += planned_here;
+        done += done_here;
+        if done_here == 0 {
+            not_started.push(point.clone());
+        } else if done_here < planned_here {
+            partial.push(point.clone());
+        }
+    }
+    (done < planned).then_some(InProgress {
+        planned_reps: planned,
+        finished_reps: done,
+        points_not_started: not_started,
+        points_partial: partial,
+    })
+}
+
 /// Would a router that picks its policy per load point beat always using prefix-affinity?
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AdaptiveTest {
@@ -309,6 +365,10 @@ pub struct Report {
     pub refused: Vec<Refusal>,
     /// Repetition directories without a complete meta.json (never analysed).
     pub incomplete: Vec<IncompleteRep>,
+    /// What the sweep's record plans and has not finished; `None` when every planned repetition
+    /// has finished or the directory has no record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_progress: Option<InProgress>,
     /// Router overhead per policy across the sweep.
     pub overhead_by_policy: Vec<PolicyOverhead>,
     /// The adaptive-router test.
@@ -648,6 +708,7 @@ impl<'c> Builder<'c> {
             points: self.points,
             refused: self.refused,
             incomplete,
+            in_progress: None,
             overhead_by_policy,
             warnings: self.warnings,
         }
@@ -674,18 +735,67 @@ pub fn analyze_dir(dir: &Path, cfg: &ReportConfig) -> Result<Report> {
     let (sweep, points) = discover(dir)?;
     let mut b = Builder::new(cfg);
     let mut incomplete = Vec::new();
+    let mut finished = std::collections::BTreeSet::new();
     for dirs in &points {
         let (reps, inc) = load_point(dirs)?;
         incomplete.extend(inc);
+        finished.extend(reps.iter().map(|r| (r.point.clone(), r.policy.clone(), r.rep)));
         let refs: Vec<&RepData> = reps.iter().collect();
         b.add_point(&dirs.point, &refs);
     }
-    Ok(b.finish(sweep, incomplete))
+    let mut report = b.finish(sweep, incomplete);
+    // The router grid's record; other ingresses' records (`sweep-haproxy.json`, …) plan cells
+    // under other names beside it.
+    let record = std::fs::read_to_string(dir.join("sweep.json")).ok();
+    report.in_progress = record
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|r| in_progress(&r, &finished));
+    Ok(report)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sweep_with_planned_repetitions_unfinished_is_in_progress() {
+        let record = serde_json::json!({
+            "points": [{"name": "ws1-s0", "ratio": 1.0}, {"name": "ws3-s0"}, {"name": "ws8-s0"}],
+            "policies": ["round-robin", "prefix-affinity"],
+            "reps": 2,
+        });
+        let mut finished = std::collections::BTreeSet::new();
+        for policy in ["round-robin", "prefix-affinity"] {
+            for k in 1..=2 {
+                finished.insert(("ws1-s0".to_owned(), policy.to_owned(), k));
+            }
+        }
+        finished.insert(("ws3-s0".to_owned(), "round-robin".to_owned(), 1));
+        // A repetition beyond the plan (another ingress's, an earlier --reps) is not counted.
+        finished.insert(("ws3-s0".to_owned(), "haproxy".to_owned(), 1));
+        assert_eq!(
+            in_progress(&record, &finished),
+            Some(InProgress {
+                planned_reps: 12,
+                finished_reps: 5,
+                points_not_started: vec!["ws8-s0".into()],
+                points_partial: vec!["ws3-s0".into()],
+            })
+        );
+        for point in ["ws3-s0", "ws8-s0"] {
+            for policy in ["round-robin", "prefix-affinity"] {
+                for k in 1..=2 {
+                    finished.insert((point.to_owned(), policy.to_owned(), k));
+                }
+            }
+        }
+        assert_eq!(in_progress(&record, &finished), None, "all finished");
+        assert_eq!(
+            in_progress(&serde_json::json!({"points": []}), &finished),
+            None,
+            "a record without policies or reps plans nothing"
+        );
+    }
 
     #[test]
     fn point_axes_follow_the_sweep_names() {

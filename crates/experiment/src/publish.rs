@@ -124,6 +124,16 @@ fn copy_tree(src: &Path, dst: &Path, out: &mut Published, at: Where) -> Result<(
                 out.files += 1;
                 out.row_files += 1;
             }
+            // Rows already compressed: a sweep restored from its published copy and resumed
+            // (a grid longer than one session) holds its earlier cells' rows this way.
+            (Where::Rep, n) if n.ends_with(".csv.gz") => {
+                let target = dst.join(n);
+                out.bytes += fs::copy(&path, &target).with_context(|| {
+                    format!("copying {} to {}", path.display(), target.display())
+                })?;
+                out.files += 1;
+                out.row_files += 1;
+            }
             (
                 Where::Rep,
                 "meta.json" | "fault.json" | "discarded.json" | "routers.json"
@@ -259,6 +269,37 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         assert_eq!(names, vec!["grid".to_string()]);
+    }
+
+    #[test]
+    fn a_restored_and_resumed_sweep_republishes_its_earlier_rows() {
+        let s = Scratch::new("publish-resumed");
+        let sweep = s.0.join("measurements/grid");
+        let rows = "request_id,ttft_ms\nu1-0,12.5\n";
+        write(&sweep.join("report.json"), "{}");
+        write(&sweep.join("p1/a/rep-1/meta.json"), "{}");
+        write(&sweep.join("p1/a/rep-1/client.csv"), rows);
+        let to = s.0.join("docs/measurements");
+        publish(&sweep, &to).unwrap();
+        // A later session: the working copy is gone; the published copy is restored and the
+        // sweep resumes, adding a repetition with plain rows beside the compressed ones.
+        fs::remove_dir_all(&sweep).unwrap();
+        let restored = s.0.join("restored/grid");
+        fs::create_dir_all(restored.parent().unwrap()).unwrap();
+        fs::rename(to.join("grid"), &restored).unwrap();
+        write(&restored.join("p1/a/rep-2/meta.json"), "{}");
+        write(&restored.join("p1/a/rep-2/client.csv"), rows);
+        let got = publish(&restored, &to).unwrap();
+        assert_eq!((got.reps, got.row_files), (2, 2));
+        for rep in ["rep-1", "rep-2"] {
+            let mut text = String::new();
+            flate2::read::GzDecoder::new(
+                fs::File::open(to.join(format!("grid/p1/a/{rep}/client.csv.gz"))).unwrap(),
+            )
+            .read_to_string(&mut text)
+            .unwrap();
+            assert_eq!(text, rows, "{rep}'s rows survive");
+        }
     }
 
     #[test]

@@ -211,23 +211,29 @@ impl EvidenceSummary {
                 }
             }
         }
-        for l in &self.lateness {
-            match l.p99_ms {
-                Some(p99) if p99 <= bounds.max_lateness_p99_ms => {}
-                Some(p99) => {
-                    return Err(format!(
-                        "replica {} lateness p99 {p99:.3} ms exceeds the bound {:.3} ms",
-                        l.replica, bounds.max_lateness_p99_ms
-                    ));
-                }
-                None if l.steps > 0.0 => {
-                    return Err(format!(
-                        "replica {} lateness p99 past the histogram's last bucket (bound {:.3} ms)",
-                        l.replica, bounds.max_lateness_p99_ms
-                    ));
-                }
-                None => {}
-            }
+        // Every replica over the bound is named, not only the first: a check that stopped at
+        // the first would name replica 0 whenever the whole machine was late, which once read as
+        // a fault of replica 0 alone.
+        let over: Vec<String> = (self.lateness.iter())
+            .filter_map(|l| match l.p99_ms {
+                Some(p99) if p99 <= bounds.max_lateness_p99_ms => None,
+                Some(p99) => Some(format!("replica {} lateness p99 {p99:.3} ms", l.replica)),
+                None if l.steps > 0.0 => Some(format!(
+                    "replica {} lateness p99 past the histogram's last bucket",
+                    l.replica
+                )),
+                None => None,
+            })
+            .collect();
+        if !over.is_empty() {
+            let within = self.lateness.len() - over.len();
+            return Err(format!(
+                "{} {} the bound {:.3} ms ({within} of {} replicas within it)",
+                over.join(", "),
+                if over.len() == 1 { "exceeds" } else { "exceed" },
+                bounds.max_lateness_p99_ms,
+                self.lateness.len()
+            ));
         }
         Ok(())
     }
@@ -939,6 +945,29 @@ mod tests {
         assert!(past.check(&lateness(5.0)).is_err());
         past.lateness[0].steps = 0.0;
         assert!(past.check(&lateness(5.0)).is_ok());
+    }
+
+    #[test]
+    fn every_late_replica_is_named_not_only_the_first() {
+        let mut s = summary();
+        let late = |replica, p99_ms| LatenessSummary {
+            replica,
+            steps: 100.0,
+            p99_ms,
+            mean_ms: Some(0.3),
+        };
+        s.lateness = vec![late(0, Some(2.5)), late(1, Some(0.2)), late(2, None)];
+        assert_eq!(
+            s.check(&lateness(1.0)).unwrap_err(),
+            "replica 0 lateness p99 2.500 ms, replica 2 lateness p99 past the histogram's last \
+             bucket exceed the bound 1.000 ms (1 of 3 replicas within it)"
+        );
+        s.lateness[0].p99_ms = Some(0.5);
+        assert_eq!(
+            s.check(&lateness(1.0)).unwrap_err(),
+            "replica 2 lateness p99 past the histogram's last bucket exceeds the bound 1.000 ms \
+             (2 of 3 replicas within it)"
+        );
     }
 
     #[test]
