@@ -397,7 +397,10 @@ pub fn render(report: &Report) -> String {
             if v.is_empty() {
                 "none".to_owned()
             } else {
-                v.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
+                v.iter()
+                    .map(|n| format!("`{n}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             }
         };
         let _ = writeln!(

@@ -10,7 +10,7 @@ use ahash::AHashMap as HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::load::RepData;
-use crate::meta::{Slo, WindowClock};
+use crate::meta::{Slo, Window, WindowClock};
 use crate::rows::{ClientRow, RouterRow};
 use crate::stats::{mean, median, quantile};
 
@@ -121,6 +121,39 @@ pub fn slo_miss(row: &ClientRow, slo: &Slo, clock: WindowClock) -> SloMiss {
         ttft: !ttft_ok,
         itl: !itl_ok,
     }
+}
+
+/// The share of a run's measured requests (not warm-up, inside `window` by its clock) that
+/// succeeded and missed the SLO by less than `late_ms`: TTFT ([`slo_ttft_ms`]) or per-request
+/// ITL p50 at or above its bound and below bound + `late_ms`. Engine lateness only delays
+/// emission (the emulator's deadlines are absolute), by at most its size, so these are the only
+/// verdicts a lateness of `late_ms` can have turned from within the SLO to outside it. `None`
+/// when no request was measured.
+pub fn missed_by_less_than_share(
+    client: &[ClientRow],
+    slo: &Slo,
+    window: &Window,
+    late_ms: f64,
+) -> Option<f64> {
+    let near = |value: f64, bound: f64| value >= bound && value < bound + late_ms;
+    let (mut measured, mut near_miss) = (0u64, 0u64);
+    for c in client.iter().filter(|c| !c.warmup) {
+        if !window_time_s(c, window.clock).is_some_and(|t| window.contains(t)) {
+            continue;
+        }
+        measured += 1;
+        if row_failed(c) {
+            continue;
+        }
+        let ttft = slo_ttft_ms(c, window.clock).is_some_and(|t| near(t, slo.ttft_ms));
+        let itl = c.itl_p50_ms.is_some_and(|t| near(t, slo.itl_ms));
+        near_miss += u64::from(ttft || itl);
+    }
+    (measured > 0).then(|| near_miss as f64 / measured as f64)
+}
+
+fn row_failed(c: &ClientRow) -> bool {
+    c.error.is_some() || !(200..300).contains(&c.status)
 }
 
 /// Whether a client row's `error` is the driver's `abandoned:` (a turn never sent because it
@@ -1084,6 +1117,51 @@ mod tests {
             ..ok
         };
         assert!(!is_good(&unmeasured, &SLO, WindowClock::Sent));
+    }
+
+    #[test]
+    fn only_requests_just_over_a_bound_are_verdicts_lateness_could_flip() {
+        let window = Window {
+            warmup_s: 0.0,
+            measured_start_s: 0.0,
+            measured_end_s: 10.0,
+            clock: WindowClock::Scheduled,
+        };
+        let ok = client("a", "s", 1, 1.0);
+        let with = |ttft_ms: f64, itl_ms: f64, send_lag_s: f64| ClientRow {
+            ttft_ms: Some(ttft_ms),
+            itl_p50_ms: Some(itl_ms),
+            sent_s: Some(1.0 + send_lag_s),
+            ..ok.clone()
+        };
+        let rows = vec![
+            with(100.0, 10.0, 0.0),    // well within: lateness cannot flip it
+            with(990.0, 10.0, 0.0),    // TTFT at the bound: missed by 0 < 2 ms
+            with(991.5, 10.0, 0.0),    // missed by 1.5 ms
+            with(992.0, 10.0, 0.0),    // missed by 2 ms: more than lateness could add
+            with(100.0, 25.9, 0.0),    // ITL p50 missed by 1.9 ms
+            with(989.0, 10.0, 0.0015), // 989 ms + 1.5 ms waited in the driver: missed by 0.5 ms
+            ClientRow {
+                status: 500,
+                ..with(990.5, 10.0, 0.0)
+            }, // failed: not a lateness verdict
+            ClientRow {
+                warmup: true,
+                ..with(990.5, 10.0, 0.0)
+            }, // warm-up: not measured
+            ClientRow {
+                scheduled_s: Some(11.0),
+                sent_s: Some(11.0),
+                ..with(990.5, 10.0, 0.0)
+            }, // after the window
+        ];
+        let share = missed_by_less_than_share(&rows, &SLO, &window, 2.0).unwrap();
+        assert!((share - 4.0 / 7.0).abs() < 1e-12, "{share}");
+        assert_eq!(
+            missed_by_less_than_share(&rows, &SLO, &window, 0.0),
+            Some(0.0)
+        );
+        assert_eq!(missed_by_less_than_share(&[], &SLO, &window, 2.0), None);
     }
 
     #[test]

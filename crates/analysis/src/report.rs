@@ -739,7 +739,10 @@ pub fn analyze_dir(dir: &Path, cfg: &ReportConfig) -> Result<Report> {
     for dirs in &points {
         let (reps, inc) = load_point(dirs)?;
         incomplete.extend(inc);
-        finished.extend(reps.iter().map(|r| (r.point.clone(), r.policy.clone(), r.rep)));
+        finished.extend(
+            reps.iter()
+                .map(|r| (r.point.clone(), r.policy.clone(), r.rep)),
+        );
         let refs: Vec<&RepData> = reps.iter().collect();
         b.add_point(&dirs.point, &refs);
     }

@@ -857,7 +857,18 @@ pub fn find_live(
                 attempt(&mut fleet)?
             }
         };
-        let evidence_failed = result.evidence.check(&cell_bounds.evidence()).err();
+        let mut result = result;
+        let client = analysis::read_client_csv(&dir.join("client.csv"))
+            .map_err(|e| anyhow!("capacity step rows in {}: {e}", dir.display()))?;
+        let evidence_failed = crate::gate::check_evidence(
+            &mut result.evidence,
+            &cell_bounds.evidence(),
+            &client,
+            &cal.slo,
+            &result.window,
+        )
+        .err();
+        drop(client);
         let meta = Meta {
             sweep: "calibration-capacity".into(),
             point: point.clone(),

@@ -537,11 +537,17 @@ impl<'a> FaultRun<'a> {
         loop {
             attempt += 1;
             cell::clear(rep_dir)?;
-            let a = self.attempt(policy, rep, rep_dir, should_stop)?;
+            let mut a = self.attempt(policy, rep, rep_dir, should_stop)?;
             let window = drift_window(&a.events);
             let drift =
                 analysis::check_rows(&a.client, &self.setup.slo, &window, &DriftConfig::default());
-            let evidence = a.evidence.check(&rep_bounds(s, &self.setup).evidence());
+            let evidence = crate::gate::check_evidence(
+                &mut a.evidence,
+                &rep_bounds(s, &self.setup).evidence(),
+                &a.client,
+                &self.setup.slo,
+                &window,
+            );
             let recorded = RecordedGates::new(
                 match &evidence {
                     Ok(()) => GateStatus::Passed,

@@ -841,14 +841,23 @@ impl<'a> LiveSweep<'a> {
                     continue;
                 }
             };
-            let drift = analysis::check_rep_dir(
-                &dir,
+            let client = analysis::read_client_csv(&dir.join("client.csv"))
+                .map_err(|e| anyhow!("drift check of {}: {e}", dir.display()))?;
+            let drift = analysis::check_rows(
+                &client,
                 &cal.slo,
                 &result.window,
                 &analysis::DriftConfig::default(),
-            )
-            .map_err(|e| anyhow!("drift check of {}: {e}", dir.display()))?;
-            let evidence = result.evidence.check(&cell_bounds.evidence());
+            );
+            let mut result = result;
+            let evidence = crate::gate::check_evidence(
+                &mut result.evidence,
+                &cell_bounds.evidence(),
+                &client,
+                &cal.slo,
+                &result.window,
+            );
+            drop(client);
             let set_aside = match gates.judge(evidence, &drift) {
                 GateDecision::Rerun { reason, note } => {
                     eprintln!("xtask: {} {policy} rep-{rep}: {note}", point.name);

@@ -57,6 +57,10 @@ pub struct LatenessSummary {
     pub steps: f64,
     /// Upper bound of the bucket holding the 99th percentile, ms (`None`: past the last bucket).
     pub p99_ms: Option<f64>,
+    /// Upper bound of the bucket holding the 99.9th percentile, ms (`None`: past the last
+    /// bucket, or not recorded by an older sampler).
+    #[serde(default)]
+    pub p999_ms: Option<f64>,
     /// Mean lateness, ms.
     pub mean_ms: Option<f64>,
 }
@@ -114,6 +118,11 @@ pub struct EvidenceSummary {
     /// and why not.
     #[serde(default)]
     pub foreign_check: CheckStatus,
+    /// Set when the lateness exceeded its p99 bound and the attempt was kept because that
+    /// lateness could not have turned enough SLO verdicts to matter: the rule and the numbers
+    /// (the caller's judgement, `experiment::gate::check_evidence`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lateness_kept: Option<String>,
 }
 
 /// Whether a check could be made over the window.
@@ -711,10 +720,12 @@ impl SamplerState {
                 let first = self.first_lateness[i].as_ref()?;
                 let window = last.delta(first);
                 let p99 = window.quantile_upper_bound(0.99);
+                let p999 = window.quantile_upper_bound(0.999);
                 Some(LatenessSummary {
                     replica: i,
                     steps: window.count,
                     p99_ms: p99.filter(|v| v.is_finite()).map(|s| s * 1e3),
+                    p999_ms: p999.filter(|v| v.is_finite()).map(|s| s * 1e3),
                     mean_ms: window.mean().map(|s| s * 1e3),
                 })
             })
@@ -744,6 +755,7 @@ impl SamplerState {
                 .unwrap_or_default(),
             throttle_check,
             foreign_check,
+            lateness_kept: None,
         };
         let mut line = serde_json::to_value(&summary)?;
         if let Some(obj) = line.as_object_mut() {
@@ -817,6 +829,7 @@ mod tests {
                 replica: 0,
                 steps: 100.0,
                 p99_ms: Some(2.5),
+                p999_ms: Some(3.0),
                 mean_ms: Some(0.3),
             }],
             loadavg_1m_max: Some(1.0),
@@ -825,6 +838,7 @@ mod tests {
             gpu_throttle: vec![],
             throttle_check: CheckStatus::Unavailable("NVML unavailable".into()),
             foreign_check: CheckStatus::Unavailable("NVML unavailable".into()),
+            lateness_kept: None,
         }
     }
 
@@ -954,6 +968,7 @@ mod tests {
             replica,
             steps: 100.0,
             p99_ms,
+            p999_ms: p99_ms,
             mean_ms: Some(0.3),
         };
         s.lateness = vec![late(0, Some(2.5)), late(1, Some(0.2)), late(2, None)];
