@@ -24,7 +24,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     ("epp", &["proxy", "policies", "rt-sched"]),
     ("driver", &["workload", "schema", "trace"]),
-    ("fleet", &["schema", "prom-text"]),
+    ("fleet", &["schema", "prom-text", "rt-sched"]),
     ("analysis", &["workload", "schema"]),
     ("figures", &["analysis", "schema"]),
     (

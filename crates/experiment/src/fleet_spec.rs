@@ -311,6 +311,9 @@ impl FleetSpec {
     pub fn options(&self, log_dir: &Path) -> FleetOptions {
         FleetOptions {
             ready_timeout: Duration::from_secs_f64(self.ready_timeout_s.max(1.0)),
+            // Every measurement on an emulated fleet: a halted virtual CPU wakes the engines
+            // late (rt_sched::KeepAwake).
+            keep_cpus_awake: self.kind == FleetKind::Emulated,
             ..FleetOptions::new(log_dir)
         }
     }

@@ -882,6 +882,8 @@ impl<'a> LiveSweep<'a> {
                     "engine_flags": s.fleet.engine_flags(),
                     "speed": s.fleet.effective_speed(),
                     "slowdowns": replicas.iter().map(|r| r.slowdown).collect::<Vec<_>>(),
+                    // SCHED_IDLE spinners beside the replicas: machine CPU busy reads ~1 with them.
+                    "keep_awake_threads": self.fleet.keep_awake_threads(),
                     "capacity_tokens": cal.capacity_tokens,
                     "num_gpu_blocks": cal.fleet.num_gpu_blocks,
                     "model": s.fleet.model,

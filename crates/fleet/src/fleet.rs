@@ -291,6 +291,10 @@ pub struct FleetOptions {
     pub ready_timeout: Duration,
     /// How long a SIGTERMed replica may take to exit before SIGKILL.
     pub stop_grace: Duration,
+    /// Keep every CPU busy at `SCHED_IDLE` while an emulated fleet exists
+    /// ([`rt_sched::KeepAwake`]: on a virtual machine a halted CPU wakes the engines late). For
+    /// measurements; tests leave it off.
+    pub keep_cpus_awake: bool,
 }
 
 impl FleetOptions {
@@ -300,6 +304,7 @@ impl FleetOptions {
             log_dir: log_dir.into(),
             ready_timeout: Duration::from_secs(60),
             stop_grace: Duration::from_secs(5),
+            keep_cpus_awake: false,
         }
     }
 }
@@ -370,6 +375,8 @@ pub struct Fleet {
     replica_devices: Vec<Result<Vec<u32>, String>>,
     /// Per device: compute pids that appeared on it while the replicas started.
     started_pids: PidsByDevice,
+    /// An emulated fleet's CPU spinners ([`FleetOptions::keep_cpus_awake`]), for its lifetime.
+    keep_awake: Option<rt_sched::KeepAwake>,
 }
 
 /// Never interrupted; for callers without a Ctrl-C flag.
@@ -401,6 +408,11 @@ impl Fleet {
                 bail!("slowdowns must be positive numbers, got {bad}");
             }
         }
+        let keep_awake = if options.keep_cpus_awake && matches!(source, Source::Emulated(_)) {
+            Some(rt_sched::KeepAwake::start().context("keeping the CPUs awake (SCHED_IDLE)")?)
+        } else {
+            None
+        };
         Ok(Fleet {
             source,
             options,
@@ -408,7 +420,15 @@ impl Fleet {
             gpu_backend: None,
             replica_devices: Vec::new(),
             started_pids: BTreeMap::new(),
+            keep_awake,
         })
+    }
+
+    /// CPU spinners kept running beside the replicas ([`FleetOptions::keep_cpus_awake`]; 0: none).
+    pub fn keep_awake_threads(&self) -> usize {
+        self.keep_awake
+            .as_ref()
+            .map_or(0, rt_sched::KeepAwake::threads)
     }
 
     /// Reads the GPUs through `backend` instead of NVML (tests: [`gpu::ScriptedGpus`]). Only a
@@ -976,11 +996,11 @@ mod tests {
         assert_eq!(port_of("http://host/x"), None);
     }
 
-    #[test]
-    fn bad_specs_are_refused() {
-        let spec = EmulatedSpec {
+    /// An emulated spec of `replicas` replicas at speed 1 (nothing is spawned until `start`).
+    fn emulated(replicas: usize) -> EmulatedSpec {
+        EmulatedSpec {
             engine_bin: "engine".into(),
-            replicas: 0,
+            replicas,
             speed: 1.0,
             slowdowns: vec![],
             num_gpu_blocks: None,
@@ -989,7 +1009,12 @@ mod tests {
             kv_events: false,
             extra_args: vec![],
             cache: EmulatedCache::Paged,
-        };
+        }
+    }
+
+    #[test]
+    fn bad_specs_are_refused() {
+        let spec = emulated(0);
         assert!(Fleet::new(Source::Emulated(spec.clone()), FleetOptions::new("/tmp")).is_err());
         let slow = EmulatedSpec {
             replicas: 2,
@@ -1003,5 +1028,25 @@ mod tests {
             ..spec
         };
         assert!(Fleet::new(Source::Emulated(fast), FleetOptions::new("/tmp")).is_err());
+    }
+
+    #[test]
+    fn only_an_emulated_fleet_asked_to_keeps_the_cpus_awake() {
+        let spec = emulated(1);
+        let awake = FleetOptions {
+            keep_cpus_awake: true,
+            ..FleetOptions::new("/tmp")
+        };
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let fleet = Fleet::new(Source::Emulated(spec.clone()), awake.clone()).unwrap();
+        assert_eq!(fleet.keep_awake_threads(), cpus);
+        drop(fleet); // stops and joins the spinners
+        let asleep = Fleet::new(Source::Emulated(spec), FleetOptions::new("/tmp")).unwrap();
+        assert_eq!(asleep.keep_awake_threads(), 0);
+        let real = Source::Static(StaticSpec {
+            urls: vec!["http://127.0.0.1:1".into()],
+            kv_events: vec![],
+        });
+        assert_eq!(Fleet::new(real, awake).unwrap().keep_awake_threads(), 0);
     }
 }
