@@ -128,15 +128,26 @@ pub struct Sources {
     pub trace: PathBuf,
 }
 
+/// Whether the sweep in `dir` is published part-way: its `report.json` says `in_progress`
+/// (`analysis::report::InProgress`).
+fn in_progress(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("report.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|r| r.get("in_progress").is_some_and(|v| !v.is_null()))
+}
+
 impl Sources {
     /// The first of [`GRID_SWEEPS`], of [`FAULT_SWEEPS`] and of [`LOAD_SWEEPS`] that exists under
-    /// `measurements_dir` (the first name when none does, so that errors name it).
+    /// `measurements_dir` and is not in progress (its `report.json` has no `in_progress`: a grid
+    /// published part-way, to be resumed, is not drawn as if it were whole); the first name when
+    /// none is, so that errors name it.
     pub fn discover(measurements_dir: &Path) -> Sources {
         let pick = |names: &[&str]| {
             names
                 .iter()
                 .map(|n| measurements_dir.join(n))
-                .find(|p| p.is_dir())
+                .find(|p| p.is_dir() && !in_progress(p))
                 .unwrap_or_else(|| measurements_dir.join(names[0]))
         };
         Sources {
@@ -389,4 +400,30 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     std::io::Write::write_all(&mut f, bytes)
         .and_then(|()| f.commit())
         .with_context(|| format!("cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grid_in_progress_is_passed_over_for_the_next_finished_one() {
+        let root = std::env::temp_dir().join(format!("figures-sources-{}", std::process::id()));
+        let write = |sweep: &str, report: &str| {
+            std::fs::create_dir_all(root.join(sweep)).unwrap();
+            std::fs::write(root.join(sweep).join("report.json"), report).unwrap();
+        };
+        write(
+            "pressure-grid",
+            r#"{"in_progress": {"planned_reps": 324, "finished_reps": 34}}"#,
+        );
+        write("pressure-grid-quick", r#"{"points": []}"#);
+        assert_eq!(
+            Sources::discover(&root).grid,
+            root.join("pressure-grid-quick")
+        );
+        write("pressure-grid", r#"{"points": []}"#);
+        assert_eq!(Sources::discover(&root).grid, root.join("pressure-grid"));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 }
