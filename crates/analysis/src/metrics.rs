@@ -142,7 +142,8 @@ pub fn missed_by_less_than_share(
             continue;
         }
         measured += 1;
-        if row_failed(c) {
+        // A failed request's verdict is its error, which lateness cannot change.
+        if slo_miss(c, slo, window.clock).error {
             continue;
         }
         let ttft = slo_ttft_ms(c, window.clock).is_some_and(|t| near(t, slo.ttft_ms));
@@ -150,10 +151,6 @@ pub fn missed_by_less_than_share(
         near_miss += u64::from(ttft || itl);
     }
     (measured > 0).then(|| near_miss as f64 / measured as f64)
-}
-
-fn row_failed(c: &ClientRow) -> bool {
-    c.error.is_some() || !(200..300).contains(&c.status)
 }
 
 /// Whether a client row's `error` is the driver's `abandoned:` (a turn never sent because it
