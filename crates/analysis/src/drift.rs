@@ -22,7 +22,20 @@
 //! each time bucket, and tests its growth with the same trend test (flagged, and rising). A rep
 //! whose backlog grows is [`DriftClass::Overloaded`] — whether or not its goodput or TTFT trend
 //! too: deep in overload goodput sits flat at what the fleet serves, and the TTFT of the requests
-//! that still succeed can be too scattered to trend, while the queue grows all the same. It is a
+//! that still succeed can be too scattered to trend, while the queue grows all the same. The
+//! driver's queue alone (scheduled, not yet sent) is tested the same way, because a queue can
+//! grow there while the whole backlog's trend drowns in the noise of the requests in flight: at a
+//! skewed point the hottest conversation's turns are scheduled faster than one conversation can
+//! be served turn after turn, so they wait behind each other in the driver, the same in every
+//! policy. On 2 Dec 2026 (live grid, ws0.25-s1.4, 40-s windows) that queue rose from 0.18 to
+//! 0.78 requests in all 7 policies measured (t = 3.1–3.4) while the whole backlog's t was
+//! 2.2–2.8, and 4 of the 7 were set aside as "warming" twice; at ws0.25-s1 it was flat (|t| ≤
+//! 0.2) in all 24 repetitions. That 10-bucket test has little power at a mean of a third of a
+//! request (virtual ws0.25-s1.4: t = 2.3–2.5), so a rising TTFT trend is also split: OLS on the
+//! same times makes its slope exactly the wait in the driver's slope plus the engines' side's,
+//! and a trend more than [`WAIT_SHARE_OF_DRIFT`] of which is the wait is the driver's queue
+//! growing. A re-run on the same plan repeats such a queue; one with a longer warm-up measures a
+//! later stretch of the plan, not a settled version of this one. It is a
 //! result, recorded with its goodput and attainment and marked so, not set aside. A drifting rep
 //! with a flat or falling backlog, or a drifting closed loop (its users wait for replies, so it
 //! has no backlog to grow), is [`DriftClass::Warming`]: re-run with a longer warm-up, or set
@@ -82,7 +95,13 @@ pub struct TrendTest {
 
 /// The rule that tells a warming repetition from an overloaded one, as `meta.json`'s `drift`
 /// records it beside the evidence.
-pub const CLASSIFICATION_RULE: &str = "drifting = the SLO outcome per bucket (closed loop: goodput; open loop: SLO attainment, as its arrivals are the plan's) or the TTFT the SLO judges trends across the measured window (OLS slope, |t| > t_threshold and fitted change > min_relative_change of the series mean; for TTFT, of the larger of its mean and the TTFT bound); overloaded = open loop and the backlog (requests scheduled and not yet finished: queued in the driver or in flight; its mean over each bucket) rises by the same test, drifting or not; warming = drifting without a rising backlog (a flat or falling one, or a closed loop, which has no backlog to grow); an overloaded rep is a result, recorded with its goodput and attainment and marked, a warming one is re-run with a longer warm-up or set aside";
+pub const CLASSIFICATION_RULE: &str = "drifting = the SLO outcome per bucket (closed loop: goodput; open loop: SLO attainment, as its arrivals are the plan's) or the TTFT the SLO judges trends across the measured window (OLS slope, |t| > t_threshold and fitted change > min_relative_change of the series mean; for TTFT, of the larger of its mean and the TTFT bound); overloaded = open loop and the backlog (requests scheduled and not yet finished: queued in the driver or in flight; its mean over each bucket) or the driver's queue alone (scheduled, not yet sent) rises by the same test, drifting or not, or the TTFT trend rises and more than half of its slope is the wait in the driver (OLS of the wait on the same times); warming = drifting with neither queue rising (flat or falling ones, or a closed loop, which has no backlog to grow); an overloaded rep is a result, recorded with its goodput and attainment and marked, a warming one is re-run with a longer warm-up or set aside";
+
+/// Above this share of a rising TTFT trend's slope being the wait in the driver, the drift is
+/// the driver's queue growing, not the engines warming: more of the trend is the queue than the
+/// engines. On 2 Dec 2026 the live ws0.25-s1.4 cells' trends were the driver's queue in every
+/// policy while the engines' own TTFT stayed flat.
+pub const WAIT_SHARE_OF_DRIFT: f64 = 0.5;
 
 /// What the drift check concluded about a repetition.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -93,8 +112,8 @@ pub enum DriftClass {
     Settled,
     /// A series trends and no backlog grows: not yet settled; re-run longer or set aside.
     Warming,
-    /// The open-loop backlog grows through the window (whether or not a series trends): the
-    /// policy cannot sustain the offered load. A result, marked, not set aside.
+    /// The open-loop backlog, or the driver's queue alone, grows through the window (whether or
+    /// not a series trends): the offered load is not sustained. A result, marked, not set aside.
     Overloaded,
     /// Too few measured requests to run the check.
     Skipped,
@@ -148,6 +167,18 @@ pub struct DriftVerdict {
     /// Mean backlog over the window, requests; `None` when not measured.
     #[serde(default)]
     pub backlog_mean: Option<f64>,
+    /// Mean driver queue per bucket (requests scheduled and not yet sent) vs time, in requests
+    /// per s of window; `None` when `backlog` is. Its `flagged` with a positive slope is "grows".
+    #[serde(default)]
+    pub unsent: Option<TrendTest>,
+    /// Mean driver queue over the window, requests; `None` when not measured.
+    #[serde(default)]
+    pub unsent_mean: Option<f64>,
+    /// Of a flagged, rising TTFT trend of an open loop, the share of its slope that is the wait
+    /// in the driver (the rest is the TTFT from the send); `None` otherwise. Above
+    /// [`WAIT_SHARE_OF_DRIFT`] the drift is the driver's queue growing: overloaded.
+    #[serde(default)]
+    pub wait_share: Option<f64>,
     /// [`CLASSIFICATION_RULE`].
     #[serde(default)]
     pub rule: String,
@@ -174,17 +205,36 @@ fn finished_s(row: &ClientRow) -> Option<f64> {
 /// bucket's length. Every row counts, warm-up ones included (one still queued or in flight in the
 /// window is backlog there).
 pub fn backlog_per_bucket(client: &[ClientRow], window: &Window, buckets: usize) -> Vec<f64> {
+    occupancy_per_bucket(client, window, buckets, |c| {
+        let start = c.scheduled_s.or(c.sent_s)?;
+        Some((start, finished_s(c).unwrap_or(f64::INFINITY).max(start)))
+    })
+}
+
+/// The mean driver queue over each of `buckets` equal buckets of `window`: as
+/// [`backlog_per_bucket`], each request counted from its scheduled time to its send time (to the
+/// end when never sent). A row without a scheduled time (a closed loop's) never queues.
+pub fn unsent_per_bucket(client: &[ClientRow], window: &Window, buckets: usize) -> Vec<f64> {
+    occupancy_per_bucket(client, window, buckets, |c| {
+        let start = c.scheduled_s?;
+        Some((start, c.sent_s.unwrap_or(f64::INFINITY).max(start)))
+    })
+}
+
+/// Σ over rows of the overlap of `span(row)` (start, end; s) with each bucket ÷ its length.
+fn occupancy_per_bucket(
+    client: &[ClientRow],
+    window: &Window,
+    buckets: usize,
+    span: impl Fn(&ClientRow) -> Option<(f64, f64)>,
+) -> Vec<f64> {
     let window_s = window.measured_s();
     if buckets == 0 || window_s <= 0.0 {
         return Vec::new();
     }
     let width = window_s / buckets as f64;
     let mut busy_s = vec![0.0f64; buckets];
-    for c in client {
-        let Some(start) = c.scheduled_s.or(c.sent_s) else {
-            continue;
-        };
-        let end = finished_s(c).unwrap_or(f64::INFINITY).max(start);
+    for (start, end) in client.iter().filter_map(&span) {
         for (i, b) in busy_s.iter_mut().enumerate() {
             let lo = window.measured_start_s + i as f64 * width;
             let hi = lo + width;
@@ -275,6 +325,9 @@ pub fn check_rows(
             class: DriftClass::Skipped,
             backlog: None,
             backlog_mean: None,
+            unsent: None,
+            unsent_mean: None,
+            wait_share: None,
             rule: CLASSIFICATION_RULE.to_string(),
         };
     }
@@ -318,24 +371,46 @@ pub fn check_rows(
                 .unzip();
             trend(&x, &y, window_s, cfg)
         });
-    let (x, y): (Vec<f64>, Vec<f64>) = measured
+    let judged: Vec<(f64, f64, &ClientRow)> = measured
         .iter()
         .filter(|(_, c)| c.error.is_none() && (200..300).contains(&c.status))
-        .filter_map(|(t, c)| slo_ttft_ms(c, window.clock).map(|v| (*t, v)))
-        .unzip();
+        .filter_map(|(t, c)| slo_ttft_ms(c, window.clock).map(|v| (*t, v, *c)))
+        .collect();
+    let x: Vec<f64> = judged.iter().map(|(t, _, _)| *t).collect();
+    let y: Vec<f64> = judged.iter().map(|(_, v, _)| *v).collect();
     // A TTFT trend matters on the scale the SLO judges: a change of a tenth of a 10-ms mean
     // cannot move a request across a 167-ms bound, and at a small working set a few slow turns
     // of a hot conversation late in the window are enough to make such a mean trend.
     let ttft = trend_on_scale(&x, &y, window_s, |mean| mean.max(slo.ttft_ms), cfg);
+    // An open loop's judged TTFT is the wait in the driver plus the TTFT from the send; OLS on
+    // the same times splits the TTFT slope exactly into the two slopes, so the share of a rising
+    // TTFT trend that is the driver's wait says whether the drift is a queue growing in the
+    // driver (the engines' side flat) or the engines' own latency changing (module doc).
+    let wait_share = ttft
+        .as_ref()
+        .filter(|t| t.flagged && t.slope_per_s > 0.0 && window.clock == WindowClock::Scheduled)
+        .and_then(|t| {
+            let wait: Vec<f64> = judged
+                .iter()
+                .map(|(_, v, c)| c.ttft_ms.map_or(0.0, |sent_ttft| (v - sent_ttft).max(0.0)))
+                .collect();
+            ols(&x, &wait).map(|fit| fit.slope / t.slope_per_s)
+        });
     // The backlog of an open loop: a closed loop's users wait for their replies, so its backlog
     // is bounded by its users and says nothing about overload.
-    let (backlog, backlog_mean) = if window.clock == WindowClock::Scheduled && cfg.buckets >= 3 {
-        let y = backlog_per_bucket(client, window, cfg.buckets);
-        let x: Vec<f64> = (0..cfg.buckets).map(bucket_mid).collect();
-        (trend(&x, &y, window_s, cfg), crate::stats::mean(&y))
-    } else {
-        (None, None)
+    let queue_trend = |per_bucket: fn(&[ClientRow], &Window, usize) -> Vec<f64>| {
+        if window.clock == WindowClock::Scheduled && cfg.buckets >= 3 {
+            let y = per_bucket(client, window, cfg.buckets);
+            let x: Vec<f64> = (0..cfg.buckets).map(bucket_mid).collect();
+            (trend(&x, &y, window_s, cfg), crate::stats::mean(&y))
+        } else {
+            (None, None)
+        }
     };
+    let (backlog, backlog_mean) = queue_trend(backlog_per_bucket);
+    // The driver's queue on its own: at a skewed point it can grow while the whole backlog's
+    // trend is lost in the noise of the requests in flight (module doc).
+    let (unsent, unsent_mean) = queue_trend(unsent_per_bucket);
     let mut reasons = Vec::new();
     if let Some(t) = goodput.as_ref().filter(|t| t.flagged) {
         reasons.push(describe("goodput", t));
@@ -347,28 +422,54 @@ pub fn check_rows(
         reasons.push(describe("TTFT", t));
     }
     let drifting = !reasons.is_empty();
-    let grows = backlog
-        .as_ref()
-        .is_some_and(|b| b.flagged && b.slope_per_s > 0.0);
+    let rising =
+        |t: &Option<TrendTest>| t.as_ref().is_some_and(|b| b.flagged && b.slope_per_s > 0.0);
+    let queue_drift = wait_share.is_some_and(|share| share > WAIT_SHARE_OF_DRIFT);
+    let grows = rising(&backlog) || rising(&unsent) || queue_drift;
     let class = match (drifting, grows) {
         (_, true) => DriftClass::Overloaded,
         (true, false) => DriftClass::Warming,
         (false, false) => DriftClass::Settled,
     };
-    let reason = match (class, &backlog) {
-        (DriftClass::Overloaded, Some(b)) => Some(format!(
-            "overloaded: the backlog grows {:.2} requests/s across the window (mean {:.1}, t = {}); {}",
-            b.slope_per_s,
-            backlog_mean.unwrap_or(0.0),
-            b.t_stat
-                .map_or_else(|| "unbounded".to_string(), |v| format!("{v:.1}")),
-            if reasons.is_empty() {
-                "attainment and TTFT do not trend".to_string()
-            } else {
-                reasons.join("; ")
+    let growth = |what: &str, t: &TrendTest, mean: Option<f64>| {
+        format!(
+            "{what} grows {:.3} requests/s across the window (mean {:.2}, t = {})",
+            t.slope_per_s,
+            mean.unwrap_or(0.0),
+            t.t_stat
+                .map_or_else(|| "unbounded".to_string(), |v| format!("{v:.1}"))
+        )
+    };
+    let reason = match class {
+        DriftClass::Overloaded => {
+            let mut queues = Vec::new();
+            if let Some(b) = backlog.as_ref().filter(|_| rising(&backlog)) {
+                queues.push(growth("the backlog", b, backlog_mean));
             }
-        )),
-        (DriftClass::Warming, _) => Some(format!("warming: {}", reasons.join("; "))),
+            if let Some(u) = unsent.as_ref().filter(|_| rising(&unsent)) {
+                queues.push(growth(
+                    "the driver's queue of unsent requests",
+                    u,
+                    unsent_mean,
+                ));
+            }
+            if let Some(share) = wait_share.filter(|_| queue_drift) {
+                queues.push(format!(
+                    "the wait in the driver is {:.0}% of the TTFT trend",
+                    share * 100.0
+                ));
+            }
+            Some(format!(
+                "overloaded: {}; {}",
+                queues.join("; "),
+                if reasons.is_empty() {
+                    "attainment and TTFT do not trend".to_string()
+                } else {
+                    reasons.join("; ")
+                }
+            ))
+        }
+        DriftClass::Warming => Some(format!("warming: {}", reasons.join("; "))),
         _ => None,
     };
     DriftVerdict {
@@ -383,6 +484,9 @@ pub fn check_rows(
         class,
         backlog,
         backlog_mean,
+        unsent,
+        unsent_mean,
+        wait_share,
         rule: CLASSIFICATION_RULE.to_string(),
     }
 }

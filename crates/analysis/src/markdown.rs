@@ -424,7 +424,7 @@ pub fn render(report: &Report) -> String {
         .iter()
         .any(|p| p.cells.iter().any(|c| !c.overloaded.is_empty()))
     {
-        out.push_str("**Overloaded** marks a cell with a repetition whose drift is a backlog (requests scheduled and not yet finished) growing through the window: the policy cannot sustain the offered load there. Such a repetition is counted, not set aside — its goodput and attainment are the result — and every comparison resting on it is marked.\n\n");
+        out.push_str("**Overloaded** marks a cell with a repetition whose drift is a backlog (requests scheduled and not yet finished) growing through the window, or the driver's queue alone (scheduled, not yet sent: at a skewed point, the hottest conversation's turns waiting behind each other), or a rising TTFT trend that is mostly the wait in the driver: the offered load is not sustained there. Such a repetition is counted, not set aside — its goodput and attainment are the result — and every comparison resting on it is marked.\n\n");
     }
     summary(&mut out, report);
     for p in &report.points {

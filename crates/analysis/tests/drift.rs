@@ -258,6 +258,126 @@ fn a_growing_backlog_is_overloaded_even_when_attainment_and_ttft_do_not_trend() 
     );
 }
 
+/// A skewed open loop: 4 requests a second sent on time, in flight for 0.5–8.5 s (deterministic
+/// noise drawn per 10-s stretch, so the number in flight swings widely from bucket to bucket), and
+/// one hot conversation whose turns are scheduled every 2 s but take 2.2 s each, so each waits in
+/// the driver behind the one before. Only the driver's queue shows the growth clearly.
+fn chain_bound_cell(seed: u64) -> Vec<ClientRow> {
+    let mut noise = Noise(seed);
+    let stretch_ms: Vec<f64> = (0..12).map(|_| 4500.0 + 4000.0 * noise.next()).collect();
+    let mut rows: Vec<ClientRow> = (0..440)
+        .map(|i| {
+            let sent = i as f64 * 0.25;
+            let mut r = row(i, sent, 100.0, sent < WINDOW.warmup_s);
+            let e2el_ms = stretch_ms[(sent / 10.0) as usize];
+            r.e2el_ms = Some(e2el_ms);
+            r.last_s = Some(sent + e2el_ms / 1e3);
+            r
+        })
+        .collect();
+    let mut free_s = 0.0f64;
+    for turn in 0..55 {
+        let scheduled = turn as f64 * 2.0;
+        let sent = scheduled.max(free_s);
+        free_s = sent + 2.2;
+        let mut r = row(1000 + turn, sent, 100.0, scheduled < WINDOW.warmup_s);
+        r.session_id = Some("hot".into());
+        r.scheduled_s = Some(scheduled);
+        r.send_lag_ms = Some((sent - scheduled) * 1e3);
+        r.e2el_ms = Some(2200.0);
+        r.last_s = Some(sent + 2.2);
+        rows.push(r);
+    }
+    rows
+}
+
+#[test]
+fn a_driver_queue_that_grows_is_overloaded_when_the_whole_backlog_does_not_show_it() {
+    let rows = chain_bound_cell(3);
+    let window = Window {
+        clock: WindowClock::Scheduled,
+        ..WINDOW
+    };
+    let v = check_rows(&rows, &SLO, &window, &DriftConfig::default());
+    let backlog = v.backlog.as_ref().unwrap();
+    assert!(!backlog.flagged, "{backlog:?}");
+    let unsent = v.unsent.as_ref().unwrap();
+    // 0.5 turn/s offered, 1/2.2 served: the queue grows by 0.045 turn per second.
+    assert!(
+        unsent.flagged && (unsent.slope_per_s - (0.5 - 1.0 / 2.2)).abs() < 0.01,
+        "{unsent:?}"
+    );
+    assert_eq!(v.class, DriftClass::Overloaded, "{v:?}");
+    let reason = v.reason.as_deref().unwrap();
+    assert!(
+        reason.starts_with("overloaded: the driver's queue of unsent requests grows 0.0"),
+        "{reason}"
+    );
+    assert!(v.rule.contains("or the driver's queue alone"));
+    // The queue is measured from the rows' own times: a closed loop has none to test.
+    let closed = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
+    assert!(closed.unsent.is_none() && closed.unsent_mean.is_none());
+    // Without the hot conversation, nothing queues in the driver and nothing is overloaded.
+    let cold: Vec<ClientRow> = rows
+        .iter()
+        .filter(|r| r.session_id.as_deref() != Some("hot"))
+        .cloned()
+        .collect();
+    let v = check_rows(&cold, &SLO, &window, &DriftConfig::default());
+    assert_eq!(v.unsent_mean, Some(0.0));
+    assert_ne!(v.class, DriftClass::Overloaded, "{v:?}");
+}
+
+#[test]
+fn a_ttft_trend_is_split_into_the_drivers_wait_and_the_engines_side() {
+    // TTFT from the send flat at 100 ms, but every request waits in the driver 4 ms longer per
+    // second of window: the judged TTFT trend is all wait, so the drift is the driver's queue.
+    let queued: Vec<ClientRow> = cell(|_| 100.0, 5, 20.0)
+        .into_iter()
+        .map(|mut r| {
+            let scheduled = r.sent_s.unwrap();
+            let wait_s = (scheduled - WINDOW.measured_start_s).max(0.0) * 0.004;
+            r.scheduled_s = Some(scheduled);
+            r.sent_s = Some(scheduled + wait_s);
+            r.send_lag_ms = Some(wait_s * 1e3);
+            r
+        })
+        .collect();
+    let v = check_rows(&queued, &SLO, &OPEN, &DriftConfig::default());
+    assert!(v.ttft.as_ref().unwrap().flagged, "{v:?}");
+    let share = v.wait_share.unwrap();
+    assert!((share - 1.0).abs() < 0.1, "{share}");
+    assert_eq!(v.class, DriftClass::Overloaded, "{v:?}");
+    assert!(
+        v.reason
+            .as_deref()
+            .unwrap()
+            .contains("the wait in the driver is 10"),
+        "{:?}",
+        v.reason
+    );
+    // The engines' own TTFT rising (each request still done in 2 s, so no backlog grows), every
+    // request sent on time: none of the trend is the driver's.
+    let engines: Vec<ClientRow> = cell(|t| 400.0 + 8.0 * t, 9, 40.0)
+        .into_iter()
+        .map(|mut r| {
+            r.e2el_ms = Some(2000.0);
+            r.last_s = Some(r.sent_s.unwrap() + 2.0);
+            r
+        })
+        .collect();
+    let v = check_rows(&engines, &SLO, &OPEN, &DriftConfig::default());
+    assert!(v.ttft.as_ref().unwrap().flagged, "{v:?}");
+    assert!(v.wait_share.unwrap().abs() < 0.05, "{v:?}");
+    assert_eq!(v.class, DriftClass::Warming, "{v:?}");
+    // A closed loop has no schedule to wait behind: no share.
+    assert!(
+        check_rows(&queued, &SLO, &WINDOW, &DriftConfig::default())
+            .wait_share
+            .is_none()
+    );
+}
+
 /// Every request served in 400 ms, sent on time, but the arrivals thin out: 5 a second in the
 /// window's first half, 3 in its second (a Poisson plan's draws can do this over 40 s).
 fn thinning_cell() -> Vec<ClientRow> {

@@ -16,7 +16,8 @@
 //!   window and each TTFT counts from the scheduled time (docs/CONTRACTS.md, "Which requests are
 //!   measured"): a turn that queued in the driver behind its conversation's previous turn —
 //!   the backlog of overload — is measured, and misses by its wait. A step the drift check calls
-//!   overloaded (its backlog grows through the window) does not meet and is not re-run: a longer
+//!   overloaded (its backlog, or the driver's queue alone, grows through the window) does not
+//!   meet and is not re-run: a longer
 //!   warm-up would not settle it. A step the drift check calls warming is re-run with its warm-up
 //!   doubled; one still unsettled after [`SearchConfig::max_lengthenings`] re-runs counts as not
 //!   meeting the SLO (the fleet did not hold that rate steady), and is recorded so — never
@@ -140,7 +141,8 @@ pub struct StepMeasurement {
     pub settled: bool,
     /// Why not settled (drift, too few requests for the check, evidence).
     pub unsettled_reason: Option<String>,
-    /// The drift check found the step overloaded (its backlog grows through the window): it
+    /// The drift check found the step overloaded (its backlog, or the driver's queue alone, grows
+    /// through the window): it
     /// does not meet, and a longer warm-up would not settle it, so it is not re-run.
     #[serde(default)]
     pub overloaded: bool,
@@ -419,7 +421,7 @@ pub fn search(
         }
     }
     let rule = format!(
-        "capacity = the highest offered open-loop rate (req/s of model time) at which the best of [{}] met the SLO on ≥ {:.0}% of its measured requests (the requests scheduled in the window, each TTFT counted from its scheduled time, so turns queued in the driver count), in a settled step (drift check passed, evidence clean); coarse steps of ×{} from {start} req/s ({}), then geometric bisection until the lowest failing rate ({hi}) was within {:.0}% of it; a step the drift check called overloaded (backlog growing through the window) does not meet and was not re-run; a warming step was re-run with its warm-up doubled up to {} time(s), and a step still unsettled counts as not meeting the SLO",
+        "capacity = the highest offered open-loop rate (req/s of model time) at which the best of [{}] met the SLO on ≥ {:.0}% of its measured requests (the requests scheduled in the window, each TTFT counted from its scheduled time, so turns queued in the driver count), in a settled step (drift check passed, evidence clean); coarse steps of ×{} from {start} req/s ({}), then geometric bisection until the lowest failing rate ({hi}) was within {:.0}% of it; a step the drift check called overloaded (its backlog, or the driver's queue alone, growing through the window) does not meet and was not re-run; a warming step was re-run with its warm-up doubled up to {} time(s), and a step still unsettled counts as not meeting the SLO",
         cfg.policies.join(", "),
         ATTAINMENT_TARGET * 100.0,
         cfg.step_factor,

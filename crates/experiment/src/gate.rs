@@ -312,6 +312,9 @@ mod tests {
             },
             backlog: None,
             backlog_mean: None,
+            unsent: None,
+            unsent_mean: None,
+            wait_share: None,
             rule: analysis::drift::CLASSIFICATION_RULE.to_string(),
         }
     }
