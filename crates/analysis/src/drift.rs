@@ -49,7 +49,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 use crate::meta::{Slo, Window, WindowClock};
-use crate::metrics::{is_good, slo_ttft_ms, window_time_s};
+use crate::metrics::{is_good, queued_ms, slo_ttft_ms, window_time_s};
 use crate::rows::{ClientRow, read_client_csv};
 use crate::stats::ols;
 
@@ -282,14 +282,33 @@ fn trend_on_scale(
 }
 
 fn describe(name: &str, t: &TrendTest) -> String {
-    let t_stat = t
-        .t_stat
-        .map_or_else(|| "unbounded".to_string(), |v| format!("{v:.1}"));
     format!(
-        "{name} trends {} by {:.0}% across the window (t = {t_stat})",
+        "{name} trends {} by {:.0}% across the window (t = {})",
         if t.slope_per_s > 0.0 { "up" } else { "down" },
-        t.relative_change.unwrap_or(0.0) * 100.0
+        t.relative_change.unwrap_or(0.0) * 100.0,
+        t_stat_text(t)
     )
+}
+
+/// A queue's growth, for an overloaded reason.
+fn describe_growth(what: &str, t: &TrendTest, mean: Option<f64>) -> String {
+    format!(
+        "{what} grows {:.3} requests/s across the window (mean {:.2}, t = {})",
+        t.slope_per_s,
+        mean.unwrap_or(0.0),
+        t_stat_text(t)
+    )
+}
+
+/// `t` to one decimal, or "unbounded" for a perfect line.
+fn t_stat_text(t: &TrendTest) -> String {
+    t.t_stat
+        .map_or_else(|| "unbounded".to_string(), |v| format!("{v:.1}"))
+}
+
+/// A flagged trend with a positive slope: the series grows.
+fn rises(t: &&TrendTest) -> bool {
+    t.flagged && t.slope_per_s > 0.0
 }
 
 /// Drift check over client rows: the measured requests are those not in warm-up and inside
@@ -390,10 +409,7 @@ pub fn check_rows(
         .as_ref()
         .filter(|t| t.flagged && t.slope_per_s > 0.0 && window.clock == WindowClock::Scheduled)
         .and_then(|t| {
-            let wait: Vec<f64> = judged
-                .iter()
-                .map(|(_, v, c)| c.ttft_ms.map_or(0.0, |sent_ttft| (v - sent_ttft).max(0.0)))
-                .collect();
+            let wait: Vec<f64> = judged.iter().map(|(_, _, c)| queued_ms(c)).collect();
             ols(&x, &wait).map(|fit| fit.slope / t.slope_per_s)
         });
     // The backlog of an open loop: a closed loop's users wait for their replies, so its backlog
@@ -422,38 +438,29 @@ pub fn check_rows(
         reasons.push(describe("TTFT", t));
     }
     let drifting = !reasons.is_empty();
-    let rising =
-        |t: &Option<TrendTest>| t.as_ref().is_some_and(|b| b.flagged && b.slope_per_s > 0.0);
-    let queue_drift = wait_share.is_some_and(|share| share > WAIT_SHARE_OF_DRIFT);
-    let grows = rising(&backlog) || rising(&unsent) || queue_drift;
+    let backlog_rising = backlog.as_ref().filter(rises);
+    let unsent_rising = unsent.as_ref().filter(rises);
+    let queue_drift = wait_share.filter(|&share| share > WAIT_SHARE_OF_DRIFT);
+    let grows = backlog_rising.is_some() || unsent_rising.is_some() || queue_drift.is_some();
     let class = match (drifting, grows) {
         (_, true) => DriftClass::Overloaded,
         (true, false) => DriftClass::Warming,
         (false, false) => DriftClass::Settled,
     };
-    let growth = |what: &str, t: &TrendTest, mean: Option<f64>| {
-        format!(
-            "{what} grows {:.3} requests/s across the window (mean {:.2}, t = {})",
-            t.slope_per_s,
-            mean.unwrap_or(0.0),
-            t.t_stat
-                .map_or_else(|| "unbounded".to_string(), |v| format!("{v:.1}"))
-        )
-    };
     let reason = match class {
         DriftClass::Overloaded => {
             let mut queues = Vec::new();
-            if let Some(b) = backlog.as_ref().filter(|_| rising(&backlog)) {
-                queues.push(growth("the backlog", b, backlog_mean));
+            if let Some(b) = backlog_rising {
+                queues.push(describe_growth("the backlog", b, backlog_mean));
             }
-            if let Some(u) = unsent.as_ref().filter(|_| rising(&unsent)) {
-                queues.push(growth(
+            if let Some(u) = unsent_rising {
+                queues.push(describe_growth(
                     "the driver's queue of unsent requests",
                     u,
                     unsent_mean,
                 ));
             }
-            if let Some(share) = wait_share.filter(|_| queue_drift) {
+            if let Some(share) = queue_drift {
                 queues.push(format!(
                     "the wait in the driver is {:.0}% of the TTFT trend",
                     share * 100.0

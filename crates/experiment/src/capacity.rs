@@ -17,8 +17,7 @@
 //!   measured"): a turn that queued in the driver behind its conversation's previous turn —
 //!   the backlog of overload — is measured, and misses by its wait. A step the drift check calls
 //!   overloaded (its backlog, or the driver's queue alone, grows through the window) does not
-//!   meet and is not re-run: a longer
-//!   warm-up would not settle it. A step the drift check calls warming is re-run with its warm-up
+//!   meet and is not re-run: a longer warm-up would not settle it. A step the drift check calls warming is re-run with its warm-up
 //!   doubled; one still unsettled after [`SearchConfig::max_lengthenings`] re-runs counts as not
 //!   meeting the SLO (the fleet did not hold that rate steady), and is recorded so — never
 //!   silently used.
@@ -142,8 +141,8 @@ pub struct StepMeasurement {
     /// Why not settled (drift, too few requests for the check, evidence).
     pub unsettled_reason: Option<String>,
     /// The drift check found the step overloaded (its backlog, or the driver's queue alone, grows
-    /// through the window): it
-    /// does not meet, and a longer warm-up would not settle it, so it is not re-run.
+    /// through the window): it does not meet, and a longer warm-up would not settle it, so it is
+    /// not re-run.
     #[serde(default)]
     pub overloaded: bool,
     /// Warm-up of the step, wall s.
