@@ -2,9 +2,10 @@
 # Runs the live full pressure grid for at most MINUTES, then reports and publishes what finished.
 #
 # Why: the full grid (12 points × 9 policies × 3 repetitions, 70–160 s an attempt: 40 s measured
-# after a warm-up derived per point from its settling time) takes ≈ 7–10 h on a 2-core machine, longer than a session, and
-# `measurements/` is not kept from one session to the next (on 2 Dec 2026 seven finished points
-# were lost that way). So the grid advances a session at a time and lives in its published copy:
+# after a warm-up derived per point from its settling time) takes ≈ 7–10 h on a 2-core machine,
+# longer than a session, and `measurements/` is not kept from one session to the next (on 2 Dec 2026
+# seven finished points were lost that way). So the grid advances a session at a time and lives in
+# its published copy:
 #
 #   1. restore `docs/measurements/pressure-grid` into `measurements/pressure-grid` when the working
 #      copy is absent (rows stay compressed; the report and a republish read them as they are);
