@@ -229,13 +229,31 @@ fn one_slo(dir: &Path, report: &Report) -> Result<Slo> {
     Ok(first.slo)
 }
 
+/// Fields of meta.json's `fleet` that describe how it was measured rather than which fleet it
+/// is, left out when repetitions' fleets are compared: `keep_awake_threads` (the CPU spinners,
+/// recorded from 2 Dec 2026; repetitions before that lack it) is judged per repetition by its
+/// evidence (engine lateness), not by sameness.
+pub const FLEET_INSTRUMENT_FIELDS: [&str; 1] = ["keep_awake_threads"];
+
+/// The fleet without [`FLEET_INSTRUMENT_FIELDS`].
+fn fleet_identity(fleet: &serde_json::Value) -> serde_json::Value {
+    let mut f = fleet.clone();
+    if let Some(o) = f.as_object_mut() {
+        for k in FLEET_INSTRUMENT_FIELDS {
+            o.remove(k);
+        }
+    }
+    f
+}
+
 /// The fleet every used repetition recorded; different fleets in one sweep are an error.
 fn fleet_text(dir: &Path, sweep: &SweepData) -> Result<String> {
     let mut fleets: BTreeMap<String, (serde_json::Value, String)> = BTreeMap::new();
     for r in sweep.reps.iter().filter(|r| r.meta.accepted) {
-        fleets.entry(r.meta.fleet.to_string()).or_insert_with(|| {
+        let identity = fleet_identity(&r.meta.fleet);
+        fleets.entry(identity.to_string()).or_insert_with(|| {
             (
-                r.meta.fleet.clone(),
+                identity.clone(),
                 format!("{}/{}/rep-{}", r.point, r.policy, r.rep),
             )
         });

@@ -345,6 +345,37 @@ fn mismatched_fleets_are_refused() {
 }
 
 #[test]
+fn the_cpu_spinners_field_is_not_a_different_fleet() {
+    // Repetitions measured before meta.json recorded `keep_awake_threads` sit beside ones that
+    // record it; the same fleet either way.
+    let m = measurements_copy("spinners");
+    let meta = m.join("pressure-grid/ws1-s0/prefix-hash/rep-1/meta.json");
+    let text = std::fs::read_to_string(&meta).unwrap();
+    assert!(
+        text.contains("\"replicas\": 3"),
+        "fixture changed: {meta:?}"
+    );
+    std::fs::write(
+        &meta,
+        text.replace(
+            "\"replicas\": 3",
+            "\"keep_awake_threads\": 2, \"replicas\": 3",
+        ),
+    )
+    .unwrap();
+    let out = scratch("spinners-out");
+    let files = render(&Sources::discover(&m), &out, &[FigureId::WinnersMap]).unwrap();
+    assert_eq!(files.len(), 3, "{files:?}");
+    // A real difference beside it is still refused.
+    let text = std::fs::read_to_string(&meta)
+        .unwrap()
+        .replace("\"replicas\": 3", "\"replicas\": 4");
+    std::fs::write(&meta, text).unwrap();
+    let err = render_err(&m, &[FigureId::WinnersMap], "spinners-fleet");
+    assert!(err.contains("mismatched fleets"), "{err}");
+}
+
+#[test]
 fn missing_sweeps_are_named() {
     let empty = scratch("empty").join("measurements");
     std::fs::create_dir_all(&empty).unwrap();
