@@ -251,12 +251,9 @@ fn fleet_text(dir: &Path, sweep: &SweepData) -> Result<String> {
     let mut fleets: BTreeMap<String, (serde_json::Value, String)> = BTreeMap::new();
     for r in sweep.reps.iter().filter(|r| r.meta.accepted) {
         let identity = fleet_identity(&r.meta.fleet);
-        fleets.entry(identity.to_string()).or_insert_with(|| {
-            (
-                identity.clone(),
-                format!("{}/{}/rep-{}", r.point, r.policy, r.rep),
-            )
-        });
+        fleets
+            .entry(identity.to_string())
+            .or_insert_with(|| (identity, format!("{}/{}/rep-{}", r.point, r.policy, r.rep)));
     }
     let mut it = fleets.values();
     let Some((fleet, _)) = it.next() else {
