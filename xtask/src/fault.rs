@@ -1,4 +1,4 @@
-//! `cargo xtask fault kill|drain` (DESIGN.md §3.12): flags → `experiment::fault::FaultSettings`,
+//! `cargo xtask fault kill|drain` (docs/ARCHITECTURE.md, "Faults"): flags → `experiment::fault::FaultSettings`,
 //! then the loop over repetitions × policies (finished ones skipped, progress with an ETA), each
 //! run by `experiment::fault::FaultRun::run_rep` through the sweep's evidence and drift gates;
 //! then the summary, failing when a loss bound broke. The procedure is `experiment::fault`; what the rows show is `analysis::fault`.

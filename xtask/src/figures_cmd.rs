@@ -1,4 +1,4 @@
-//! `cargo xtask figures`: the figures (DESIGN.md §3.11 and the load curve) from published measurements,
+//! `cargo xtask figures`: the figures (docs/ARCHITECTURE.md, "Figures", and the load curve) from published measurements,
 //! through `figures::render_all` (this module only wires the paths).
 
 use std::path::PathBuf;

@@ -62,6 +62,10 @@ enum Cmd {
     Publish(publish::PublishArgs),
     /// Render the figures from published measurements (`figures::render_all`).
     Figures(figures_cmd::FiguresArgs),
+    /// The rebuild check: every published report, fault summary, timeline, cross-check and
+    /// figure rebuilt from its rows with today's code (`experiment::rebuild`); fails naming each
+    /// file that differs and its first differing line. `--write` replaces them.
+    Rebuild(report::RebuildArgs),
     /// The router's own cost next to HAProxy and nginx, on in-process SSE upstreams.
     ProxyBench {
         /// The benchmark's flags.
@@ -71,7 +75,8 @@ enum Cmd {
         #[arg(long)]
         no_build: bool,
     },
-    /// fmt check, clippy (-D warnings) and tests over the workspace.
+    /// CI as `.ci/run` defines it: system packages, llama-server and Envoy, fmt check, clippy
+    /// (-D warnings) and every test, the ignored ones included.
     Ci,
 }
 
@@ -87,6 +92,7 @@ fn main() {
         }
         Cmd::Sweep(args) => bins(args.no_build).and_then(|b| sweep::sweep(&args, &b).map(|_| ())),
         Cmd::Figures(args) => to_workspace_root().and_then(|()| figures_cmd::run(&args)),
+        Cmd::Rebuild(args) => to_workspace_root().and_then(|()| report::rebuild(&args)),
         Cmd::ProxyBench { args, no_build } => bins(no_build).and_then(|_| proxy_bench::run(&args)),
         Cmd::Fault(args) => bins(args.no_build).and_then(|b| fault::fault(&args, &b).map(|_| ())),
         Cmd::Report { dir } => report::write(&dir),
@@ -125,31 +131,18 @@ fn to_workspace_root() -> Result<()> {
     Ok(())
 }
 
+/// `.ci/run`, the one definition of CI: the installs, the style gates and every test, the
+/// ignored ones included.
 fn ci() -> Result<()> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let steps: [&[&str]; 3] = [
-        &["fmt", "--all", "--check"],
-        &[
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ],
-        &["test", "--workspace"],
-    ];
-    for step in steps {
-        eprintln!("xtask ci: cargo {}", step.join(" "));
-        let status = Command::new(&cargo)
-            .current_dir(env::workspace_root())
-            .args(step)
-            .status()?;
-        if !status.success() {
-            bail!("cargo {} failed ({status})", step.join(" "));
-        }
+    let root = env::workspace_root();
+    eprintln!("xtask ci: bash .ci/run");
+    let status = Command::new("bash")
+        .arg(root.join(".ci").join("run"))
+        .current_dir(&root)
+        .status()?;
+    if !status.success() {
+        bail!(".ci/run failed ({status})");
     }
-    eprintln!("xtask ci: all green");
     Ok(())
 }
 

@@ -53,3 +53,59 @@ pub fn crosscheck(live: &Path, virt: &Path, baseline: &str) -> Result<()> {
         ))
     }
 }
+
+/// Flags of `cargo xtask rebuild`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RebuildArgs {
+    /// The published measurements.
+    #[arg(long, default_value = "docs/measurements")]
+    pub measurements: std::path::PathBuf,
+    /// The published figures.
+    #[arg(long, default_value = "docs/figures")]
+    pub figures: std::path::PathBuf,
+    /// Where the figures are drawn for comparison (emptied first).
+    #[arg(long, default_value = "target/rebuild-check")]
+    pub scratch: std::path::PathBuf,
+    /// Replace every differing published file with the rebuilt one.
+    #[arg(long)]
+    pub write: bool,
+}
+
+/// `cargo xtask rebuild`: prints each differing file with its first difference and what was
+/// exempt, and fails when anything differs (unless `--write` replaced it).
+pub fn rebuild(args: &RebuildArgs) -> Result<()> {
+    let started = std::time::Instant::now();
+    let r = experiment::rebuild::rebuild(&experiment::rebuild::RebuildSettings {
+        measurements: args.measurements.clone(),
+        figures: args.figures.clone(),
+        scratch: args.scratch.clone(),
+        write: args.write,
+    })?;
+    for (what, why) in &r.exempt {
+        println!("exempt: {what}: {why}");
+    }
+    for d in &r.differences {
+        println!("differs: {}: {}", d.path.display(), d.first);
+    }
+    eprintln!(
+        "xtask rebuild: {} files rebuilt with analysis rules {}, {} differ{}, {} exempt; {:.1} s",
+        r.checked.len(),
+        analysis::RULES_VERSION,
+        r.differences.len(),
+        if args.write {
+            format!(" ({} replaced)", r.written.len())
+        } else {
+            String::new()
+        },
+        r.exempt.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if r.differences.is_empty() || args.write {
+        Ok(())
+    } else {
+        Err(anyhow!(
+            "{} published file(s) are not what today's code makes of their rows; rebuild them with `cargo xtask rebuild --write` (bumping `analysis::RULES_VERSION` if a rule changed) and say in the commit what changed",
+            r.differences.len()
+        ))
+    }
+}

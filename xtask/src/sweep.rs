@@ -151,6 +151,15 @@ pub struct SweepArgs {
     /// (`cargo xtask crosscheck`). The fleet flags must be the live sweep's.
     #[arg(long, requires = "virtual_time")]
     pub live_calibration: Option<PathBuf>,
+    /// With `--virtual`: instead of the cells, search each policy's own capacity at every point
+    /// (the highest rate at which that policy alone meets the SLO, to 5%) for `--seeds` plan
+    /// seeds (`--seed`, `--seed`+1, …), and write `policy-capacity.{md,json}`
+    /// (`experiment::policy_capacity`).
+    #[arg(long, requires = "virtual_time")]
+    pub policy_capacity: bool,
+    /// Plan seeds of `--policy-capacity`.
+    #[arg(long, default_value_t = 3, requires = "policy_capacity")]
+    pub seeds: u32,
     /// Which capacity `--load` is a fraction of: `per-point` (each point's own; live on an
     /// emulated fleet, and virtual with `--live-calibration`, the measured reference × the
     /// simulator's ratio of the point's to the reference's; the default) or `reference` (the

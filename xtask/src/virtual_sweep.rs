@@ -36,6 +36,14 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
         std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    if args.policy_capacity {
+        let report =
+            experiment::policy_capacity::run_virtual(&settings, &dir, args.seeds, &|| {
+                interrupt::requested()
+            })?;
+        println!("{}", analysis::capacity::markdown(&report));
+        return Ok(dir);
+    }
     let prepared = virtual_sweep::prepare(&settings, &dir)?;
     let (jobs, cal) = (&prepared.jobs, &prepared.calibration);
     let total = jobs.len();

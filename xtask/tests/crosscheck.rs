@@ -9,14 +9,15 @@
 //! It builds the release binaries with cargo first (a no-op when they are fresh).
 
 mod common;
-use common::{Scratch, build_bins, json, xtask};
+use common::{build_bins, json, temp_dir, xtask};
 
 #[test]
+#[ignore = "needs the release binaries: cargo build --release"]
 fn live_and_virtual_agree_at_the_size_of_the_effects() {
     build_bins();
-    let scratch = Scratch::new("xc");
-    let out = scratch.0.to_string_lossy().into_owned();
-    let cal = scratch.0.join("calibration.json");
+    let scratch = temp_dir("xtask-xc");
+    let out = scratch.path().to_string_lossy().into_owned();
+    let cal = scratch.path().join("calibration.json");
     let cal = cal.to_string_lossy().into_owned();
     let sweep = |extra: &[&str]| {
         let mut args = vec![
@@ -58,7 +59,7 @@ fn live_and_virtual_agree_at_the_size_of_the_effects() {
         assert!(ok, "sweep {extra:?} failed:\n{stderr}");
     };
     sweep(&["--calibration", &cal, "--sweep-dir-name", "live"]);
-    let live = scratch.0.join("live");
+    let live = scratch.path().join("live");
     let live_cal = live.join("calibration.json").to_string_lossy().into_owned();
     sweep(&[
         "--virtual",
@@ -67,7 +68,7 @@ fn live_and_virtual_agree_at_the_size_of_the_effects() {
         "--sweep-dir-name",
         "virtual",
     ]);
-    let virt = scratch.0.join("virtual");
+    let virt = scratch.path().join("virtual");
     assert_eq!(
         json(&virt.join("sweep.json"))["calibration_source"],
         format!("live: {live_cal}")

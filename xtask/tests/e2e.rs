@@ -8,15 +8,18 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{Scratch, assert_every_value_names_its_rule, build_bins, json, workspace_root, xtask};
+use common::{
+    assert_every_value_names_its_rule, build_bins, json, temp_dir, workspace_root, xtask,
+};
 
 #[test]
+#[ignore = "needs the release binaries: cargo build --release"]
 fn tiny_sweep_then_report_then_resume() {
     build_bins();
-    let scratch = Scratch::new("e2e");
-    let root = scratch.0.clone();
-    let out = scratch.0.to_string_lossy().into_owned();
-    let calibration = scratch.0.join("calibration.json");
+    let scratch = temp_dir("xtask-e2e");
+    let root = scratch.path().to_path_buf();
+    let out = scratch.path().to_string_lossy().into_owned();
+    let calibration = scratch.path().join("calibration.json");
     let calibration = calibration.to_string_lossy().into_owned();
     let args = [
         "sweep",

@@ -2,13 +2,14 @@
 //! way rust-analyzer keeps its own — read the workspace's manifests and sources and fail with the
 //! file that breaks a rule. Runs under `cargo test --workspace`; needs nothing but the checkout.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 
 /// Which workspace crates each library crate may depend on (`[dependencies]`; dev-dependencies
 /// are free, since tests may wire crates together). The layering of docs/ARCHITECTURE.md: a crate
 /// missing here fails the test, so a new crate states its place before it lands.
+#[rustfmt::skip]
 const LAYERS: &[(&str, &[&str])] = &[
     ("schema", &[]),
     ("prom-text", &[]),
@@ -16,36 +17,28 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("workload", &[]),
     ("trace", &["workload"]),
     ("rt-sched", &[]),
-    ("engine", &["rt-sched"]),
+    ("engine-core", &[]),
+    ("engine", &["engine-core", "rt-sched"]),
     ("policies", &["kv-index"]),
-    (
-        "proxy",
-        &["kv-index", "policies", "schema", "prom-text", "rt-sched"],
-    ),
+    ("proxy", &["kv-index", "policies", "schema", "prom-text", "rt-sched"]),
     ("epp", &["proxy", "policies", "rt-sched"]),
     ("driver", &["workload", "schema", "trace"]),
     ("fleet", &["schema", "prom-text", "rt-sched"]),
     ("analysis", &["workload", "schema"]),
     ("figures", &["analysis", "schema"]),
-    (
-        "sim",
-        &[
-            "workload", "trace", "policies", "kv-index", "engine", "schema",
-        ],
-    ),
+    ("sim", &["workload", "trace", "policies", "kv-index", "engine-core", "schema"]),
     ("proxy-bench", &["proxy", "analysis", "schema"]),
-    (
-        "experiment",
-        &[
-            "schema", "workload", "trace", "fleet", "analysis", "sim", "policies", "kv-index",
-            "engine",
-        ],
-    ),
+    ("experiment", &[
+        "schema", "workload", "trace", "fleet", "analysis", "figures", "sim", "policies",
+        "kv-index", "engine-core",
+    ]),
+    // Dev-only: what the tests share (taken under [dev-dependencies] only).
+    ("test-support", &[]),
 ];
 
 /// Crates whose code knows nothing of HTTP, async runtimes, files, processes or clocks: time
-/// enters them as an argument. For `engine` the rule covers its core (everything outside
-/// `src/server/`), which the simulator drives in virtual time.
+/// enters them as an argument. `engine-core` is the emulator's core, which the simulator drives
+/// in virtual time; its server is the separate `engine` crate, which is not pure. No exemptions.
 const PURE: &[&str] = &[
     "schema",
     "prom-text",
@@ -53,20 +46,29 @@ const PURE: &[&str] = &[
     "policies",
     "workload",
     "trace",
-    "engine",
+    "engine-core",
 ];
 
-/// Dependencies a pure crate may not declare (engine is exempt: its `server` module needs them).
+/// Dependencies a pure crate may not declare.
 const IMPURE_DEPS: &[&str] = &[
     "tokio",
     "hyper",
     "hyper-util",
     "http-body-util",
     "zeromq",
+    "tonic",
+    "ureq",
     "nvml-wrapper",
     "libc",
     "tower-service",
+    "atomic-write-file",
 ];
+
+/// Crates that run without an async runtime (the simulator; the experiments, over blocking `fleet`
+/// calls): nothing they reach through `[dependencies]` (workspace crates by their manifests, other
+/// packages by Cargo.lock) is an async or server stack, or the engine's server crate.
+const NO_ASYNC: &[&str] = &["sim", "experiment"];
+const ASYNC_STACK: &[&str] = &["tokio", "hyper", "zeromq", "tonic", "engine"];
 
 /// Source text a pure module may not contain.
 const IMPURE_PATHS: &[&str] = &[
@@ -83,7 +85,7 @@ const IMPURE_PATHS: &[&str] = &[
 ];
 
 /// xtask is a thin driver of library calls; this is the size it must stay under (lines of Rust,
-/// tests included), so logic that grows lands in a library crate instead.
+/// tests included, this file aside), so logic that grows lands in a library crate instead.
 const XTASK_MAX_LINES: usize = 3_000;
 
 fn root() -> PathBuf {
@@ -183,17 +185,14 @@ fn pure_crates_know_nothing_of_io_async_or_clocks() {
     for name in PURE {
         let dir = root().join("crates").join(name);
         assert!(dir.is_dir(), "pure crate {name} is missing from crates/");
-        if *name != "engine" {
-            for dep in dependencies(&dir.join("Cargo.toml")) {
-                if IMPURE_DEPS.contains(&dep.as_str()) {
-                    problems.push(format!("crates/{name}/Cargo.toml depends on `{dep}`"));
-                }
+        for dep in dependencies(&dir.join("Cargo.toml")) {
+            if IMPURE_DEPS.contains(&dep.as_str()) {
+                problems.push(format!("crates/{name}/Cargo.toml depends on `{dep}`"));
             }
         }
         let mut files = Vec::new();
         rust_files(&dir.join("src"), &mut files);
-        let server = dir.join("src").join("server");
-        for file in files.iter().filter(|f| !f.starts_with(&server)) {
+        for file in &files {
             let text = fs::read_to_string(file).expect("source");
             for (n, line) in text.lines().enumerate() {
                 let code = line.split("//").next().unwrap_or("");
@@ -214,6 +213,60 @@ fn pure_crates_know_nothing_of_io_async_or_clocks() {
 
 #[test]
 fn every_crate_readme_maps_its_modules_and_boundaries() {
+    /// The names a README's module map gives entries: within its `Module map` section (up to the
+    /// next heading of the same or a higher level), the backticked names in the first cell of a
+    /// table row (and the `name::child` spans elsewhere in that row: its submodules), or the
+    /// backticked name a bullet opens with; `.rs` dropped, `/` read as `::` (`server::api`,
+    /// `bin/fake-replica`, `env.rs`). A word mentioned in passing is no entry.
+    fn module_map_entries(text: &str) -> Option<BTreeSet<String>> {
+        let heading = |line: &str| {
+            let level = line.chars().take_while(|&c| c == '#').count();
+            (level > 0 && line[level..].starts_with(' ')).then_some(level)
+        };
+        let mut lines = text.lines();
+        let level =
+            lines.find_map(|l| heading(l).filter(|_| l.to_lowercase().contains("module map")))?;
+        let normalise = |name: &str| name.trim_end_matches(".rs").replace('/', "::");
+        let mut entries = BTreeSet::new();
+        for line in lines.take_while(|l| heading(l).is_none_or(|n| n > level)) {
+            let line = line.trim_start();
+            if let Some(row) = line.strip_prefix('|') {
+                let (first_cell, rest) = row.split_once('|').unwrap_or((row, ""));
+                let names: Vec<String> = first_cell
+                    .split('`')
+                    .skip(1)
+                    .step_by(2)
+                    .map(normalise)
+                    .collect();
+                // A row may map its module's submodules too, as `parent::child` spans.
+                let children = rest.split('`').skip(1).step_by(2).map(normalise);
+                let children: Vec<String> = children
+                    .filter(|c| names.iter().any(|n| c.starts_with(&format!("{n}::"))))
+                    .collect();
+                entries.extend(names);
+                entries.extend(children);
+            } else if let Some((name, _)) = line
+                .strip_prefix("- `")
+                .or_else(|| line.strip_prefix("* `"))
+                .and_then(|item| item.split_once('`'))
+            {
+                entries.insert(normalise(name));
+            }
+        }
+        Some(entries)
+    }
+
+    // The reading itself: a word in passing maps nothing, a row or a bullet does.
+    let sample = "# c\n\nrows and state.\n\n## Module map\n\n| module | what |\n|---|---|\n\
+                  | `rows` | the rows, `state` and `rows::csv` |\n- `server/api.rs` — the API\n\n\
+                  ## Later\n\n| `state` | not in the map |\n";
+    assert_eq!(
+        module_map_entries(sample),
+        Some(BTreeSet::from(
+            ["rows", "rows::csv", "server::api"].map(String::from)
+        ))
+    );
+
     let mut problems = Vec::new();
     let mut dirs = library_crates();
     dirs.push(root().join("xtask"));
@@ -235,16 +288,36 @@ fn every_crate_readme_maps_its_modules_and_boundaries() {
                 rel(&readme)
             ));
         }
+        let Some(entries) = module_map_entries(&text) else {
+            problems.push(format!("{} has no `Module map` section", rel(&readme)));
+            continue;
+        };
+        let src = dir.join("src");
         let mut files = Vec::new();
-        rust_files(&dir.join("src"), &mut files);
+        rust_files(&src, &mut files);
         for file in files {
-            let module = file.file_stem().unwrap().to_string_lossy().into_owned();
-            if matches!(module.as_str(), "lib" | "main" | "mod") || module.ends_with("_tests") {
+            let stem = file.file_stem().unwrap().to_string_lossy().into_owned();
+            if matches!(stem.as_str(), "lib" | "main" | "tests") || stem.ends_with("_tests") {
                 continue;
             }
-            if !text.contains(&module) {
+            // The module's path from the crate root: `server/mod.rs` is `server`, `server/api.rs`
+            // is `server::api`.
+            let relative = file
+                .strip_prefix(&src)
+                .expect("under src/")
+                .with_extension("");
+            let mut segments: Vec<String> = relative
+                .iter()
+                .map(|s| s.to_string_lossy().into_owned())
+                .collect();
+            if stem == "mod" {
+                segments.pop();
+            }
+            let module = segments.join("::");
+            if !entries.contains(&module) {
                 problems.push(format!(
-                    "{} does not map the module `{module}` ({})",
+                    "{} does not map the module `{module}` ({}): its module map needs an entry \
+                     naming it in backticks (a table row's first cell, or a bullet's opening)",
                     rel(&readme),
                     rel(&file)
                 ));
@@ -258,12 +331,132 @@ fn every_crate_readme_maps_its_modules_and_boundaries() {
 fn xtask_stays_a_thin_driver() {
     let mut files = Vec::new();
     rust_files(&root().join("xtask"), &mut files);
+    // This file is the workspace's architecture check, kept here as rust-analyzer keeps its
+    // own: it grows with the workspace's rules, not with the driver, so it is not counted.
+    let this = root().join("xtask/tests/tidy.rs");
     let lines: usize = files
         .iter()
+        .filter(|f| **f != this)
         .map(|f| fs::read_to_string(f).expect("source").lines().count())
         .sum();
     assert!(
         lines <= XTASK_MAX_LINES,
-        "xtask has {lines} lines of Rust (tests included), over {XTASK_MAX_LINES}: move experiment logic into a library crate"
+        "xtask has {lines} lines of Rust (tests included, this tidy test aside), over {XTASK_MAX_LINES}: move experiment logic into a library crate"
     );
+}
+
+/// Each package's dependencies as Cargo.lock records them (names only; versions merged).
+fn lock_dependencies() -> BTreeMap<String, BTreeSet<String>> {
+    let text = fs::read_to_string(root().join("Cargo.lock")).expect("Cargo.lock");
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for package in text.split("[[package]]").skip(1) {
+        let name = package
+            .lines()
+            .find_map(|l| l.strip_prefix("name = "))
+            .expect("a name");
+        let deps = package
+            .split_once("dependencies = [")
+            .map_or("", |(_, d)| d);
+        let deps = deps
+            .split(']')
+            .next()
+            .unwrap()
+            .split(',')
+            .map(|d| d.trim().trim_matches('"'));
+        let deps = deps
+            .filter_map(|d| d.split(' ').next())
+            .filter(|d| !d.is_empty());
+        let entry = graph.entry(name.trim_matches('"').to_string()).or_default();
+        entry.extend(deps.map(String::from));
+    }
+    graph
+}
+
+#[test]
+fn simulator_and_experiments_reach_no_async_runtime() {
+    let workspace: BTreeMap<String, PathBuf> = library_crates()
+        .into_iter()
+        .map(|d| (name_of(&d), d))
+        .collect();
+    let lock = lock_dependencies();
+    let mut problems = Vec::new();
+    for start in NO_ASYNC {
+        // Every package reached, with the one it was reached from.
+        let mut via: BTreeMap<String, String> = BTreeMap::new();
+        let mut queue = vec![start.to_string()];
+        while let Some(package) = queue.pop() {
+            let deps = match workspace.get(&package) {
+                Some(dir) => dependencies(&dir.join("Cargo.toml")),
+                None => lock.get(&package).cloned().unwrap_or_default(),
+            };
+            for dep in deps {
+                if dep != *start && !via.contains_key(&dep) {
+                    via.insert(dep.clone(), package.clone());
+                    queue.push(dep);
+                }
+            }
+        }
+        for banned in ASYNC_STACK.iter().filter(|b| via.contains_key(**b)) {
+            let mut path = vec![banned.to_string()];
+            while let Some(parent) = via.get(path.last().unwrap()) {
+                path.push(parent.clone());
+            }
+            path.reverse();
+            problems.push(format!(
+                "crates/{start} reaches `{banned}`: {}",
+                path.join(" → ")
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Every crate under `crates/` has a `**`crates/NAME`**` entry in docs/ARCHITECTURE.md's code map,
+/// every binary under `bins/` one or its name in backticks in the `**`bins/*`**` entry, and every
+/// entry names a crate that exists.
+#[test]
+fn every_crate_is_in_the_architecture_code_map() {
+    let text = fs::read_to_string(root().join("docs/ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let map = text
+        .split("\n## Code map")
+        .nth(1)
+        .expect("a `## Code map` section");
+    let map = map.split("\n## ").next().unwrap();
+    let entries: BTreeSet<&str> = map
+        .split("**`")
+        .skip(1)
+        .filter_map(|r| r.split_once("`**"))
+        .map(|(e, _)| e)
+        .collect();
+    let bins = map
+        .split("\n\n")
+        .find(|p| p.starts_with("**`bins/*`**"))
+        .unwrap_or("");
+    let mut problems = Vec::new();
+    for kind in ["crates", "bins"] {
+        for dir in fs::read_dir(root().join(kind)).expect("crates/ and bins/") {
+            let (dir, in_bins) = (dir.expect("entry").path(), |n: &str| {
+                bins.contains(&format!("`{n}`"))
+            });
+            let (name, entry) = (name_of(&dir), format!("{kind}/{}", name_of(&dir)));
+            let listed = entries.contains(entry.as_str()) || (kind == "bins" && in_bins(&name));
+            if dir.join("Cargo.toml").is_file() && !listed {
+                problems.push(format!(
+                    "{entry} has no entry in docs/ARCHITECTURE.md's code map"
+                ));
+            }
+        }
+    }
+    for entry in entries
+        .iter()
+        .filter(|e| e.starts_with("crates/") || e.starts_with("bins/"))
+    {
+        if !entry.ends_with('*') && !root().join(entry).join("Cargo.toml").is_file() {
+            problems.push(format!(
+                "docs/ARCHITECTURE.md's code map names {entry}, not a crate"
+            ));
+        }
+    }
+    problems.sort();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

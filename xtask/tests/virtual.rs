@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{Scratch, assert_every_value_names_its_rule, json};
+use common::{assert_every_value_names_its_rule, json, temp_dir};
 
-fn scratch(tag: &str) -> Scratch {
-    Scratch::new(&format!("virtual-{tag}"))
+fn scratch(tag: &str) -> test_support::TempDir {
+    temp_dir(&format!("xtask-virtual-{tag}"))
 }
 
 fn xtask(args: &[&str]) -> (bool, String) {
@@ -88,8 +88,8 @@ fn rows(dir: &Path) -> Vec<(String, Vec<u8>)> {
 #[test]
 fn same_seed_same_bytes_and_the_live_layout() {
     let s = scratch("det");
-    let a = tiny(&s.0, "a", "7");
-    let b = tiny(&s.0, "b", "7");
+    let a = tiny(s.path(), "a", "7");
+    let b = tiny(s.path(), "b", "7");
     let (ra, rb) = (rows(&a), rows(&b));
     for ((name, x), (_, y)) in ra.iter().zip(&rb) {
         assert!(x == y, "{name} differs between two runs with the same seed");
@@ -168,14 +168,14 @@ fn same_seed_same_bytes_and_the_live_layout() {
     }
 
     // Another seed: another plan and other rows.
-    let c = tiny(&s.0, "c", "8");
+    let c = tiny(s.path(), "c", "8");
     assert_ne!(rows(&c)[0].1, ra[0].1);
 }
 
 #[test]
 fn virtual_refuses_what_it_cannot_simulate() {
     let s = scratch("bad");
-    let out = s.0.to_string_lossy().into_owned();
+    let out = s.path().to_string_lossy().into_owned();
     let (ok, stderr) = xtask(&[
         "sweep",
         "pressure-grid",
@@ -208,7 +208,7 @@ fn virtual_refuses_what_it_cannot_simulate() {
 #[test]
 fn the_load_sweep_runs_at_fractions_of_the_capacity() {
     let s = scratch("load");
-    let out = s.0.to_string_lossy().into_owned();
+    let out = s.path().to_string_lossy().into_owned();
     let (ok, stderr) = xtask(&[
         "sweep",
         "load",
@@ -231,7 +231,7 @@ fn the_load_sweep_runs_at_fractions_of_the_capacity() {
         "--no-report",
     ]);
     assert!(ok, "virtual load sweep failed:\n{stderr}");
-    let dir = s.0.join("load");
+    let dir = s.path().join("load");
     let cap = &json(&dir.join("calibration.json"))["capacity"];
     let capacity = cap["rate_rps"].as_f64().expect("a capacity");
     assert!(capacity > 0.0 && cap["failing_rps"].as_f64().unwrap() > capacity);
@@ -280,7 +280,7 @@ fn the_load_sweep_runs_at_fractions_of_the_capacity() {
 #[test]
 fn each_point_runs_at_its_own_capacity() {
     let s = scratch("per-point");
-    let out = s.0.to_string_lossy().into_owned();
+    let out = s.path().to_string_lossy().into_owned();
     let run = |name: &str, scope: &str| {
         let fixed = "sweep pressure-grid --quick --virtual --points ws1-s0-load1.0,ws1-s1.4-load1.0 \
                      --policies session-affinity --reps 1 --replicas 2 --num-gpu-blocks 1024 \
@@ -289,7 +289,7 @@ fn each_point_runs_at_its_own_capacity() {
         args.extend(["--out", &out, "--sweep-dir-name", name, "--capacity", scope]);
         let (ok, stderr) = xtask(&args);
         assert!(ok, "virtual sweep ({scope}) failed:\n{stderr}");
-        s.0.join(name)
+        s.path().join(name)
     };
     let rate_of = |dir: &Path, point: &str| {
         let meta = json(&dir.join(point).join("session-affinity/rep-1/meta.json"));

@@ -1,6 +1,6 @@
 //! The `driver` binary end to end against the scripted local server.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -8,11 +8,9 @@ use driver::testserver::{Reply, ScriptedServer, StreamScript};
 
 const BIN: &str = env!("CARGO_BIN_EXE_driver");
 
-fn dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("driver-cli-{name}"));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh temp dir for one test, removed when it drops.
+fn dir(name: &str) -> test_support::TempDir {
+    test_support::temp_dir(&format!("driver-cli-{name}"))
 }
 
 fn plan(path: &Path, extra: &[&str]) -> serde_json::Value {
@@ -64,7 +62,7 @@ async fn plan_then_closed_and_open_runs_write_rows() {
     .unwrap();
     let d = dir("runs");
 
-    let closed = d.join("closed.bin");
+    let closed = d.path().join("closed.bin");
     let desc = plan(
         &closed,
         &[
@@ -84,7 +82,7 @@ async fn plan_then_closed_and_open_runs_write_rows() {
     assert_eq!(desc["fingerprint"].as_str().unwrap().len(), 16);
     // Same flags, same bytes.
     let again = plan(
-        &d.join("again.bin"),
+        &d.path().join("again.bin"),
         &[
             "--users",
             "2",
@@ -96,7 +94,7 @@ async fn plan_then_closed_and_open_runs_write_rows() {
     );
     assert_eq!(again["fingerprint"], desc["fingerprint"]);
 
-    let csv = d.join("closed.csv");
+    let csv = d.path().join("closed.csv");
     let out = run(vec![
         "closed".into(),
         "--url".into(),
@@ -118,12 +116,12 @@ async fn plan_then_closed_and_open_runs_write_rows() {
     assert!(stdout.contains("10 sent, 10 ok, 0 errors"), "{stdout}");
     assert_eq!(driver::read_rows(&csv).unwrap().len(), 10);
 
-    let open = d.join("open.bin");
+    let open = d.path().join("open.bin");
     let desc = plan(
         &open,
         &["--arrival", "open", "--rate", "40", "--duration-s", "0.5"],
     );
-    let csv = d.join("open.csv");
+    let csv = d.path().join("open.csv");
     let out = run(vec![
         "open".into(),
         "--url".into(),
@@ -155,7 +153,7 @@ async fn plan_then_closed_and_open_runs_write_rows() {
 #[tokio::test]
 async fn bad_inputs_fail_with_a_message() {
     let d = dir("bad");
-    let garbage = d.join("garbage.bin");
+    let garbage = d.path().join("garbage.bin");
     std::fs::write(&garbage, b"not a plan").unwrap();
     let out = run(vec![
         "closed".into(),
@@ -164,13 +162,13 @@ async fn bad_inputs_fail_with_a_message() {
         "--plan".into(),
         garbage.display().to_string(),
         "--out".into(),
-        d.join("c.csv").display().to_string(),
+        d.path().join("c.csv").display().to_string(),
     ])
     .await;
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a valid plan"));
 
-    let p = d.join("closed.bin");
+    let p = d.path().join("closed.bin");
     plan(&p, &[]);
     let out = run(vec![
         "open".into(),
@@ -179,7 +177,7 @@ async fn bad_inputs_fail_with_a_message() {
         "--plan".into(),
         p.display().to_string(),
         "--out".into(),
-        d.join("c.csv").display().to_string(),
+        d.path().join("c.csv").display().to_string(),
     ])
     .await;
     assert_eq!(out.status.code(), Some(1));
@@ -194,7 +192,7 @@ async fn bad_inputs_fail_with_a_message() {
 fn plan_flags_choose_prefix_groups_and_sharing() {
     let d = dir("groups");
     let grouped = plan(
-        &d.join("grouped.bin"),
+        &d.path().join("grouped.bin"),
         &[
             "--prefix-groups",
             "4",
@@ -213,7 +211,7 @@ fn plan_flags_choose_prefix_groups_and_sharing() {
     assert_eq!(grouped["prefix_groups"]["count"], 4);
     assert_eq!(grouped["conversation_sharing"], "shared");
     // Groups off: the name measurements recorded before groups existed.
-    let plain = plan(&d.join("plain.bin"), &["--prefix-groups", "0"]);
+    let plain = plan(&d.path().join("plain.bin"), &["--prefix-groups", "0"]);
     assert_eq!(plain["workload_name"], "chat-n3-s0-t6-p64-u16-o4-seed7");
     assert_eq!(plain["prefix_groups"], serde_json::Value::Null);
     assert_eq!(plain["conversation_sharing"], "exclusive");

@@ -1,7 +1,6 @@
 //! `driver trace-plan` and `driver replay` end to end: the plan's description, a replay's rows,
 //! and a malformed trace refused with `path:line`.
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -9,11 +8,9 @@ use driver::testserver::{Reply, ScriptedServer, StreamScript};
 
 const BIN: &str = env!("CARGO_BIN_EXE_driver");
 
-fn dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("driver-replay-cli-{name}"));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh temp dir for one test, removed when it drops.
+fn dir(name: &str) -> test_support::TempDir {
+    test_support::temp_dir(&format!("driver-replay-cli-{name}"))
 }
 
 const TRACE: &str = concat!(
@@ -28,7 +25,7 @@ const TRACE: &str = concat!(
 #[test]
 fn trace_plan_describes_the_replay_and_refuses_a_malformed_line() {
     let d = dir("describe");
-    let path = d.join("t.jsonl");
+    let path = d.path().join("t.jsonl");
     std::fs::write(&path, TRACE).unwrap();
     let out = Command::new(BIN)
         .args(["trace-plan", "--trace", path.to_str().unwrap()])
@@ -82,9 +79,9 @@ async fn replay_writes_one_row_per_trace_request() {
     .await
     .unwrap();
     let d = dir("run");
-    let path = d.join("t.jsonl");
+    let path = d.path().join("t.jsonl");
     std::fs::write(&path, TRACE).unwrap();
-    let csv = d.join("client.csv");
+    let csv = d.path().join("client.csv");
     let out = tokio::process::Command::new(BIN)
         .args(["replay", "--trace", path.to_str().unwrap()])
         .args(["--trace-block-tokens", "32", "--time-scale", "0.5"])
@@ -108,7 +105,13 @@ async fn replay_writes_one_row_per_trace_request() {
     let sessions: Vec<(&str, &str, u32)> = {
         let mut v: Vec<_> = rows
             .iter()
-            .map(|r| (r.request_id.as_str(), r.session_id.as_str(), r.turn))
+            .map(|r| {
+                (
+                    r.request_id.as_str(),
+                    r.session_id.as_deref().unwrap_or_default(),
+                    r.turn,
+                )
+            })
             .collect();
         v.sort();
         v

@@ -9,24 +9,6 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/analysis")
 }
 
-/// A scratch directory removed on drop, even when the test fails.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let dir =
-            std::env::temp_dir().join(format!("kvroute-report-{}-{name}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn report(sweep: &Path, out: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_report"))
         .arg(sweep)
@@ -40,8 +22,8 @@ fn report(sweep: &Path, out: &Path) -> Output {
 
 #[test]
 fn prints_markdown_and_writes_json() {
-    let tmp = Scratch::new("basic");
-    let out = report(&fixtures().join("sweep-basic"), &tmp.0);
+    let tmp = test_support::temp_dir("report-cli-basic");
+    let out = report(&fixtures().join("sweep-basic"), tmp.path());
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -52,14 +34,14 @@ fn prints_markdown_and_writes_json() {
         std::fs::read_to_string(fixtures().join("golden/sweep-basic.report.md")).unwrap();
     assert_eq!(String::from_utf8(out.stdout).unwrap(), golden_md);
     assert_eq!(
-        std::fs::read_to_string(tmp.0.join("report.md")).unwrap(),
+        std::fs::read_to_string(tmp.path().join("report.md")).unwrap(),
         golden_md
     );
     // The golden ends with a newline; report.json, like the published reports, does not.
     let golden_json =
         std::fs::read_to_string(fixtures().join("golden/sweep-basic.report.json")).unwrap();
     assert_eq!(
-        std::fs::read_to_string(tmp.0.join("report.json")).unwrap() + "\n",
+        std::fs::read_to_string(tmp.path().join("report.json")).unwrap() + "\n",
         golden_json
     );
 }
@@ -79,8 +61,8 @@ fn copy_dir(from: &Path, to: &Path) {
 
 #[test]
 fn a_fault_run_gets_its_summary_rebuilt() {
-    let tmp = Scratch::new("fault");
-    let dir = tmp.0.join("fault-kill");
+    let tmp = test_support::temp_dir("report-cli-fault");
+    let dir = tmp.path().join("fault-kill");
     copy_dir(&fixtures().join("fault-kill"), &dir);
     let out = Command::new(env!("CARGO_BIN_EXE_report"))
         .arg(&dir)
@@ -109,8 +91,8 @@ fn a_fault_run_gets_its_summary_rebuilt() {
 
 #[test]
 fn refused_points_exit_3_and_are_named() {
-    let tmp = Scratch::new("incomparable");
-    let out = report(&fixtures().join("sweep-incomparable"), &tmp.0);
+    let tmp = test_support::temp_dir("report-cli-incomparable");
+    let out = report(&fixtures().join("sweep-incomparable"), tmp.path());
     assert_eq!(out.status.code(), Some(3));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -119,15 +101,15 @@ fn refused_points_exit_3_and_are_named() {
     );
     // the comparable point is still reported
     assert!(String::from_utf8_lossy(&out.stdout).contains("## Point `p0`"));
-    assert!(tmp.0.join("report.json").exists());
+    assert!(tmp.path().join("report.json").exists());
 }
 
 #[test]
 fn malformed_rows_exit_1_with_path_and_line() {
-    let tmp = Scratch::new("malformed");
-    let out = report(&fixtures().join("sweep-malformed"), &tmp.0);
+    let tmp = test_support::temp_dir("report-cli-malformed");
+    let out = report(&fixtures().join("sweep-malformed"), tmp.path());
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rep-1/client.csv:3: truncated"), "{err}");
-    assert!(!tmp.0.join("report.json").exists());
+    assert!(!tmp.path().join("report.json").exists());
 }

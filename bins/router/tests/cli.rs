@@ -1,11 +1,14 @@
 //! The `router` binary: readiness line (serving and admin listeners), one proxied stream, rows
 //! flushed on SIGTERM, the admin API on its own port (and behind a token), flag errors.
-//! Std-only on purpose (a blocking mock replica and a raw HTTP/1.1 client).
+//! Blocking on purpose: the workspace's mock replica on a runtime of its own
+//! (`MockReplica::spawn`) and a raw HTTP/1.1 client.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
+
+use test_support::{MockReplica, Script, temp_dir};
 
 /// Kills the router if a test fails before it exits on its own.
 struct Guard(Child);
@@ -15,38 +18,6 @@ impl Drop for Guard {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-const SSE: &str = "data: {\"choices\":[{\"index\":0,\"text\":\"hi\",\"finish_reason\":null}],\"usage\":null}\n\n\
-data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":1,\"total_tokens\":13,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\n\
-data: [DONE]\n\n";
-
-/// Serves `n` connections: one request each, answered with a fixed SSE body and closed.
-fn mock_replica(n: usize) -> (String, std::thread::JoinHandle<Vec<String>>) {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let h = std::thread::spawn(move || {
-        let mut seen = Vec::new();
-        for _ in 0..n {
-            let (mut s, _) = l.accept().unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-            let req = read_request(&mut s);
-            let head = req.lines().next().unwrap_or("").to_string();
-            if head.starts_with("GET /health") {
-                let _ = s.write_all(
-                    b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
-                );
-            } else {
-                let resp = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n{SSE}"
-                );
-                let _ = s.write_all(resp.as_bytes());
-            }
-            seen.push(req);
-        }
-        seen
-    });
-    (url, h)
 }
 
 /// A GET on a fresh connection (`authorization` when given); the whole raw response.
@@ -64,36 +35,16 @@ fn get(addr: &str, path: &str, authorization: Option<&str>) -> String {
     resp
 }
 
-fn read_request(s: &mut TcpStream) -> String {
-    let mut buf = Vec::new();
-    let mut byte = [0u8; 1];
-    while !buf.ends_with(b"\r\n\r\n") {
-        if s.read(&mut byte).unwrap_or(0) == 0 {
-            break;
-        }
-        buf.push(byte[0]);
-    }
-    let head = String::from_utf8_lossy(&buf).to_string();
-    let len = head
-        .lines()
-        .find_map(|l| {
-            l.to_ascii_lowercase()
-                .strip_prefix("content-length:")
-                .map(|v| v.trim().parse::<usize>().unwrap_or(0))
-        })
-        .unwrap_or(0);
-    let mut body = vec![0u8; len];
-    let _ = s.read_exact(&mut body);
-    head + &String::from_utf8_lossy(&body)
-}
-
 #[test]
 fn serves_a_stream_and_flushes_rows_on_sigterm() {
-    // The health loop also connects, so serve generously and stop counting at shutdown.
-    let (url, _replica) = mock_replica(64);
-    let dir = std::env::temp_dir().join(format!("router-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let rows = dir.join("router.csv");
+    let replica = MockReplica::spawn(Script {
+        events: 1,
+        cached_tokens: Some(0),
+        ..Script::default()
+    });
+    let url = replica.url.clone();
+    let dir = temp_dir("router-cli");
+    let rows = dir.path().join("router.csv");
     let child = Command::new(env!("CARGO_BIN_EXE_router"))
         .args([
             "--port",
@@ -174,8 +125,13 @@ fn serves_a_stream_and_flushes_rows_on_sigterm() {
     assert_eq!(row[3], "session-affinity");
     assert_eq!(row[5], "ring");
     assert_eq!(row[12], "200");
-    assert_eq!(row[13], "0");
-    assert_eq!(row[14], "12");
+    let (prompt_tokens, cached) = replica.state.reported.lock()["cli-1"];
+    assert_eq!((row[13], cached), ("0", Some(0)));
+    assert_eq!(
+        row[14],
+        prompt_tokens.to_string(),
+        "the replica's usage, read in passing"
+    );
 }
 
 #[test]
@@ -230,9 +186,8 @@ fn bad_flags_are_refused_with_a_message() {
 
 #[test]
 fn replicas_come_from_a_config_file() {
-    let dir = std::env::temp_dir().join(format!("router-cli-cfg-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("replicas.json");
+    let dir = temp_dir("router-cli-cfg");
+    let cfg = dir.path().join("replicas.json");
     std::fs::write(&cfg, r#"{"replicas":[{"url":"http://127.0.0.1:9"},{"url":"http://127.0.0.1:10","kv_events":null}]}"#).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_router"))
         .args([
@@ -294,9 +249,8 @@ fn replicas_come_from_a_config_file() {
 
 #[test]
 fn the_admin_token_file_locks_the_admin_listener() {
-    let dir = std::env::temp_dir().join(format!("router-cli-token-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let token = dir.join("admin.token");
+    let dir = temp_dir("router-cli-token");
+    let token = dir.path().join("admin.token");
     std::fs::write(&token, "cli-s3cret\n").unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_router"))
         .args([

@@ -115,7 +115,7 @@ pub enum Verdict {
     #[serde(rename = "too few reps")]
     TooFewReps,
     /// Virtual repetitions: the difference is deterministic, and there is no measured spread to
-    /// judge it against (DESIGN.md §3.10 needs one).
+    /// judge it against (docs/ARCHITECTURE.md, "Analysis", needs one).
     #[serde(rename = "deterministic (virtual)")]
     Deterministic,
 }
@@ -131,7 +131,7 @@ impl Verdict {
         }
     }
 
-    /// The verdict between two measured spreads (DESIGN.md §3.10).
+    /// The verdict between two measured spreads (docs/ARCHITECTURE.md, "Analysis").
     pub fn between(a: &Spread, b: &Spread) -> Verdict {
         if a.n < 2 || b.n < 2 {
             Verdict::TooFewReps

@@ -410,18 +410,48 @@ pub fn crosscheck_dirs(
     tol: Tolerance,
     out: &std::path::Path,
 ) -> crate::Result<Crosscheck> {
+    let (c, files) = crosscheck_files(
+        live,
+        virt,
+        &live.display().to_string(),
+        &virt.display().to_string(),
+        baseline,
+        tol,
+    )?;
+    crate::output::write_files(out, &files)?;
+    Ok(c)
+}
+
+/// Analyses a live and a virtual sweep directory and cross-checks them; returns the
+/// cross-check and its files (`crosscheck.md` naming the two directories as `live_name` and
+/// `virt_name`, then `crosscheck.json`) without writing them, so that a published cross-check can
+/// be rebuilt and compared byte for byte from anywhere.
+pub fn crosscheck_files(
+    live: &std::path::Path,
+    virt: &std::path::Path,
+    live_name: &str,
+    virt_name: &str,
+    baseline: &str,
+    tol: Tolerance,
+) -> crate::Result<(Crosscheck, Vec<crate::OutputFile>)> {
     let cfg = crate::ReportConfig::default();
     let l = crate::analyze_dir(live, &cfg)?;
     let v = crate::analyze_dir(virt, &cfg)?;
     let c = crosscheck(&l, &v, baseline, tol);
     let md = format!(
-        "# Live vs virtual\n\nLive: `{}`. Virtual: `{}`.\n\n{}",
-        live.display(),
-        virt.display(),
+        "# Live vs virtual\n\nLive: `{live_name}`. Virtual: `{virt_name}`.\n\n{}",
         render_markdown(&c)
     );
-    crate::write_atomic(&out.join("crosscheck.md"), md.as_bytes())?;
     let json = serde_json::to_vec_pretty(&c).expect("plain data serialises");
-    crate::write_atomic(&out.join("crosscheck.json"), &json)?;
-    Ok(c)
+    let files = vec![
+        crate::OutputFile {
+            name: "crosscheck.md",
+            bytes: md.into_bytes(),
+        },
+        crate::OutputFile {
+            name: "crosscheck.json",
+            bytes: json,
+        },
+    ];
+    Ok((c, files))
 }

@@ -14,7 +14,7 @@
 //! of its mean and the SLO's TTFT bound: a TTFT that rises from 10 to 20 ms under a 167-ms bound
 //! changes no request's verdict. Either flagged series marks the rep as drifting.
 //!
-//! A drifting repetition is not always warming (DESIGN.md §3.9): near and above capacity, a
+//! A drifting repetition is not always warming (docs/ARCHITECTURE.md, "Calibration"): near and above capacity, a
 //! policy that cannot sustain the offered load builds a backlog that grows through the whole
 //! window, and a longer warm-up would not settle it. For an open loop ([`WindowClock::Scheduled`])
 //! the check therefore measures the **backlog** — requests scheduled and not yet finished:
@@ -45,53 +45,13 @@
 
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
-
 use crate::error::Result;
 use crate::meta::{Slo, Window, WindowClock};
 use crate::metrics::{is_good, queued_ms, slo_ttft_ms, window_time_s};
 use crate::rows::{ClientRow, read_client_csv};
 use crate::stats::ols;
 
-/// Thresholds of the drift check.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct DriftConfig {
-    /// Time buckets the goodput series is cut into.
-    pub buckets: usize,
-    /// |t| above which a slope counts as real.
-    pub t_threshold: f64,
-    /// |slope × window| ÷ mean above which a real slope matters.
-    pub min_relative_change: f64,
-    /// Fewest measured requests the check needs; fewer → skipped, not flagged.
-    pub min_requests: usize,
-}
-
-impl Default for DriftConfig {
-    fn default() -> Self {
-        DriftConfig {
-            buckets: 10,
-            t_threshold: 3.0,
-            min_relative_change: 0.10,
-            min_requests: 20,
-        }
-    }
-}
-
-/// One trend test.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TrendTest {
-    /// Points fitted (buckets, or requests).
-    pub n: usize,
-    /// Slope per second of window (req/s per s for goodput, ms per s for TTFT, requests per s for
-    /// the backlog).
-    pub slope_per_s: f64,
-    /// Slope ÷ its standard error; `None` for a perfect line (unbounded).
-    pub t_stat: Option<f64>,
-    /// |slope × window length| ÷ series mean; `None` when the mean is zero.
-    pub relative_change: Option<f64>,
-    /// Both thresholds exceeded.
-    pub flagged: bool,
-}
+pub use schema::drift::{DriftClass, DriftConfig, DriftVerdict, TrendTest};
 
 /// The rule that tells a warming repetition from an overloaded one, as `meta.json`'s `drift`
 /// records it beside the evidence.
@@ -102,94 +62,6 @@ pub const CLASSIFICATION_RULE: &str = "drifting = the SLO outcome per bucket (cl
 /// engines. On 2 Dec 2026 the live ws0.25-s1.4 cells' trends were the driver's queue in every
 /// policy while the engines' own TTFT stayed flat.
 pub const WAIT_SHARE_OF_DRIFT: f64 = 0.5;
-
-/// What the drift check concluded about a repetition.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DriftClass {
-    /// No series trends: the repetition says something about its cell.
-    #[default]
-    Settled,
-    /// A series trends and no backlog grows: not yet settled; re-run longer or set aside.
-    Warming,
-    /// The open-loop backlog, or the driver's queue alone, grows through the window (whether or
-    /// not a series trends): the offered load is not sustained. A result, marked, not set aside.
-    Overloaded,
-    /// Too few measured requests to run the check.
-    Skipped,
-}
-
-impl DriftClass {
-    /// The class as `meta.json` and the report write it.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            DriftClass::Settled => "settled",
-            DriftClass::Warming => "warming",
-            DriftClass::Overloaded => "overloaded",
-            DriftClass::Skipped => "skipped",
-        }
-    }
-}
-
-/// Outcome of the drift check on one repetition.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DriftVerdict {
-    /// Still warming: a series flagged and no growing backlog ([`DriftClass::Warming`]).
-    pub warming: bool,
-    /// Goodput per bucket vs time, for a closed loop; `None` for an open loop (judged by
-    /// `attainment` instead) or with fewer than 3 buckets.
-    pub goodput: Option<TrendTest>,
-    /// Share of each bucket's measured requests that met the SLO vs time, for an open loop
-    /// (whose arrivals, and so whose goodput per bucket, are the plan's); `None` for a closed
-    /// loop or with fewer than 3 buckets.
-    #[serde(default)]
-    pub attainment: Option<TrendTest>,
-    /// TTFT (as the SLO judges it) vs the window's time; `None` with fewer than 3 successful
-    /// requests.
-    pub ttft: Option<TrendTest>,
-    /// Human-readable reason when warming or overloaded, for `set_aside_reason` and the report.
-    pub reason: Option<String>,
-    /// Why the check was not run (too few measured requests); `None` when it ran.
-    pub skipped: Option<String>,
-    /// The thresholds applied.
-    pub config: DriftConfig,
-    /// A growing open-loop backlog ([`DriftClass::Overloaded`]).
-    #[serde(default)]
-    pub overloaded: bool,
-    /// The verdict: settled, warming, overloaded or skipped.
-    #[serde(default)]
-    pub class: DriftClass,
-    /// Mean backlog per bucket (requests scheduled and not yet finished) vs time, in requests
-    /// per s of window; `None` for a closed loop (no backlog to measure) or with fewer than 3
-    /// buckets. Its `flagged` with a positive slope is "grows".
-    #[serde(default)]
-    pub backlog: Option<TrendTest>,
-    /// Mean backlog over the window, requests; `None` when not measured.
-    #[serde(default)]
-    pub backlog_mean: Option<f64>,
-    /// Mean driver queue per bucket (requests scheduled and not yet sent) vs time, in requests
-    /// per s of window; `None` when `backlog` is. Its `flagged` with a positive slope is "grows".
-    #[serde(default)]
-    pub unsent: Option<TrendTest>,
-    /// Mean driver queue over the window, requests; `None` when not measured.
-    #[serde(default)]
-    pub unsent_mean: Option<f64>,
-    /// Of a flagged, rising TTFT trend of an open loop, the share of its slope that is the wait
-    /// in the driver (the rest is the TTFT from the send); `None` otherwise. Above
-    /// [`WAIT_SHARE_OF_DRIFT`] the drift is the driver's queue growing: overloaded.
-    #[serde(default)]
-    pub wait_share: Option<f64>,
-    /// [`CLASSIFICATION_RULE`].
-    #[serde(default)]
-    pub rule: String,
-}
-
-impl DriftVerdict {
-    /// Not settled: warming or overloaded.
-    pub fn drifting(&self) -> bool {
-        self.warming || self.overloaded
-    }
-}
 
 /// When a request of `row` stopped counting as backlog: its end (send + end-to-end latency, else
 /// its last byte); `None` when it never ended (it is backlog to the end).
@@ -499,9 +371,10 @@ pub fn check_rows(
 }
 
 /// The drift class the sweep recorded in a repetition's `meta.json` (`drift.class`); `None` when
-/// it recorded none (no check ran, or a file written before the classification existed).
+/// it recorded none (no check ran). A verdict written before the classification existed reads as
+/// `settled` (the class's default), never as overloaded.
 pub fn recorded_class(meta: &crate::meta::Meta) -> Option<DriftClass> {
-    serde_json::from_value(meta.drift.get("class")?.clone()).ok()
+    meta.drift.as_ref().map(|d| d.class)
 }
 
 /// Drift check on a just-finished repetition directory, before its `meta.json` is written: reads

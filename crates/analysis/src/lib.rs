@@ -6,6 +6,7 @@
 //! (`output`, `dir_report`); no network, no clock. See the crate README for the module map and the
 //! `report.json` schema.
 
+pub mod capacity;
 pub mod compare;
 pub mod crosscheck;
 pub mod dir_report;
@@ -30,4 +31,11 @@ pub use meta::{Meta, Slo, Window, WindowClock, read_meta};
 pub use metrics::{MetricsConfig, is_good};
 pub use output::{OutputFile, write_atomic};
 pub use report::{Report, ReportConfig, analyze, analyze_dir};
+/// The version of the analysis rules (window, SLO verdicts, drift and overload classes, gates,
+/// verdict wording) that every report and fault summary names in its `rules` field and first
+/// lines. Bump it whenever a change makes any published report, summary or timeline read
+/// differently; `cargo xtask rebuild` then shows which published files must be rebuilt and
+/// refuses to overwrite a published file whose bytes change under an unchanged version.
+pub const RULES_VERSION: &str = "2026-12-03.1";
+
 pub use rows::{ClientRow, RouterRow, read_client_csv, read_router_csv, rows_file};

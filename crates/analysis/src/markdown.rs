@@ -388,10 +388,23 @@ fn pressure_label(p: &Point) -> String {
     }
 }
 
+/// The line naming the analysis rules a report or summary was built with (a paragraph), or
+/// nothing for one written before reports named them.
+pub fn rules_line(rules: &str) -> String {
+    if rules.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "Built from the rows with analysis rules `{rules}` (`analysis::RULES_VERSION`; `cargo xtask rebuild` checks that this file is what today's rules make of them).\n\n"
+        )
+    }
+}
+
 /// The report as Markdown.
 pub fn render(report: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "# Sweep `{}`\n", report.sweep);
+    out.push_str(&rules_line(&report.rules));
     if let Some(p) = &report.in_progress {
         let list = |v: &[String]| {
             if v.is_empty() {

@@ -777,7 +777,7 @@ pub struct OverheadSamples {
 impl OverheadSamples {
     /// Adds one router row's costs.
     pub fn add(&mut self, r: &RouterRow) {
-        self.overhead_us.extend(r.overhead_us);
+        self.overhead_us.extend(r.overhead_us.map(|us| us as f64));
         self.decide_ns.extend(r.decide_ns.map(|d| d as f64));
         self.tokenize_ms.extend(r.tokenize_ms);
     }
@@ -925,7 +925,7 @@ mod tests {
             error: None,
             warmup: false,
             send_lag_ms: None,
-            chunks: None,
+            chunks: 0,
         }
     }
 
@@ -953,7 +953,7 @@ mod tests {
             cached_tokens: cached,
             prompt_tokens: Some(1000),
             error: None,
-            attempts: Some(1),
+            attempts: 1,
         }
     }
 
@@ -1310,7 +1310,7 @@ mod props {
                 error: None,
                 warmup: false,
                 send_lag_ms: None,
-                chunks: None,
+                chunks: 0,
             })
             .collect();
         let router = pairs
@@ -1333,7 +1333,7 @@ mod props {
                 cached_tokens: None,
                 prompt_tokens: None,
                 error: None,
-                attempts: None,
+                attempts: 0,
             })
             .collect();
         (client, router)

@@ -41,7 +41,8 @@ pub const SESSION_AFFINITY: &str = "session-affinity";
 /// The prefix-affinity baseline (and the adaptive-router test's reference).
 pub const PREFIX_AFFINITY: &str = "prefix-affinity";
 
-fn policy_rank(name: &str) -> (usize, String) {
+/// A policy's place in [`POLICY_ORDER`] (unknown names after it, by name): the tables' order.
+pub fn policy_rank(name: &str) -> (usize, String) {
     (
         POLICY_ORDER
             .iter()
@@ -77,7 +78,7 @@ pub struct SetAside {
     pub slo_attainment: Option<f64>,
 }
 
-/// A used repetition that is overloaded (DESIGN.md §3.9): its drift is a backlog growing through
+/// A used repetition that is overloaded (docs/ARCHITECTURE.md, "Calibration"): its drift is a backlog growing through
 /// the window, so it is counted — its goodput and attainment are what the policy delivers at
 /// this load — and marked.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -357,6 +358,10 @@ pub struct Report {
     pub schema_version: u32,
     /// Sweep directory name.
     pub sweep: String,
+    /// The analysis rules this report was built with ([`crate::RULES_VERSION`]); empty in a
+    /// report written before reports named them.
+    #[serde(default)]
+    pub rules: String,
     /// Knobs used.
     pub config: ReportConfig,
     /// Tabulated points, sorted by name.
@@ -425,7 +430,7 @@ fn build_cell(policy: &str, reps: &[&RepData], cfg: &ReportConfig) -> (Cell, Ove
         let recorded = recorded_class(&r.meta) == Some(DriftClass::Overloaded);
         if recorded || verdict.overloaded {
             let from_meta = recorded
-                .then(|| r.meta.drift.get("reason").and_then(|v| v.as_str()))
+                .then(|| r.meta.drift.as_ref().and_then(|d| d.reason.as_deref()))
                 .flatten();
             overloaded.push(OverloadedRep {
                 rep: r.rep,
@@ -703,6 +708,7 @@ impl<'c> Builder<'c> {
         Report {
             schema_version: SCHEMA_VERSION,
             sweep,
+            rules: crate::RULES_VERSION.to_string(),
             config: self.cfg.clone(),
             adaptive_router_test: adaptive_test(&self.points),
             points: self.points,
@@ -872,7 +878,11 @@ mod tests {
             .iter_mut()
             .filter(|r| r.point == "ws1-s0" && r.policy == "round-robin" && r.rep == 2)
         {
-            r.meta.drift = serde_json::json!({"class": "overloaded", "reason": why});
+            r.meta.drift = Some(DriftVerdict {
+                class: DriftClass::Overloaded,
+                reason: Some(why.into()),
+                ..DriftVerdict::default()
+            });
         }
         let marked = analyze(&data, &cfg);
         let (p0, p1) = (&plain.points[0], &marked.points[0]);

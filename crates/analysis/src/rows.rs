@@ -1,259 +1,70 @@
-//! Strict readers for `client.csv` (driver) and `router.csv` (router), columns as pinned in
-//! docs/CONTRACTS.md and defined once in `schema::rows` (re-exported here). Columns are found by
+//! Strict readers for `client.csv` (driver) and `router.csv` (router): the rows are
+//! `schema::rows::{ClientRow, RouterRow}` (re-exported here), read through the `csv` crate and
+//! typed by their serde definitions, columns as pinned in docs/CONTRACTS.md. Columns are found by
 //! header name, so added columns at the end are ignored; a missing column, a short or long row,
 //! an unparsable value, a duplicate `request_id` or a file cut off mid-line is an error naming the
-//! file and the 1-based line (header = line 1).
+//! file and the 1-based line (header = line 1), and a bad value names its column too.
 
+use std::cell::Cell;
 use std::path::Path;
 
 use ahash::AHashMap;
+use serde::Deserialize;
+use serde::de::value::{Error as ValueError, MapDeserializer, SeqDeserializer};
 
-pub use schema::rows::{CLIENT_COLUMNS, ROUTER_COLUMNS};
+pub use schema::rows::{CLIENT_COLUMNS, ClientRow, ROUTER_COLUMNS, RouterRow};
 
 use crate::error::{AnalysisError, Result};
 
-/// One request as the driver saw it (`client.csv`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct ClientRow {
-    /// Request id (joins with the router row).
-    pub request_id: String,
-    /// Conversation id sent as `x-session-id`.
-    pub session_id: Option<String>,
-    /// Turn index within its conversation, as the driver numbers it.
-    pub turn: u32,
-    /// When the plan wanted the request sent (driver clock, s).
-    pub scheduled_s: Option<f64>,
-    /// When it was sent (driver clock, s).
-    pub sent_s: Option<f64>,
-    /// First content token (driver clock, s).
-    pub first_token_s: Option<f64>,
-    /// Last byte of the response (driver clock, s).
-    pub last_s: Option<f64>,
-    /// Time to first content token, ms.
-    pub ttft_ms: Option<f64>,
-    /// Median inter-token gap of this request, ms per token.
-    pub itl_p50_ms: Option<f64>,
-    /// (last − first) / (tokens − 1), ms.
-    pub tpot_ms: Option<f64>,
-    /// End-to-end latency, ms.
-    pub e2el_ms: Option<f64>,
-    /// Prompt tokens from the final usage chunk.
-    pub prompt_tokens: Option<u64>,
-    /// Generated tokens.
-    pub output_tokens: Option<u64>,
-    /// Engine-reported cached prompt tokens.
-    pub cached_tokens: Option<u64>,
-    /// HTTP status, 0 when no response arrived.
-    pub status: u16,
-    /// `kind: message` on failure, `None` on success.
-    pub error: Option<String>,
-    /// Sent inside the warm-up window.
-    pub warmup: bool,
-    /// How late the send was against the plan, ms.
-    pub send_lag_ms: Option<f64>,
-    /// SSE content chunks received.
-    pub chunks: Option<u64>,
-}
-
-/// One routing decision as the router recorded it (`router.csv`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct RouterRow {
-    /// Request id (joins with the client row).
-    pub request_id: String,
-    /// Conversation id from `x-session-id`.
-    pub session_id: Option<String>,
-    /// Arrival at the router (router clock, s).
-    pub arrival_s: f64,
-    /// Policy name.
-    pub policy: String,
-    /// Replica that served the request; `None` when none was eligible.
-    pub replica: Option<u32>,
-    /// Decision branch (`match`, `spill-load`, …).
-    pub branch: Option<String>,
-    /// Tokens the policy believed cached on the chosen replica.
-    pub predicted_match_tokens: Option<u64>,
-    /// Outstanding requests on the chosen replica at decision time.
-    pub outstanding_chosen: Option<u32>,
-    /// Lowest outstanding count across eligible replicas at decision time.
-    pub outstanding_min: Option<u32>,
-    /// Time inside `Policy::decide`, ns.
-    pub decide_ns: Option<u64>,
-    /// Router overhead (arrival → upstream write, plus upstream first byte → client first byte), µs.
-    pub overhead_us: Option<f64>,
-    /// Tokenize round trip before routing (exact residency), ms.
-    pub tokenize_ms: Option<f64>,
-    /// Upstream HTTP status.
-    pub upstream_status: Option<u16>,
-    /// Engine-reported cached tokens parsed from the usage chunk in passing.
-    pub cached_tokens: Option<u64>,
-    /// Engine-reported prompt tokens parsed from the usage chunk in passing.
-    pub prompt_tokens: Option<u64>,
-    /// Router-side error, `None` on success.
-    pub error: Option<String>,
-    /// Upstream attempts (retries + 1).
-    pub attempts: Option<u32>,
-}
-
-/// A column's position in the file's header, with its name for messages.
-#[derive(Debug, Clone, Copy)]
-struct Col {
-    pos: usize,
-    name: &'static str,
-}
-
-/// Declares the columns a rows file must carry: a struct of resolved positions (looked up once
-/// per file, so reading a row is indexing, not hashing names). The fields are named after the
-/// columns, and a compile-time check holds them to the schema's list, in order.
-macro_rules! columns {
-    ($schema:path, $cols:ident { $($field:ident),* $(,)? }) => {
-        const _: () = assert!(
-            schema::rows::same_columns(&[$(stringify!($field)),*], &$schema),
-            concat!(stringify!($cols), " must name the columns of ", stringify!($schema), ", in order")
-        );
-
-        struct $cols {
-            $($field: Col,)*
-        }
-
-        impl $cols {
-            fn resolve(path: &Path, header: &csv::StringRecord) -> Result<Self> {
-                Ok($cols {
-                    $($field: find(path, header, stringify!($field))?,)*
-                })
-            }
-        }
-    };
-}
-
-fn find(path: &Path, header: &csv::StringRecord, name: &'static str) -> Result<Col> {
-    header
-        .iter()
-        .position(|h| h == name)
-        .map(|pos| Col { pos, name })
-        .ok_or_else(|| AnalysisError::rows(path, 1, format!("header lacks the column `{name}`")))
-}
-
-columns!(
-    CLIENT_COLUMNS,
-    ClientCols {
-        request_id,
-        session_id,
-        turn,
-        scheduled_s,
-        sent_s,
-        first_token_s,
-        last_s,
-        ttft_ms,
-        itl_p50_ms,
-        tpot_ms,
-        e2el_ms,
-        prompt_tokens,
-        output_tokens,
-        cached_tokens,
-        status,
-        error,
-        warmup,
-        send_lag_ms,
-        chunks,
+/// Checks that a file's header carries every column of the schema's list (in any order, extra
+/// columns allowed).
+fn check_header(path: &Path, header: &csv::StringRecord, columns: &[&str]) -> Result<()> {
+    match columns.iter().find(|c| !header.iter().any(|h| h == **c)) {
+        Some(name) => Err(AnalysisError::rows(
+            path,
+            1,
+            format!("header lacks the column `{name}`"),
+        )),
+        None => Ok(()),
     }
-);
+}
 
-columns!(
-    ROUTER_COLUMNS,
-    RouterCols {
-        request_id,
-        session_id,
-        arrival_s,
-        policy,
-        replica,
-        branch,
-        predicted_match_tokens,
-        outstanding_chosen,
-        outstanding_min,
-        decide_ns,
-        overhead_us,
-        tokenize_ms,
-        upstream_status,
-        cached_tokens,
-        prompt_tokens,
-        error,
-        attempts,
-    }
-);
-
-/// A parsed record with its file and line, and typed accessors that turn a bad value into an
-/// error naming both.
-struct Fields<'a> {
-    path: &'a Path,
+/// Types one record by its row's serde definition; a bad cell is an error naming its line and
+/// column. `in_order`: the header is exactly the row's columns, in order (every file the writers
+/// write), so the cells are handed over by position; otherwise keyed by the header's names.
+fn typed<T: for<'de> Deserialize<'de>>(
+    path: &Path,
     line: u64,
-    record: &'a csv::StringRecord,
-}
-
-impl Fields<'_> {
-    fn raw(&self, col: Col) -> &str {
-        // The record has as many fields as the header (the reader is not flexible).
-        self.record.get(col.pos).unwrap_or("")
-    }
-
-    fn err(&self, col: Col, msg: impl std::fmt::Display) -> AnalysisError {
-        AnalysisError::rows(
-            self.path,
-            self.line,
-            format!("column `{}`: {msg}", col.name),
-        )
-    }
-
-    fn string(&self, col: Col) -> Result<String> {
-        let v = self.raw(col);
-        if v.is_empty() {
-            return Err(self.err(col, "empty, but a value is required"));
-        }
-        Ok(v.to_string())
-    }
-
-    fn opt_string(&self, col: Col) -> Option<String> {
-        let v = self.raw(col);
-        (!v.is_empty()).then(|| v.to_string())
-    }
-
-    fn opt_f64(&self, col: Col) -> Result<Option<f64>> {
-        let v = self.raw(col);
-        if v.is_empty() {
-            return Ok(None);
-        }
-        match v.parse::<f64>() {
-            Ok(x) if x.is_finite() => Ok(Some(x)),
-            _ => Err(self.err(col, format!("`{v}` is not a finite number"))),
-        }
-    }
-
-    fn f64(&self, col: Col) -> Result<f64> {
-        self.opt_f64(col)?
-            .ok_or_else(|| self.err(col, "empty, but a value is required"))
-    }
-
-    fn opt_uint<T: std::str::FromStr>(&self, col: Col) -> Result<Option<T>> {
-        let v = self.raw(col);
-        if v.is_empty() {
-            return Ok(None);
-        }
-        v.parse::<T>()
-            .map(Some)
-            .map_err(|_| self.err(col, format!("`{v}` is not a non-negative integer")))
-    }
-
-    fn uint<T: std::str::FromStr>(&self, col: Col) -> Result<T> {
-        self.opt_uint(col)?
-            .ok_or_else(|| self.err(col, "empty, but a value is required"))
-    }
-
-    fn flag(&self, col: Col) -> Result<bool> {
-        match self.raw(col) {
-            "0" => Ok(false),
-            "1" => Ok(true),
-            v => Err(self.err(col, format!("`{v}` is not 0 or 1"))),
-        }
-    }
+    header: &csv::StringRecord,
+    in_order: bool,
+    record: &csv::StringRecord,
+) -> Result<T> {
+    // The deserializer is handed one cell at a time, in header order; the last one handed over
+    // is the one a failure is about.
+    let at = Cell::new(None::<usize>);
+    let seen = |i: usize| at.set(Some(i));
+    let typed = if in_order {
+        let cells = record.iter().enumerate().map(|(i, cell)| {
+            seen(i);
+            cell
+        });
+        T::deserialize(SeqDeserializer::<_, ValueError>::new(cells))
+    } else {
+        let cells = header.iter().zip(record.iter()).enumerate();
+        let cells = cells.map(|(i, pair)| {
+            seen(i);
+            pair
+        });
+        T::deserialize(MapDeserializer::<_, ValueError>::new(cells))
+    };
+    typed.map_err(|e| {
+        let column = at.get().and_then(|i| header.get(i));
+        let message = match column {
+            Some(name) => format!("column `{name}`: {e}"),
+            None => e.to_string(),
+        };
+        AnalysisError::rows(path, line, message)
+    })
 }
 
 /// Reads a file's bytes, decompressing it when its name ends in `.gz` (published rows in
@@ -281,13 +92,11 @@ pub fn rows_file(dir: &Path, name: &str) -> Option<std::path::PathBuf> {
     gz.exists().then_some(gz)
 }
 
-/// Reads a rows file strictly: `cols` resolves the header, `parse` turns each record (with its
-/// line) into a row.
-fn read_rows<T, C>(
+/// Reads a rows file strictly: every record typed as `T`, its header checked against `columns`.
+fn read_rows<T: for<'de> Deserialize<'de>>(
     path: &Path,
-    cols: impl Fn(&Path, &csv::StringRecord) -> Result<C>,
+    columns: &[&str],
     id_of: impl Fn(&T) -> &str,
-    parse: impl Fn(&C, &Fields<'_>) -> Result<T>,
 ) -> Result<Vec<T>> {
     let bytes = read_maybe_gzip(path)?;
     if bytes.is_empty() {
@@ -311,7 +120,8 @@ fn read_rows<T, C>(
         .headers()
         .map_err(|e| AnalysisError::rows(path, 1, format!("bad header: {e}")))?
         .clone();
-    let c = cols(path, &header)?;
+    check_header(path, &header, columns)?;
+    let in_order = header.iter().eq(columns.iter().copied());
     let mut out: Vec<T> = Vec::new();
     let mut lines: Vec<u64> = Vec::new();
     let mut record = csv::StringRecord::new();
@@ -334,12 +144,7 @@ fn read_rows<T, C>(
             }
         }
         let line = record.position().map(|p| p.line()).unwrap_or(line);
-        let fields = Fields {
-            path,
-            line,
-            record: &record,
-        };
-        out.push(parse(&c, &fields)?);
+        out.push(typed(path, line, &header, in_order, &record)?);
         lines.push(line);
     }
     let mut seen: AHashMap<&str, u64> = AHashMap::with_capacity(out.len());
@@ -360,62 +165,55 @@ fn read_rows<T, C>(
 
 /// Reads a driver's `client.csv`.
 pub fn read_client_csv(path: &Path) -> Result<Vec<ClientRow>> {
-    read_rows(
-        path,
-        ClientCols::resolve,
-        |r: &ClientRow| &r.request_id,
-        |c, f| {
-            Ok(ClientRow {
-                request_id: f.string(c.request_id)?,
-                session_id: f.opt_string(c.session_id),
-                turn: f.uint(c.turn)?,
-                scheduled_s: f.opt_f64(c.scheduled_s)?,
-                sent_s: f.opt_f64(c.sent_s)?,
-                first_token_s: f.opt_f64(c.first_token_s)?,
-                last_s: f.opt_f64(c.last_s)?,
-                ttft_ms: f.opt_f64(c.ttft_ms)?,
-                itl_p50_ms: f.opt_f64(c.itl_p50_ms)?,
-                tpot_ms: f.opt_f64(c.tpot_ms)?,
-                e2el_ms: f.opt_f64(c.e2el_ms)?,
-                prompt_tokens: f.opt_uint(c.prompt_tokens)?,
-                output_tokens: f.opt_uint(c.output_tokens)?,
-                cached_tokens: f.opt_uint(c.cached_tokens)?,
-                status: f.uint(c.status)?,
-                error: f.opt_string(c.error),
-                warmup: f.flag(c.warmup)?,
-                send_lag_ms: f.opt_f64(c.send_lag_ms)?,
-                chunks: f.opt_uint(c.chunks)?,
-            })
-        },
-    )
+    read_rows(path, &CLIENT_COLUMNS, |r: &ClientRow| &r.request_id)
 }
 
 /// Reads a router's `router.csv`.
 pub fn read_router_csv(path: &Path) -> Result<Vec<RouterRow>> {
-    read_rows(
-        path,
-        RouterCols::resolve,
-        |r: &RouterRow| &r.request_id,
-        |c, f| {
-            Ok(RouterRow {
-                request_id: f.string(c.request_id)?,
-                session_id: f.opt_string(c.session_id),
-                arrival_s: f.f64(c.arrival_s)?,
-                policy: f.string(c.policy)?,
-                replica: f.opt_uint(c.replica)?,
-                branch: f.opt_string(c.branch),
-                predicted_match_tokens: f.opt_uint(c.predicted_match_tokens)?,
-                outstanding_chosen: f.opt_uint(c.outstanding_chosen)?,
-                outstanding_min: f.opt_uint(c.outstanding_min)?,
-                decide_ns: f.opt_uint(c.decide_ns)?,
-                overhead_us: f.opt_f64(c.overhead_us)?,
-                tokenize_ms: f.opt_f64(c.tokenize_ms)?,
-                upstream_status: f.opt_uint(c.upstream_status)?,
-                cached_tokens: f.opt_uint(c.cached_tokens)?,
-                prompt_tokens: f.opt_uint(c.prompt_tokens)?,
-                error: f.opt_string(c.error),
-                attempts: f.opt_uint(c.attempts)?,
-            })
-        },
-    )
+    read_rows(path, &ROUTER_COLUMNS, |r: &RouterRow| &r.request_id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn columns_are_found_by_name_in_any_order_and_a_bad_cell_names_its_column() {
+        let dir = test_support::temp_dir("analysis-rows");
+        let path = dir.path().join("router.csv");
+        // The writers' order, reversed, with a column added at the end.
+        let mut header: Vec<&str> = ROUTER_COLUMNS.iter().rev().copied().collect();
+        header.push("later");
+        let cells = |replica: &str| {
+            let mut r: Vec<String> = ROUTER_COLUMNS
+                .iter()
+                .rev()
+                .map(|c| match *c {
+                    "request_id" => "r1".to_string(),
+                    "arrival_s" => "1.500000".to_string(),
+                    "policy" => "round-robin".to_string(),
+                    "replica" => replica.to_string(),
+                    "attempts" => "1".to_string(),
+                    _ => String::new(),
+                })
+                .collect();
+            r.push("x".into());
+            r.join(",")
+        };
+        std::fs::write(&path, format!("{}\n{}\n", header.join(","), cells("2"))).unwrap();
+        let rows = read_router_csv(&path).unwrap();
+        assert_eq!((rows[0].replica, rows[0].attempts), (Some(2), 1));
+        assert_eq!(rows[0].arrival_s, 1.5);
+        std::fs::write(&path, format!("{}\n{}\n", header.join(","), cells("two"))).unwrap();
+        match read_router_csv(&path).unwrap_err() {
+            AnalysisError::Rows { line, message, .. } => {
+                assert_eq!(line, 2);
+                assert!(
+                    message.contains("column `replica`") && message.contains("`two`"),
+                    "{message}"
+                );
+            }
+            other => panic!("{other}"),
+        }
+    }
 }

@@ -55,7 +55,7 @@ fn row(i: usize, sent_s: f64, ttft_ms: f64, warmup: bool) -> ClientRow {
         error: None,
         warmup,
         send_lag_ms: Some(0.0),
-        chunks: Some(128),
+        chunks: 128,
     }
 }
 

@@ -13,26 +13,11 @@ fn fixture() -> PathBuf {
     common::fixtures().join("fault-kill")
 }
 
-/// A scratch directory removed on drop, even when the test fails.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    /// A copy of `from` under the temp dir.
-    fn copy_of(from: &Path, name: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!(
-            "kvroute-analysis-fault-{}-{name}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        copy_dir(from, &dir);
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A copy of `from` in a fresh temp dir, removed on drop (even when the test fails).
+fn copy_of(from: &Path, name: &str) -> test_support::TempDir {
+    let dir = test_support::temp_dir(&format!("analysis-fault-{name}"));
+    copy_dir(from, dir.path());
+    dir
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -63,12 +48,12 @@ fn fault_point_comes_from_sweep_json() {
         fault::fault_point(&common::fixtures().join("sweep-basic")),
         None
     );
-    let tmp = Scratch::copy_of(&common::fixtures().join("sweep-incomparable"), "point");
-    let sweep_json = tmp.0.join("sweep.json");
+    let tmp = copy_of(&common::fixtures().join("sweep-incomparable"), "point");
+    let sweep_json = tmp.path().join("sweep.json");
     std::fs::write(&sweep_json, r#"{"sweep": "pressure-grid", "point": "p0"}"#).unwrap();
-    assert_eq!(fault::fault_point(&tmp.0), None);
+    assert_eq!(fault::fault_point(tmp.path()), None);
     std::fs::write(&sweep_json, r#"{"sweep": "fault-kill"}"#).unwrap();
-    assert_eq!(fault::fault_point(&tmp.0), None);
+    assert_eq!(fault::fault_point(tmp.path()), None);
 }
 
 #[test]
@@ -134,17 +119,17 @@ fn report_dir_tells_a_fault_run_from_a_sweep() {
 
 #[test]
 fn write_report_dir_writes_the_summary_files() {
-    let tmp = Scratch::copy_of(&fixture(), "write");
-    let written = write_report_dir(&tmp.0, &ReportConfig::default()).unwrap();
+    let tmp = copy_of(&fixture(), "write");
+    let written = write_report_dir(tmp.path(), &ReportConfig::default()).unwrap();
     assert!(matches!(written, DirReport::Fault(_)));
     for name in ["timeline.csv", "summary.json", "summary.md"] {
         assert_eq!(
-            std::fs::read_to_string(tmp.0.join(name)).unwrap(),
+            std::fs::read_to_string(tmp.path().join(name)).unwrap(),
             golden(&format!("fault-kill.{name}")),
             "{name}"
         );
     }
-    let leftovers: Vec<_> = std::fs::read_dir(&tmp.0)
+    let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
         .unwrap()
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
@@ -154,17 +139,17 @@ fn write_report_dir_writes_the_summary_files() {
 
 #[test]
 fn a_rep_without_router_rows_or_a_missing_point_is_an_error() {
-    let tmp = Scratch::copy_of(&fixture(), "norouter");
-    let rep = tmp.0.join("ws1-s0-rate4/session-affinity/rep-2");
+    let tmp = copy_of(&fixture(), "norouter");
+    let rep = tmp.path().join("ws1-s0-rate4/session-affinity/rep-2");
     std::fs::remove_file(rep.join("router.csv")).unwrap();
-    match fault::summarize(&tmp.0, "ws1-s0-rate4", &DriftConfig::default()).unwrap_err() {
+    match fault::summarize(tmp.path(), "ws1-s0-rate4", &DriftConfig::default()).unwrap_err() {
         AnalysisError::Fault { path, message } => {
             assert_eq!(path, rep);
             assert_eq!(message, "has no router.csv");
         }
         other => panic!("expected a fault error, got {other}"),
     }
-    let err = fault::summarize(&tmp.0, "ws9-s0", &DriftConfig::default())
+    let err = fault::summarize(tmp.path(), "ws9-s0", &DriftConfig::default())
         .unwrap_err()
         .to_string();
     assert!(err.ends_with("holds no point `ws9-s0`"), "{err}");
@@ -181,7 +166,7 @@ fn edit_meta(dir: &Path, rep: &str, edit: impl FnOnce(&mut serde_json::Value)) {
 
 #[test]
 fn gates_decide_what_is_compared_and_unrecorded_ones_never_read_as_passed() {
-    let tmp = Scratch::copy_of(&fixture(), "gates");
+    let tmp = copy_of(&fixture(), "gates");
     let gates = |evidence: serde_json::Value| {
         serde_json::json!({
             "evidence": evidence,
@@ -190,11 +175,11 @@ fn gates_decide_what_is_compared_and_unrecorded_ones_never_read_as_passed() {
             "drift_rule": fault::DRIFT_WINDOW_RULE,
         })
     };
-    edit_meta(&tmp.0, "session-affinity/rep-1", |m| {
+    edit_meta(tmp.path(), "session-affinity/rep-1", |m| {
         m["run"] = serde_json::json!({"gates": gates(serde_json::json!({"status": "passed"}))});
         m["attempts"] = 1.into();
     });
-    edit_meta(&tmp.0, "session-affinity/rep-2", |m| {
+    edit_meta(tmp.path(), "session-affinity/rep-2", |m| {
         let failed = serde_json::json!({"status": "failed", "reason": "replica 0 lateness p99 9 ms exceeds the bound 5 ms"});
         m["run"] = serde_json::json!({"gates": gates(failed)});
         m["accepted"] = false.into();
@@ -203,7 +188,7 @@ fn gates_decide_what_is_compared_and_unrecorded_ones_never_read_as_passed() {
                 .into();
         m["attempts"] = 3.into();
     });
-    let s = fault::summarize(&tmp.0, "ws1-s0-rate4", &DriftConfig::default()).unwrap();
+    let s = fault::summarize(tmp.path(), "ws1-s0-rate4", &DriftConfig::default()).unwrap();
     // Every complete repetition keeps its loss-bound check, set aside or not.
     assert_eq!(s.reps.len(), 3);
     assert_eq!(s.gates.len(), 3);

@@ -269,11 +269,9 @@ fn copy_compressing(from: &std::path::Path, to: &std::path::Path) {
 
 #[test]
 fn compressed_rows_give_the_same_report() {
-    let dir = std::env::temp_dir().join(format!("analysis-gz-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    copy_compressing(&common::fixtures().join("sweep-basic"), &dir);
-    let gz = analyze_dir(&dir, &ReportConfig::default());
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = test_support::temp_dir("analysis-gz");
+    copy_compressing(&common::fixtures().join("sweep-basic"), dir.path());
+    let gz = analyze_dir(dir.path(), &ReportConfig::default());
     let (gz, plain) = (gz.unwrap(), report());
     assert!(!gz.points.is_empty());
     // The title names the directory; every number and verdict after it must be the same.

@@ -1,6 +1,6 @@
 //! Per-request latency metrics from chunk arrival times (pure).
 //!
-//! Definitions (DESIGN.md §3.6):
+//! Definitions (docs/ARCHITECTURE.md, "Metrics"):
 //! - TTFT = first content chunk − send.
 //! - ITL p50 = median over the request's gaps between consecutive content chunks, each gap
 //!   divided by the tokens that chunk carried (1 when the server did not say); the median is

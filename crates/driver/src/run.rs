@@ -297,7 +297,7 @@ impl Sink {
         if let Some(l) = row.send_lag_ms {
             self.lag.push(l);
         }
-        if row.warmup == 1 {
+        if row.warmup {
             self.warmup += 1;
         }
         if !row.is_ok() {
@@ -311,7 +311,7 @@ impl Sink {
         if let Some(t) = row.ttft_ms {
             self.progress_ttft.saturating_record((t * 1e3) as u64);
         }
-        if row.warmup == 0 {
+        if !row.warmup {
             self.ttft.extend(row.ttft_ms);
             self.itl.extend(row.itl_p50_ms);
             self.e2el.extend(row.e2el_ms);
@@ -406,7 +406,7 @@ impl<W> Shared<W> {
         let limit_ms = self.abandon_after.map_or(0.0, |a| a.as_secs_f64() * 1e3);
         let row = ClientRow {
             request_id: request_id.to_owned(),
-            session_id: session_id.to_owned(),
+            session_id: Some(session_id.to_owned()),
             turn,
             scheduled_s: Some(scheduled.as_secs_f64()),
             sent_s: None,
@@ -420,12 +420,12 @@ impl<W> Shared<W> {
             output_tokens: None,
             cached_tokens: None,
             status: 0,
-            error: format!(
+            error: Some(format!(
                 "{}: not sent; after the run's end it had waited {:.0} ms behind its conversation's previous turn, past the {limit_ms:.0} ms TTFT bound",
                 schema::rows::ABANDONED_ERROR_KIND,
                 wait.as_secs_f64() * 1e3
-            ),
-            warmup: 0,
+            )),
+            warmup: false,
             send_lag_ms: None,
             chunks: 0,
         };
@@ -448,7 +448,7 @@ impl<W> Shared<W> {
         let s = |d: Duration| d.as_secs_f64();
         let row = ClientRow {
             request_id: request_id.to_owned(),
-            session_id: session_id.to_owned(),
+            session_id: Some(session_id.to_owned()),
             turn,
             scheduled_s: Some(s(scheduled)),
             sent_s: Some(s(o.sent)),
@@ -462,8 +462,9 @@ impl<W> Shared<W> {
             output_tokens,
             cached_tokens: o.usage.cached_tokens,
             status: o.status,
-            error: o.error.clone().unwrap_or_default(),
-            warmup: u8::from(o.sent < self.warmup),
+            // An empty message is no error (the cell is empty either way).
+            error: o.error.clone().filter(|e| !e.is_empty()),
+            warmup: o.sent < self.warmup,
             send_lag_ms: Some(o.sent.saturating_sub(scheduled).as_secs_f64() * 1e3),
             chunks: u32::try_from(o.chunks.len()).unwrap_or(u32::MAX),
         };
@@ -962,14 +963,14 @@ mod tests {
         s.record(&ok, Duration::from_secs(2));
         s.record(
             &ClientRow {
-                warmup: 1,
+                warmup: true,
                 ..ok.clone()
             },
             Duration::from_secs(1),
         );
         s.record(
             &ClientRow {
-                error: "timeout: no response within 1s".into(),
+                error: Some("timeout: no response within 1s".into()),
                 ..ClientRow::default()
             },
             Duration::from_secs(3),

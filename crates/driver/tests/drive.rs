@@ -15,11 +15,9 @@ fn ms(v: u64) -> Duration {
     Duration::from_millis(v)
 }
 
-/// A per-test output directory under the target dir, removed first.
-fn out_dir(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("driver-{name}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+/// A per-test output directory, removed when it drops.
+fn out_dir(name: &str) -> test_support::TempDir {
+    test_support::temp_dir(&format!("driver-{name}"))
 }
 
 fn small_spec(conversations: u32) -> WorkloadSpec {
@@ -106,7 +104,7 @@ async fn ttft_and_itl_follow_the_scripted_chunks() {
         .unwrap();
     let plan = closed_plan(2, 1, 0.0, 2);
     let dir = out_dir("timings");
-    let out = dir.join("client.csv");
+    let out = dir.path().join("client.csv");
     let summary = run_closed(&plan, &config(server.url(), out.clone()))
         .await
         .unwrap();
@@ -215,7 +213,8 @@ async fn every_failure_is_a_row_with_its_kind() {
             .await
             .unwrap();
     let plan = closed_plan(3, 1, 0.0, n as u32);
-    let out = out_dir("errors").join("client.csv");
+    let tmp = out_dir("errors");
+    let out = tmp.path().join("client.csv");
     let cfg = RunConfig {
         timeout_s: 0.5,
         ..config(server.url(), out.clone())
@@ -227,11 +226,15 @@ async fn every_failure_is_a_row_with_its_kind() {
     let kinds: Vec<&str> = rows.iter().map(|r| r.error_kind()).collect();
     assert_eq!(kinds, expected);
     assert_eq!(rows[0].status, 503);
-    assert!(rows[0].error.contains("overloaded"), "{}", rows[0].error);
-    assert!(rows[4].error.contains("engine died"));
     assert!(
-        rows[5].error.contains("not an SSE stream"),
-        "{}",
+        error(&rows[0]).contains("overloaded"),
+        "{:?}",
+        rows[0].error
+    );
+    assert!(error(&rows[4]).contains("engine died"));
+    assert!(
+        error(&rows[5]).contains("not an SSE stream"),
+        "{:?}",
         rows[5].error
     );
     assert_eq!(rows[6].status, 0);
@@ -239,8 +242,8 @@ async fn every_failure_is_a_row_with_its_kind() {
     assert_eq!(rows[7].status, 200);
     assert_eq!(rows[7].chunks, 1);
     assert!(
-        rows[7].error.contains("stream unfinished"),
-        "{}",
+        error(&rows[7]).contains("stream unfinished"),
+        "{:?}",
         rows[7].error
     );
     // A failed stream keeps what arrived before the failure.
@@ -263,7 +266,8 @@ async fn refused_connections_are_rows_and_unreachable_urls_are_clear_errors() {
         .port();
     let url = format!("http://127.0.0.1:{port}");
     let plan = closed_plan(2, 1, 0.0, 3);
-    let out = out_dir("refused").join("client.csv");
+    let tmp = out_dir("refused");
+    let out = tmp.path().join("client.csv");
     let cfg = RunConfig {
         preflight: false,
         model: Some("m".into()),
@@ -275,8 +279,12 @@ async fn refused_connections_are_rows_and_unreachable_urls_are_clear_errors() {
     assert_eq!(rows.len(), 3);
     for r in rows {
         assert_eq!(r.status, 0);
-        assert_eq!(r.error_kind(), "connect", "{}", r.error);
-        assert!(r.error.to_lowercase().contains("refused"), "{}", r.error);
+        assert_eq!(r.error_kind(), "connect", "{:?}", r.error);
+        assert!(
+            error(&r).to_lowercase().contains("refused"),
+            "{:?}",
+            r.error
+        );
     }
 
     let err = run_closed(&plan, &config(url, out.clone()))
@@ -290,7 +298,8 @@ async fn refused_connections_are_rows_and_unreachable_urls_are_clear_errors() {
 async fn a_non_openai_server_is_a_clear_error() {
     let server = ScriptedServer::start(|_| Reply::Hang).await.unwrap();
     let plan = closed_plan(2, 1, 0.0, 1);
-    let out = out_dir("not-openai").join("client.csv");
+    let tmp = out_dir("not-openai");
+    let out = tmp.path().join("client.csv");
     let err = run_closed(&plan, &config(format!("{}/elsewhere", server.url()), out))
         .await
         .unwrap_err();
@@ -316,7 +325,8 @@ async fn open_loop_sends_on_schedule_one_turn_per_conversation_at_a_time() {
     let Schedule::Open { arrivals } = &plan.schedule else {
         unreachable!()
     };
-    let out = out_dir("open").join("client.csv");
+    let tmp = out_dir("open");
+    let out = tmp.path().join("client.csv");
     let cfg = RunConfig {
         warmup_s: 0.5,
         ..config(server.url(), out.clone())
@@ -331,7 +341,7 @@ async fn open_loop_sends_on_schedule_one_turn_per_conversation_at_a_time() {
         let i: usize = r.request_id.strip_prefix('a').unwrap().parse().unwrap();
         let a = arrivals[i];
         assert_eq!(r.turn, a.turn);
-        assert_eq!(r.session_id, plan.session_id(a.conversation));
+        assert_eq!(r.session_id, Some(plan.session_id(a.conversation)));
         // The schedule is the plan's, never rescaled; lateness is recorded, never negative.
         assert!(
             near(r.scheduled_s.unwrap(), a.at_us as f64 / 1e6, 1e-6),
@@ -339,10 +349,10 @@ async fn open_loop_sends_on_schedule_one_turn_per_conversation_at_a_time() {
         );
         assert!(r.sent_s.unwrap() >= r.scheduled_s.unwrap());
         assert_consistent(r);
-        assert_eq!(r.warmup, u8::from(r.sent_s.unwrap() < 0.5));
+        assert_eq!(r.warmup, r.sent_s.unwrap() < 0.5);
         lags.push(r.send_lag_ms.unwrap());
     }
-    assert!(rows.iter().any(|r| r.warmup == 1) && rows.iter().any(|r| r.warmup == 0));
+    assert!(rows.iter().any(|r| r.warmup) && rows.iter().any(|r| !r.warmup));
     lags.sort_by(f64::total_cmp);
     let median_lag = lags[lags.len() / 2];
     assert!(median_lag < 50.0, "median send lag {median_lag} ms");
@@ -353,7 +363,10 @@ async fn open_loop_sends_on_schedule_one_turn_per_conversation_at_a_time() {
 fn assert_no_overlap_per_session(rows: &[ClientRow]) {
     let mut by_session: BTreeMap<&str, Vec<&ClientRow>> = BTreeMap::new();
     for r in rows {
-        by_session.entry(&r.session_id).or_default().push(r);
+        by_session
+            .entry(r.session_id.as_deref().unwrap_or_default())
+            .or_default()
+            .push(r);
     }
     for list in by_session.values_mut() {
         list.sort_by(|a, b| a.sent_s.unwrap().total_cmp(&b.sent_s.unwrap()));
@@ -377,7 +390,8 @@ async fn closed_loop_users_share_conversations_without_overlap() {
             .unwrap();
     // Two conversations and four users: users collide on conversations all the time.
     let plan = closed_plan(2, 4, 0.005, 6);
-    let out = out_dir("closed").join("client.csv");
+    let tmp = out_dir("closed");
+    let out = tmp.path().join("client.csv");
     let summary = run_closed(&plan, &config(server.url(), out.clone()))
         .await
         .unwrap();
@@ -443,7 +457,8 @@ async fn a_user_skips_a_conversation_another_user_is_walking() {
         spare_draws: vec![vec![], vec![0]],
     };
     plan.check().unwrap();
-    let out = out_dir("closed-skip").join("client.csv");
+    let tmp = out_dir("closed-skip");
+    let out = tmp.path().join("client.csv");
     let summary = run_closed(&plan, &config(server.url(), out.clone()))
         .await
         .unwrap();
@@ -457,20 +472,23 @@ async fn a_user_skips_a_conversation_another_user_is_walking() {
     let c1 = plan.session_id(1);
     for (k, turn) in [(0, 1), (1, 2), (2, 3)] {
         let r = row(&format!("u1-{k}"));
-        assert_eq!((r.session_id.as_str(), r.turn), (c1.as_str(), turn));
+        assert_eq!((r.session_id.as_deref(), r.turn), (Some(c1.as_str()), turn));
     }
     assert!(row("u1-0").send_lag_ms.unwrap() < 15.0);
     assert!(row("u1-0").sent_s.unwrap() < row("u0-0").sent_s.unwrap() + 0.015);
     // Its second walk took its next draw, conversation 0, once user 0 had released it.
     let c0 = plan.session_id(0);
-    assert_eq!(row("u1-3").session_id, c0);
+    assert_eq!(row("u1-3").session_id, Some(c0));
     let end = |r: &ClientRow| r.sent_s.unwrap() + r.e2el_ms.unwrap() / 1e3;
     assert!(row("u1-3").sent_s.unwrap() >= end(row("u0-2")) - 1e-6);
 }
 
 /// Whether two rows of one session were in flight at the same time.
 fn overlapping_turns(rows: &[ClientRow], session: &str) -> bool {
-    let mine: Vec<&ClientRow> = rows.iter().filter(|r| r.session_id == session).collect();
+    let mine: Vec<&ClientRow> = rows
+        .iter()
+        .filter(|r| r.session_id.as_deref() == Some(session))
+        .collect();
     let span = |r: &ClientRow| {
         (
             r.sent_s.unwrap(),
@@ -511,7 +529,8 @@ async fn shared_conversations_are_walked_by_two_users_at_once() {
         spare_draws: vec![vec![], vec![]],
     };
     plan.check().unwrap();
-    let out = out_dir("closed-shared").join("client.csv");
+    let tmp = out_dir("closed-shared");
+    let out = tmp.path().join("client.csv");
     let summary = run_closed(&plan, &config(server.url(), out.clone()))
         .await
         .unwrap();
@@ -520,7 +539,10 @@ async fn shared_conversations_are_walked_by_two_users_at_once() {
     let rows = read_rows(&out).unwrap();
     // Both users sent their scripts as drawn, the same turns of conversation 0 side by side.
     let c0 = plan.session_id(0);
-    assert!(rows.iter().all(|r| r.session_id == c0));
+    assert!(
+        rows.iter()
+            .all(|r| r.session_id.as_deref() == Some(c0.as_str()))
+    );
     let row = |id: &str| rows.iter().find(|r| r.request_id == id).unwrap();
     assert!(row("u1-0").sent_s.unwrap() < row("u0-0").sent_s.unwrap() + 0.015);
     assert!(overlapping_turns(&rows, &c0));
@@ -549,7 +571,8 @@ async fn shared_open_loop_arrivals_are_sent_on_time_while_a_turn_is_in_flight() 
                 },
             )
             .unwrap();
-            let out = out_dir(name).join("client.csv");
+            let tmp = out_dir(name);
+            let out = tmp.path().join("client.csv");
             let summary = run_open(&plan, &config(url, out.clone())).await.unwrap();
             assert_eq!(summary.requests, plan.request_count() as u64);
             assert_eq!(summary.errors, 0);
@@ -573,7 +596,8 @@ async fn duration_cap_stops_new_requests_and_wrong_driver_is_refused() {
             .await
             .unwrap();
     let plan = closed_plan(2, 1, 0.05, 1_000);
-    let out = out_dir("duration").join("client.csv");
+    let tmp = out_dir("duration");
+    let out = tmp.path().join("client.csv");
     let cfg = RunConfig {
         duration_s: Some(0.3),
         ..config(server.url(), out.clone())
@@ -597,10 +621,10 @@ async fn the_progress_file_ends_on_the_final_count() {
             .unwrap();
     let plan = closed_plan(2, 2, 0.0, 3);
     let dir = out_dir("progress-file");
-    let progress = dir.join("driver.progress");
+    let progress = dir.path().join("driver.progress");
     let cfg = RunConfig {
         progress_file: Some(progress.clone()),
-        ..config(server.url(), dir.join("client.csv"))
+        ..config(server.url(), dir.path().join("client.csv"))
     };
     let summary = run_closed(&plan, &cfg).await.unwrap();
     assert_eq!(summary.requests, 6);
@@ -627,7 +651,8 @@ async fn queued_turns_past_the_bound_after_the_end_are_abandoned_not_sent() {
         },
     )
     .unwrap();
-    let out = out_dir("abandon").join("client.csv");
+    let tmp = out_dir("abandon");
+    let out = tmp.path().join("client.csv");
     let cfg = RunConfig {
         duration_s: Some(1.0),
         abandon_after_s: Some(0.1),
@@ -642,7 +667,7 @@ async fn queued_turns_past_the_bound_after_the_end_are_abandoned_not_sent() {
     );
     let abandoned: Vec<&ClientRow> = rows
         .iter()
-        .filter(|r| r.error.starts_with("abandoned:"))
+        .filter(|r| error(r).starts_with("abandoned:"))
         .collect();
     // ~40 arrivals, each response ≥ 56 ms: at most ~18 served in the second, the rest queued.
     assert!(abandoned.len() >= 10, "{} abandoned", abandoned.len());
@@ -663,4 +688,9 @@ async fn queued_turns_past_the_bound_after_the_end_are_abandoned_not_sent() {
     }
     let sent: Vec<ClientRow> = rows.into_iter().filter(|r| r.sent_s.is_some()).collect();
     assert_no_overlap_per_session(&sent);
+}
+
+/// A row's error message, empty on success.
+fn error(r: &ClientRow) -> &str {
+    r.error.as_deref().unwrap_or_default()
 }

@@ -9,11 +9,8 @@ use driver::testserver::{Reply, ScriptedServer, StreamScript};
 use driver::{ProgressMode, RunConfig, load_replay, load_replay_file, read_rows, run_replay};
 use trace::{ReplayFile, ReplayPlan, ReplaySpec, Trace};
 
-fn out_dir(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("driver-replay-{name}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn out_dir(name: &str) -> test_support::TempDir {
+    test_support::temp_dir(&format!("driver-{name}"))
 }
 
 /// A Mooncake-format trace: system block 0, sessions keyed 1, 10 and 20 (session 1 has three
@@ -77,7 +74,8 @@ async fn replay_sends_exactly_the_plans_requests_at_their_times() {
     let trace = Trace::parse_bytes("t.jsonl", trace_text().as_bytes()).unwrap();
     let plan = ReplayPlan::build(&trace, &spec()).unwrap();
     assert_eq!(plan.len(), 12);
-    let out = out_dir("times").join("client.csv");
+    let tmp = out_dir("times");
+    let out = tmp.path().join("client.csv");
     let cfg = RunConfig {
         warmup_s: 0.2,
         ..config(server.url(), out.clone())
@@ -101,7 +99,7 @@ async fn replay_sends_exactly_the_plans_requests_at_their_times() {
     let mut lags = Vec::new();
     for row in &rows {
         let r = by_id[&row.request_id];
-        assert_eq!(row.session_id, plan.session_id(r.session));
+        assert_eq!(row.session_id.as_deref(), Some(plan.session_id(r.session)));
         assert_eq!(row.turn, r.turn);
         // On the plan's (scaled) schedule, never early; lateness recorded.
         assert!(
@@ -109,7 +107,7 @@ async fn replay_sends_exactly_the_plans_requests_at_their_times() {
             "{row:?}"
         );
         assert!(row.sent_s.unwrap() >= row.scheduled_s.unwrap());
-        assert_eq!(row.warmup, u8::from(row.sent_s.unwrap() < 0.2));
+        assert_eq!(row.warmup, row.sent_s.unwrap() < 0.2);
         assert_eq!(row.output_tokens, Some(u64::from(r.max_tokens)));
         lags.push(row.send_lag_ms.unwrap());
     }
@@ -176,7 +174,8 @@ async fn the_duration_cap_stops_new_sends() {
     .unwrap();
     let trace = Trace::parse_bytes("t.jsonl", trace_text().as_bytes()).unwrap();
     let plan = ReplayPlan::build(&trace, &spec()).unwrap();
-    let out = out_dir("cap").join("client.csv");
+    let tmp = out_dir("cap");
+    let out = tmp.path().join("client.csv");
     // Plan times (scaled): 0, 50, 75, 150, 210, 250, … ms; the cap at 0.2 s sends four.
     let cfg = RunConfig {
         duration_s: Some(0.2),
@@ -190,11 +189,11 @@ async fn the_duration_cap_stops_new_sends() {
 #[test]
 fn a_replay_file_reloads_its_plan_and_refuses_a_changed_trace() {
     let dir = out_dir("file");
-    let trace_path = dir.join("t.jsonl");
+    let trace_path = dir.path().join("t.jsonl");
     std::fs::write(&trace_path, trace_text()).unwrap();
     let plan = load_replay(&trace_path, &spec()).unwrap();
     let file = ReplayFile::new(&trace_path.display().to_string(), &plan);
-    let file_path = dir.join("trace-plan.json");
+    let file_path = dir.path().join("trace-plan.json");
     std::fs::write(&file_path, serde_json::to_vec(&file).unwrap()).unwrap();
     let again = load_replay_file(&file_path).unwrap();
     assert_eq!(again.encode(), plan.encode());

@@ -2,7 +2,8 @@
 //!
 //! `cargo run --release -p engine --example calibrate` prints TTFT p50 of unseen ~1,100-token
 //! prompts, TTFT p50 of the same prompts re-sent, and the inter-token p50, against the targets
-//! 329 ms / 46 ms / 7.8 ms of REFERENCE.md §1.
+//! 329 ms / 46 ms / 7.8 ms of the reference fleet (crates/engine-core/README.md, "Defaults and
+//! calibration").
 
 use std::time::Instant;
 

@@ -90,8 +90,13 @@ async fn replay(endpoint: &str, start: u64) -> Vec<(u64, Bytes)> {
     .expect("frames");
     d.send(req).await.expect("send");
     let mut out = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let m = d.recv().await.expect("replay answer").into_vec();
+        let m = tokio::time::timeout_at(deadline, d.recv())
+            .await
+            .expect("the replay ends (END_SEQ) within 10 s")
+            .expect("replay answer")
+            .into_vec();
         assert_eq!(m.len(), 3, "[b\"\", seq, payload]");
         assert!(m[0].is_empty());
         let seq = u64::from_be_bytes(m[1].as_ref().try_into().expect("8-byte seq"));

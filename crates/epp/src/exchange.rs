@@ -31,7 +31,7 @@ use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use policies::RouteRequest;
 use proxy::request::{Endpoint, parse};
-use proxy::rows::Row;
+use proxy::rows::RouterRow;
 use proxy::service::{REPLICA_HEADER, RouteKeys, key_model, route_keys};
 use proxy::state::{LoadGuard, NoRoute, Shared};
 use proxy::usage::{BodyKind, UsageScanner};
@@ -92,7 +92,7 @@ struct Exchange {
     refused: bool,
     /// The LLM request's row, until written (exactly once: at the response's end, by a refusal,
     /// or on drop).
-    row: Option<Row>,
+    row: Option<RouterRow>,
     picked: Option<Picked>,
     scanner: Option<UsageScanner>,
     /// The picker's own time on the request side (body complete → answers sent, minus any
@@ -338,7 +338,7 @@ impl Exchange {
         if self.endpoint.is_some() {
             let s = &self.picker.shared;
             s.metrics.requests.fetch_add(1, Ordering::Relaxed);
-            self.row = Some(Row {
+            self.row = Some(RouterRow {
                 request_id: self
                     .request_id
                     .clone()
@@ -346,7 +346,7 @@ impl Exchange {
                 session_id: self.session.clone(),
                 arrival_s: self.arrival_ns as f64 / 1e9,
                 policy: s.policy_name.clone(),
-                ..Row::default()
+                ..RouterRow::default()
             });
         }
     }
@@ -575,8 +575,8 @@ impl Exchange {
         if let Some(row) = self.row.as_mut() {
             row.attempts = 1;
             row.replica = Some(d.replica);
-            row.branch = Some(d.branch.as_str());
-            row.predicted_match_tokens = Some(d.predicted_match_tokens);
+            row.branch = Some(d.branch.as_str().into());
+            row.predicted_match_tokens = Some(u64::from(d.predicted_match_tokens));
             row.outstanding_chosen = Some(d.outstanding_chosen);
             row.outstanding_min = Some(d.outstanding_min);
             row.decide_ns = Some(routed.decide_ns);

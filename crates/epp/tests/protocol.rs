@@ -199,7 +199,7 @@ const POST_CHAT: [(&str, &str); 3] = [
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunks_come_back_in_order_after_the_pick_and_the_served_endpoint_is_read_back() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_support::temp_dir("epp-protocol");
     let epp = start(dir.path(), "session-affinity", 1 << 20).await;
     let text = chat("where is my parcel?");
     let (a, b) = text.as_bytes().split_at(10);
@@ -308,7 +308,7 @@ async fn chunks_come_back_in_order_after_the_pick_and_the_served_endpoint_is_rea
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn subset_trailers_header_only_and_refusals() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_support::temp_dir("epp-protocol");
     let epp = start(dir.path(), "round-robin", 256).await;
     let only = REPLICAS[2].trim_start_matches("http://");
 

@@ -1,10 +1,10 @@
-//! The calibration procedure (DESIGN.md §3.9): floors straight at each replica, concurrency 1,
-//! on unseen prompts trimmed to exactly the reference length by the replica's own `/tokenize`;
-//! KV capacity from `/metrics`; throttling outliers and the cells' throttle bound; bytes per
-//! token against `/tokenize` on the reference plan's prompts; then the reference load through
-//! the router → the index TTL (observed decay, else the LRU-cycle model) and node cap. What it
-//! measures is recorded and judged by the rules of [`crate::calibration`]; this module starts the
-//! processes and times the phases, printing each with an ETA on stderr.
+//! The calibration procedure (docs/ARCHITECTURE.md, "Calibration"): floors straight at each
+//! replica, concurrency 1, on unseen prompts trimmed to exactly the reference length by the
+//! replica's own `/tokenize`; KV capacity from `/metrics`; throttling outliers and the cells'
+//! throttle bound; bytes per token against `/tokenize` on the reference plan's prompts; then the
+//! reference load through the router → the index TTL (observed decay, else the LRU-cycle model) and
+//! node cap. What it measures is recorded and judged by the rules of [`crate::calibration`]; this
+//! module starts the processes and times the phases, printing each with an ETA on stderr.
 //!
 //! The fleet must answer vLLM's `POST /tokenize` (chat form, `{"count": …}`): without it neither
 //! the floors' prompt length nor the bytes per token can be measured, and the calibration stops
@@ -620,9 +620,11 @@ fn reference_run(
         accepted: true,
         set_aside_reason: None,
         attempts: 1,
-        evidence: serde_json::to_value(&result.evidence)?,
-        drift: serde_json::Value::Null,
-        run: serde_json::json!({"users": s.users, "think_wall_s": think_wall_s, "router": router}),
+        evidence: Some(result.evidence.clone().into()),
+        drift: None,
+        run: serde_json::from_value(
+            serde_json::json!({"users": s.users, "think_wall_s": think_wall_s, "router": router}),
+        )?,
     };
     cell::write_meta(&dir, &meta)?;
     let rep = match analysis::load::load_rep(&dir, point, policy, 1)

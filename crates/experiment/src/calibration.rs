@@ -1,9 +1,10 @@
 //! `calibration.json`: what a calibration measured and the settings it implies, and the rules that
-//! derive them from measurements (DESIGN.md §3.9): floors (on unseen prompts of the reference
-//! length) → SLO, throttling outliers and the cells' throttle bound, KV capacity, bytes per token
-//! (against the fleet's `/tokenize`), requests per closed-loop user, the reference run's belief
-//! decay or the LRU-cycle model → index TTL, and the node cap; and the lateness bound of a cell.
-//! Every derived value records the rule that set it and its evidence; a bound is never a value.
+//! derive them from measurements (docs/ARCHITECTURE.md, "Calibration"): floors (on unseen prompts
+//! of the reference length) → SLO, throttling outliers and the cells' throttle bound, KV capacity,
+//! bytes per token (against the fleet's `/tokenize`), requests per closed-loop user, the reference
+//! run's belief decay or the LRU-cycle model → index TTL, and the node cap; and the lateness bound
+//! of a cell. Every derived value records the rule that set it and its evidence; a bound is never a
+//! value.
 //!
 //! Measuring is [`crate::calibrate`] (it starts the fleet and drives the load); everything here
 //! is a pure function of what it measured, except reading and writing the record. What every
@@ -39,15 +40,15 @@ pub fn is_unseen(cached_tokens: Option<u64>) -> bool {
     cached_tokens.unwrap_or(0) < UNSEEN_BELOW_CACHED_TOKENS
 }
 
-/// SLO = this many times the floor (DESIGN.md §3.9).
+/// SLO = this many times the floor (docs/ARCHITECTURE.md, "Calibration").
 pub const SLO_FACTOR: f64 = 3.0;
 
 /// Share of throttled samples above the peers' median that makes a card an outlier (the
 /// reference fleet's throttling card: 67% of samples, the others 0–34%).
 pub const THROTTLE_SHARE_MARGIN: f64 = 0.3;
 
-/// Prompt length of the floors, tokens: REFERENCE.md §1 defines the floor on an unseen prompt
-/// of about 1,100 tokens (TTFT p50 329 ms on the reference fleet).
+/// Prompt length of the floors, tokens: the reference fleet's floor is on an unseen prompt of about
+/// 1,100 tokens (TTFT p50 329 ms; crates/engine-core/README.md, "Defaults and calibration").
 pub const REFERENCE_PROMPT_TOKENS: u64 = 1_100;
 
 /// Prompts of the reference plan whose bytes and tokens give the bytes-per-token ratio.

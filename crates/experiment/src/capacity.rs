@@ -1,6 +1,6 @@
-//! The fleet's capacity (DESIGN.md §3.9, "Operating point"): the highest offered open-loop rate
-//! at which the best of a small set of policies still meets the SLO on at least
-//! [`ATTAINMENT_TARGET`] of its measured requests. Sweeps then run at named fractions of it
+//! The fleet's capacity (docs/ARCHITECTURE.md, "Calibration": the operating point): the highest
+//! offered open-loop rate at which the best of a small set of policies still meets the SLO on at
+//! least [`ATTAINMENT_TARGET`] of its measured requests. Sweeps then run at named fractions of it
 //! (`--load`), so that a comparison is made where the fleet is under pressure.
 //!
 //! Open loop, because a closed loop's offered load depends on the latency it measures: its users
@@ -78,6 +78,52 @@ pub const WARMUP_MARGIN: f64 = 1.5;
 /// cell's rate, so that Poisson noise does not leave the check skipped.
 pub const WINDOW_REQUEST_MARGIN: f64 = 2.0;
 
+/// The largest share of a capacity step's measured requests that may be *cold resumes*
+/// (`workload::cold_resume_share`: a conversation's first turn in the run after its first turn,
+/// whose whole history every replica must prefill — an artefact of the run's start that no
+/// router avoids). A step's warm-up is doubled until its window holds no more
+/// ([`steady_step_warmup_s`]). 1%: a hundredth of the 10% of requests the SLO's target lets
+/// miss. Without it a step's window at a low rate held mostly such turns, so lowering the rate
+/// did not make the SLO easier and a search could "fail at every rate" (the quick virtual grid
+/// at ws3-s0, 3 Dec 2026: 62–71% attainment at every rate down to 0.018 req/s).
+pub const MAX_COLD_RESUME_SHARE: f64 = 0.01;
+
+/// Doublings of a step's warm-up the cold-resume rule may ask for: 2^16 × a 5-s warm-up is
+/// 91 hours of plan time, past any workload the grids size.
+pub const MAX_COLD_RESUME_DOUBLINGS: u32 = 16;
+
+/// A step's warm-up (s of the plan, i.e. wall): `base_s`, doubled until the measured window of
+/// `measure_s` after it holds at most [`MAX_COLD_RESUME_SHARE`] cold resumes of `spec` at
+/// `wall_rate_rps` (open loop from [`grid::OPEN_START`]). Fails, naming the share, when even the
+/// last doubling leaves more.
+pub fn steady_step_warmup_s(
+    spec: &WorkloadSpec,
+    wall_rate_rps: f64,
+    base_s: f64,
+    measure_s: f64,
+) -> Result<f64> {
+    let (warmup_s, share) = workload::steady_state_warmup_s(
+        spec,
+        wall_rate_rps,
+        grid::OPEN_START,
+        base_s,
+        measure_s,
+        MAX_COLD_RESUME_SHARE,
+        MAX_COLD_RESUME_DOUBLINGS,
+    )
+    .map_err(|e| anyhow!("the steady-state warm-up of {}: {e}", spec.name()))?;
+    if share > MAX_COLD_RESUME_SHARE {
+        bail!(
+            "a {:.0}-s warm-up still leaves {:.1}% of the window's requests resuming a conversation cold at {wall_rate_rps} req/s (wall) of {} (at most {:.0}% allowed)",
+            warmup_s,
+            share * 100.0,
+            spec.name(),
+            MAX_COLD_RESUME_SHARE * 100.0
+        );
+    }
+    Ok(warmup_s)
+}
+
 /// Rates are rounded to this many requests per second (model time), so that point and step names
 /// stay short and a rate read back from a name is the rate that ran.
 pub const RATE_RESOLUTION_RPS: f64 = 0.001;
@@ -145,6 +191,12 @@ pub struct StepMeasurement {
     /// not re-run.
     #[serde(default)]
     pub overloaded: bool,
+    /// Unsettled only by a warming trend that improves the SLO's outcome (TTFT falling,
+    /// attainment or goodput rising), with clean evidence and no growing backlog: if its
+    /// attainment already meets the target, the settled fleet would meet it too, so the step
+    /// meets ([`search`]).
+    #[serde(default)]
+    pub improving: bool,
     /// Warm-up of the step, wall s.
     pub warmup_s: f64,
     /// Measured window of the step, wall s.
@@ -284,8 +336,10 @@ impl Searcher<'_> {
                     policy: policy.clone(),
                     lengthening,
                 })?;
-                let meets_target =
-                    m.settled && m.attainment.is_some_and(|a| a >= ATTAINMENT_TARGET);
+                // A step still warming in the good direction that already meets the target
+                // meets it: settling would only raise its attainment.
+                let meets_target = (m.settled || m.improving)
+                    && m.attainment.is_some_and(|a| a >= ATTAINMENT_TARGET);
                 self.curve.push(CurvePoint {
                     rate_rps,
                     policy: policy.clone(),
@@ -305,6 +359,26 @@ impl Searcher<'_> {
             }
         }
         Ok(None)
+    }
+
+    /// Why the steps at `rate_rps` missed, when it is not load: every one settled with no
+    /// growing backlog (the drift check's overload test), so their misses are the requests' own
+    /// service times against the SLO — a lower rate would not help. Empty otherwise.
+    fn why_unmet(&self, rate_rps: f64) -> String {
+        let steps: Vec<&CurvePoint> = self
+            .curve
+            .iter()
+            .filter(|p| p.rate_rps == rate_rps)
+            .collect();
+        if !steps.is_empty() && steps.iter().all(|p| p.step.settled && !p.step.overloaded) {
+            format!(
+                ". Every step there settled with no growing backlog, so the misses are not load: requests miss on their own service time (the prefill of what their replica does not hold, and their decode) against the SLO's bounds, which {:.0}% of requests must meet at any rate — halving the rate {} times did not change that",
+                ATTAINMENT_TARGET * 100.0,
+                self.cfg.max_coarse_steps
+            )
+        } else {
+            String::new()
+        }
     }
 
     /// What the steps at `rate_rps` measured, for an error message.
@@ -330,6 +404,25 @@ impl Searcher<'_> {
     }
 }
 
+/// The search ended without a bracket: the fleet met the target at every rate it tried, or
+/// at none (or stepped below the rate resolution). A result about the fleet, not a failure of
+/// the machinery; `anyhow::Error::downcast_ref` tells it apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unbracketed {
+    /// One line for a table: which end is open and what the last step there measured.
+    pub summary: String,
+    /// The whole explanation (the error's text).
+    pub message: String,
+}
+
+impl std::fmt::Display for Unbracketed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Unbracketed {}
+
 /// The rate search: coarse steps of `step_factor` from `start_rps` (up while the best policy
 /// meets the target, down while it does not) until one meeting and one failing rate bracket the
 /// capacity, then geometric bisection until the failing rate is within `resolution` of the
@@ -351,7 +444,12 @@ pub fn search(
     let next = |r: f64| -> Result<f64> {
         let r = round_rate(r);
         if r < RATE_RESOLUTION_RPS {
-            bail!("the capacity search stepped below {RATE_RESOLUTION_RPS} req/s");
+            let message = format!("the capacity search stepped below {RATE_RESOLUTION_RPS} req/s");
+            return Err(Unbracketed {
+                summary: message.clone(),
+                message,
+            }
+            .into());
         }
         Ok(r)
     };
@@ -372,14 +470,15 @@ pub fn search(
                     }
                 }
             }
-            hi = failing.ok_or_else(|| {
-                anyhow!(
+            hi = failing.ok_or_else(|| Unbracketed {
+                summary: format!("met the SLO at every rate tried, up to {} req/s", lo.0),
+                message: format!(
                     "the fleet met the SLO on ≥ {:.0}% of requests at every rate tried, up to {} req/s ({} coarse steps of ×{} from {start}); its capacity is higher than that — start higher or allow more steps",
                     ATTAINMENT_TARGET * 100.0,
                     lo.0,
                     cfg.max_coarse_steps,
                     cfg.step_factor
-                )
+                ),
             })?;
         }
         None => {
@@ -397,14 +496,25 @@ pub fn search(
             }
             lo = match meeting {
                 Some(m) => m,
-                None => bail!(
-                    "the fleet fails its SLO even at the lowest rate tried, {hi} req/s (model time; {} coarse steps of ÷{} from {start}): no policy of [{}] met the SLO on ≥ {:.0}% of measured requests there — {}. Check the fleet (a throttled or overloaded machine?) and the calibration's SLO",
-                    cfg.max_coarse_steps,
-                    cfg.step_factor,
-                    cfg.policies.join(", "),
-                    ATTAINMENT_TARGET * 100.0,
-                    s.describe(hi)
-                ),
+                None => {
+                    let why = s.why_unmet(hi);
+                    return Err(Unbracketed {
+                        summary: format!(
+                            "met the SLO at no rate tried, down to {hi} req/s ({}){}",
+                            s.describe(hi),
+                            if why.is_empty() { "" } else { ": not load" }
+                        ),
+                        message: format!(
+                            "the fleet fails its SLO even at the lowest rate tried, {hi} req/s (model time; {} coarse steps of ÷{} from {start}): no policy of [{}] met the SLO on ≥ {:.0}% of measured requests there — {}{why}",
+                            cfg.max_coarse_steps,
+                            cfg.step_factor,
+                            cfg.policies.join(", "),
+                            ATTAINMENT_TARGET * 100.0,
+                            s.describe(hi)
+                        ),
+                    }
+                    .into());
+                }
             };
         }
     }
@@ -420,7 +530,7 @@ pub fn search(
         }
     }
     let rule = format!(
-        "capacity = the highest offered open-loop rate (req/s of model time) at which the best of [{}] met the SLO on ≥ {:.0}% of its measured requests (the requests scheduled in the window, each TTFT counted from its scheduled time, so turns queued in the driver count), in a settled step (drift check passed, evidence clean); coarse steps of ×{} from {start} req/s ({}), then geometric bisection until the lowest failing rate ({hi}) was within {:.0}% of it; a step the drift check called overloaded (its backlog, or the driver's queue alone, growing through the window) does not meet and was not re-run; a warming step was re-run with its warm-up doubled up to {} time(s), and a step still unsettled counts as not meeting the SLO",
+        "capacity = the highest offered open-loop rate (req/s of model time) at which the best of [{}] met the SLO on ≥ {:.0}% of its measured requests (the requests scheduled in the window, each TTFT counted from its scheduled time, so turns queued in the driver count), in a settled step (drift check passed, evidence clean) or one whose only drift is a warming trend that improves the SLO's outcome (settling would only raise its attainment); coarse steps of ×{} from {start} req/s ({}), then geometric bisection until the lowest failing rate ({hi}) was within {:.0}% of it; a step the drift check called overloaded (its backlog, or the driver's queue alone, growing through the window) does not meet and was not re-run; a warming step was re-run with its warm-up doubled up to {} time(s), and a step still unsettled counts as not meeting the SLO",
         cfg.policies.join(", "),
         ATTAINMENT_TARGET * 100.0,
         cfg.step_factor,
@@ -590,6 +700,19 @@ pub fn step_from_rep(
         &window,
         &analysis::DriftConfig::default(),
     );
+    // Warming in the good direction only: every flagged trend improves the SLO's outcome (TTFT
+    // down, attainment or goodput up), with clean evidence and no growing backlog.
+    let improves = |t: &Option<analysis::drift::TrendTest>, up_is_good: bool| {
+        t.as_ref()
+            .is_none_or(|t| !t.flagged || (t.slope_per_s > 0.0) == up_is_good)
+    };
+    let improving = evidence_failed.is_none()
+        && drift.skipped.is_none()
+        && drift.warming
+        && !drift.overloaded
+        && improves(&drift.ttft, false)
+        && improves(&drift.attainment, true)
+        && improves(&drift.goodput, true);
     let unsettled_reason = evidence_failed
         .map(|e| format!("evidence: {e}"))
         .or(drift.skipped.clone())
@@ -601,6 +724,7 @@ pub fn step_from_rep(
         measured_requests: latency.requests,
         settled: unsettled_reason.is_none(),
         overloaded: drift.overloaded,
+        improving,
         unsettled_reason,
         warmup_s,
         measure_s,
@@ -888,15 +1012,15 @@ pub fn find_live(
             accepted: true,
             set_aside_reason: None,
             attempts: 1,
-            evidence: serde_json::to_value(&result.evidence)?,
-            drift: serde_json::Value::Null,
-            run: serde_json::json!({
+            evidence: Some(result.evidence.clone().into()),
+            drift: None,
+            run: serde_json::from_value(serde_json::json!({
                 "offered_rps": step.rate_rps,
                 "offered_wall_rps": wall_rate,
                 "lengthening": step.lengthening,
                 "router": router,
                 "driver": driver,
-            }),
+            }))?,
         };
         cell::write_meta(&dir, &meta)?;
         let m = step_from_rep(&dir, speed, warmup_s, measure_s, evidence_failed)?;
@@ -969,6 +1093,7 @@ mod tests {
                     unsettled.then(|| "warming: TTFT trends up".to_string())
                 },
                 overloaded,
+                improving: false,
                 warmup_s: step_warmup_s(5.0, step.lengthening),
                 measure_s: 8.0,
                 inflow_tokens_per_s: None,
@@ -1173,6 +1298,41 @@ mod tests {
     }
 
     #[test]
+    fn a_step_still_warming_towards_better_meets_when_it_already_meets_the_target() {
+        // Every step at or below 4 req/s meets 95% but is unsettled by a warming trend.
+        let measure = |improving: bool| {
+            move |step: &StepRequest| -> Result<StepMeasurement> {
+                let a = if step.rate_rps <= 4.0 { 0.95 } else { 0.5 };
+                Ok(StepMeasurement {
+                    attainment: Some(a),
+                    goodput_rps: a * step.rate_rps,
+                    measured_requests: 100,
+                    settled: false,
+                    unsettled_reason: Some("warming: TTFT trends down".into()),
+                    overloaded: false,
+                    improving,
+                    warmup_s: step_warmup_s(5.0, step.lengthening),
+                    measure_s: 8.0,
+                    inflow_tokens_per_s: None,
+                    dir: None,
+                })
+            }
+        };
+        // Improving (TTFT falling): settling only raises attainment, so 95% meets.
+        let c = search(&config(1.0), &mut measure(true)).unwrap();
+        assert!(
+            c.rate_rps >= 4.0 / 1.1 && c.rate_rps <= 4.0,
+            "{}",
+            c.rate_rps
+        );
+        assert!(c.rule.contains("improves the SLO's outcome"), "{}", c.rule);
+        // Not improving (TTFT rising, say): unsettled never meets, at any rate.
+        let err = search(&config(1.0), &mut measure(false)).unwrap_err();
+        assert!(err.downcast_ref::<Unbracketed>().is_some(), "{err}");
+        assert!(!err.to_string().contains("not load"), "{err}");
+    }
+
+    #[test]
     fn a_fleet_that_fails_even_at_the_lowest_rate_is_a_clear_error() {
         let mut fake = Fake {
             attainment: |_: f64, _: &str| 0.4,
@@ -1180,13 +1340,39 @@ mod tests {
             overloaded: |_| false,
             calls: vec![],
         };
-        let err = run(&config(8.0), &mut fake).unwrap_err().to_string();
+        let err = run(&config(8.0), &mut fake).unwrap_err();
+        let unbracketed = err
+            .downcast_ref::<Unbracketed>()
+            .expect("a search without a bracket is typed")
+            .clone();
+        let err = err.to_string();
         assert!(
             err.contains("fails its SLO even at the lowest rate"),
             "{err}"
         );
         assert!(err.contains("0.125 req/s"), "{err}");
         assert!(err.contains("prefix-affinity attainment 40.0%"), "{err}");
+        // Every step there settled with no growing backlog: the misses are not load, and the
+        // error says so in the workload's terms instead of suspecting the machine.
+        assert!(err.contains("the misses are not load"), "{err}");
+        assert!(!err.contains("throttled"), "{err}");
+        assert!(
+            unbracketed
+                .summary
+                .starts_with("met the SLO at no rate tried, down to 0.125 req/s"),
+            "{}",
+            unbracketed.summary
+        );
+        assert!(unbracketed.summary.ends_with(": not load"));
+        // Overloaded at every rate: load, so no such claim.
+        let mut fake = Fake {
+            attainment: |_: f64, _: &str| 0.4,
+            unsettled: |_: &StepRequest| false,
+            overloaded: |_| true,
+            calls: vec![],
+        };
+        let err = run(&config(8.0), &mut fake).unwrap_err().to_string();
+        assert!(!err.contains("not load"), "{err}");
         // 1 + 6 rates, both policies each.
         assert_eq!(fake.calls.len(), 14);
         // A fleet that meets everywhere has no capacity within reach: a bound is not a value.
@@ -1233,6 +1419,7 @@ mod tests {
                         settled,
                         unsettled_reason: None,
                         overloaded: false,
+                        improving: false,
                         warmup_s,
                         measure_s: 8.0,
                         inflow_tokens_per_s: None,

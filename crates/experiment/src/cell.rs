@@ -313,9 +313,9 @@ mod tests {
             accepted,
             set_aside_reason: (!accepted).then(|| "drift".to_string()),
             attempts: 1,
-            evidence: serde_json::Value::Null,
-            drift: serde_json::Value::Null,
-            run: serde_json::Value::Null,
+            evidence: None,
+            drift: None,
+            run: None,
         }
     }
 

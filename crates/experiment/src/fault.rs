@@ -1,8 +1,9 @@
-//! The fault experiment (DESIGN.md §3.12): steady open-loop load at the frozen point (working
-//! set 1, skew 0) through the router, one replica faulted mid-run and restarted. This module is
-//! the procedure (fleet, the router's admin API, clock probes, one repetition, its files); what
-//! the rows show (loss bounds, clock alignment, windows, summary, timeline) is `analysis::fault`,
-//! and the loop over repetitions with its progress is the caller's (`cargo xtask fault`).
+//! The fault experiment (docs/ARCHITECTURE.md, "Faults"): steady open-loop load at the frozen point
+//! (working set 1, skew 0) through the router, one replica faulted mid-run and restarted. This
+//! module is the procedure (fleet, the router's admin API, clock probes, one repetition, its
+//! files); what the rows show (loss bounds, clock alignment, windows, summary, timeline) is
+//! `analysis::fault`, and the loop over repetitions with its progress is the caller's (`cargo xtask
+//! fault`).
 //!
 //! - `kill`: SIGKILL the victim, with no warning, at a moment the router counts requests in
 //!   flight on it; restart it after 60 s of model time (÷ speed). Only requests in flight on the
@@ -606,9 +607,9 @@ impl<'a> FaultRun<'a> {
                 accepted: set_aside.is_none(),
                 set_aside_reason: set_aside.clone(),
                 attempts: attempt,
-                evidence: serde_json::to_value(&a.evidence)?,
-                drift: serde_json::to_value(&drift)?,
-                run: serde_json::json!({
+                evidence: Some(a.evidence.clone().into()),
+                drift: Some(drift.clone()),
+                run: serde_json::from_value(serde_json::json!({
                     "plan": self.plan.name,
                     "ingress": s.ingress,
                     "router": a.router_settings,
@@ -617,7 +618,7 @@ impl<'a> FaultRun<'a> {
                     "calibrated": self.setup.calibrated,
                     "requests": a.client.len(),
                     "gates": recorded,
-                }),
+                }))?,
             };
             if should_stop() {
                 bail!("interrupted before the repetition was recorded");

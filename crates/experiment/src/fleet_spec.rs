@@ -20,10 +20,10 @@ use crate::calibration::FleetKey;
 /// machine's 20-minute budget while engine lateness stays within its bound (see xtask's README).
 pub const DEFAULT_SPEED: f64 = 6.0;
 
-/// KV blocks per emulated replica: about a 3090's pool for a 4-bit 8B model (REFERENCE.md §1:
-/// ~16 GB of KV at 128 KiB per token ≈ 125k tokens ≈ 7,800 blocks), so that even working set
-/// 0.25 holds many more conversations than the 32 users (a closed-loop user waits while
-/// another holds the same conversation's turn).
+/// KV blocks per emulated replica: about a 3090's pool for a 4-bit 8B model (the reference fleet,
+/// crates/engine-core/README.md, "Defaults and calibration": ~16 GB of KV at 128 KiB per token ≈
+/// 125k tokens ≈ 7,800 blocks), so that even working set 0.25 holds many more conversations than
+/// the 32 users (a closed-loop user waits while another holds the same conversation's turn).
 pub const FULL_BLOCKS: u64 = 8192;
 /// KV blocks per replica with `--quick`: half the pool, so the cache fills within the short
 /// warm-up, while working set 1 still holds ~70 conversations for 32 users.

@@ -1,12 +1,12 @@
-//! The gates every measured repetition passes before it is recorded — a live sweep cell and a
-//! fault repetition alike (DESIGN.md §3.10): the evidence check first (a dirty window says
-//! nothing about warming), then the drift test. Failed evidence is re-run up to the caller's
-//! retries, a warming repetition once; after that the repetition is recorded set aside, with
-//! its reason. An overloaded repetition (DESIGN.md §3.9: it drifts because its open-loop backlog
-//! grows through the window — the policy cannot sustain the offered load, and a longer warm-up
-//! would not settle it) is a result: recorded at once, accepted, its verdict in `meta.json`'s
-//! `drift` marking it. The caller runs the attempts, discards the ones re-run, and writes
-//! `meta.json`.
+//! The gates every measured repetition passes before it is recorded — a live sweep cell and a fault
+//! repetition alike (docs/ARCHITECTURE.md, "Analysis"): the evidence check first (a dirty window
+//! says nothing about warming), then the drift test. Failed evidence is re-run up to the caller's
+//! retries, a warming repetition once; after that the repetition is recorded set aside, with its
+//! reason. An overloaded repetition (docs/ARCHITECTURE.md, "Calibration": it drifts because its
+//! open-loop backlog grows through the window — the policy cannot sustain the offered load, and a
+//! longer warm-up would not settle it) is a result: recorded at once, accepted, its verdict in
+//! `meta.json`'s `drift` marking it. The caller runs the attempts, discards the ones re-run, and
+//! writes `meta.json`.
 
 use analysis::{ClientRow, DriftVerdict, Slo, Window};
 use fleet::evidence::{EvidenceBounds, EvidenceSummary};
@@ -227,7 +227,7 @@ mod tests {
                 error: None,
                 warmup: false,
                 send_lag_ms: None,
-                chunks: None,
+                chunks: 0,
             })
             .collect()
     }

@@ -27,7 +27,11 @@
 //! - [`fault`]: the fault procedure ([`fault::FaultRun`]).
 //! - [`virtual_sweep`]: the virtual sweep's fleet, calibration, preparation and cell.
 //! - [`trace_sweep`]: the trace sweep's settings, point, `trace-plan.json` and engine limits.
+//! - [`policy_capacity`]: each policy's own capacity at every point over several plan seeds,
+//!   in virtual time, judged by `analysis::capacity`.
 //! - [`publish`]: a finished sweep or fault run → `docs/measurements/<name>/`.
+//! - [`rebuild`]: the rebuild check — every published report, summary, timeline, cross-check and
+//!   figure rebuilt from its rows with today's code and compared byte for byte.
 //! - [`progress`]: count-and-ETA lines for long loops.
 //! - [`provenance`]: the git revision and tool versions results record.
 
@@ -42,9 +46,11 @@ pub mod fleet_spec;
 pub mod gate;
 pub mod grid;
 pub mod plan_file;
+pub mod policy_capacity;
 pub mod progress;
 pub mod provenance;
 pub mod publish;
+pub mod rebuild;
 pub mod sweep;
 pub mod trace_sweep;
 pub mod virtual_sweep;

@@ -1,7 +1,8 @@
-//! The live sweep (DESIGN.md §3.8): its settings, shared with the virtual sweep (points, plans),
-//! and the procedure of one cell — cycle the fleet, start the router (or HAProxy), warm up,
-//! measure, check evidence and drift, re-run or set aside, write `meta.json` last. The loop over
-//! points × repetitions × policies, resuming and progress are the caller's (`cargo xtask sweep`).
+//! The live sweep (docs/ARCHITECTURE.md, "Measurements and comparability"): its settings, shared
+//! with the virtual sweep (points, plans), and the procedure of one cell — cycle the fleet, start
+//! the router (or HAProxy), warm up, measure, check evidence and drift, re-run or set aside, write
+//! `meta.json` last. The loop over points × repetitions × policies, resuming and progress are the
+//! caller's (`cargo xtask sweep`).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -898,8 +899,8 @@ impl<'a> LiveSweep<'a> {
                 accepted: set_aside.is_none(),
                 set_aside_reason: set_aside.clone(),
                 attempts: attempt,
-                evidence: serde_json::to_value(&result.evidence)?,
-                drift: serde_json::to_value(&drift)?,
+                evidence: Some(result.evidence.clone().into()),
+                drift: Some(drift.clone()),
                 run: {
                     let mut run = s.run_record(point, cal, &window);
                     run["plan"] = serde_json::json!(plan.name);
@@ -918,7 +919,7 @@ impl<'a> LiveSweep<'a> {
                     run["driver"] = serde_json::to_value(&driver)?;
                     run["requests"] = serde_json::json!(result.requests);
                     run["trace"] = serde_json::to_value(crate::trace_sweep::meta_of(plan))?;
-                    run
+                    serde_json::from_value(run)?
                 },
             };
             if should_stop() {
@@ -989,6 +990,7 @@ mod tests {
                     settled: true,
                     unsettled_reason: None,
                     overloaded: false,
+                    improving: false,
                     warmup_s: step_warmup_s(5.0, step.lengthening),
                     measure_s: 8.0,
                     inflow_tokens_per_s: None,

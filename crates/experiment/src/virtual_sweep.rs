@@ -115,12 +115,12 @@ impl EmulatedFleet {
         } = &self.cache
         {
             // The engines' `--cache-model llama-slots … --step-model …`, as the live fleet.
-            cfg.engine.cache_model = engine::CacheModel::LlamaSlots {
+            cfg.engine.cache_model = engine_core::CacheModel::LlamaSlots {
                 slots: *parallel_slots,
                 similarity: *slot_prompt_similarity,
                 ctx_tokens: *ctx_tokens,
             };
-            cfg.engine.model = engine::StepModel::preset(step_model)
+            cfg.engine.model = engine_core::StepModel::preset(step_model)
                 .ok_or_else(|| anyhow!("unknown step model {step_model}"))?;
         }
         cfg.engine.model.speed = self.speed;
@@ -276,22 +276,58 @@ pub fn find_capacity(
     let speed = base.engine.model.speed;
     let spec = capacity::reference_spec(s.seed, cal.capacity_tokens);
     let start = capacity::start_estimate(cal, speed, spec.output_tokens)?;
-    find_capacity_of(s, base, cal, work, &spec, "ws1-s0", start, None)
+    find_capacity_of(
+        s,
+        base,
+        cal,
+        work,
+        SearchTarget {
+            spec: &spec,
+            point: "ws1-s0",
+            start,
+            resolution: None,
+            policies: None,
+            min_window_requests: None,
+        },
+    )
 }
 
-/// [`find_capacity`] on `spec`'s workload (a grid point's, named `point` in the steps' names),
-/// from `start` (rate, model req/s, and why), to `resolution` (`None`: the search's default).
-#[allow(clippy::too_many_arguments)]
+/// What one simulated capacity search searches: a workload, the name its steps go under, where
+/// it starts, and optionally its resolution and the policies whose best decides.
+#[derive(Debug, Clone)]
+pub struct SearchTarget<'a> {
+    /// The workload (a grid point's).
+    pub spec: &'a WorkloadSpec,
+    /// The name in the steps' names.
+    pub point: &'a str,
+    /// The first rate, model req/s, and why.
+    pub start: (f64, String),
+    /// Relative resolution (`None`: the search's default for the sweep).
+    pub resolution: Option<f64>,
+    /// The policies whose best decides (`None`: [`capacity::DEFAULT_POLICIES`]); one policy
+    /// gives that policy's own capacity.
+    pub policies: Option<Vec<String>>,
+    /// Each step's measured window is sized for at least this many requests, × the window's
+    /// margin (`None`: the drift check's minimum, as every step).
+    pub min_window_requests: Option<usize>,
+}
+
+/// [`find_capacity`] on `target`'s workload, from its start, to its resolution.
 pub fn find_capacity_of(
     s: &SweepSettings,
     base: &sim::SimConfig,
     cal: &Calibration,
     work: &Path,
-    spec: &WorkloadSpec,
-    point: &str,
-    start: (f64, String),
-    resolution: Option<f64>,
+    target: SearchTarget<'_>,
 ) -> Result<Capacity> {
+    let SearchTarget {
+        spec,
+        point,
+        start,
+        resolution,
+        policies,
+        min_window_requests,
+    } = target;
     let started = std::time::Instant::now();
     let routing = cal.routing()?;
     let defaults = CapacitySettings::defaults(s.quick);
@@ -299,6 +335,7 @@ pub fn find_capacity_of(
         warmup_s: s.warmup_s,
         measure_s: s.measure_s,
         resolution: resolution.unwrap_or(defaults.resolution),
+        policies: policies.unwrap_or_else(|| defaults.policies.clone()),
         ..defaults
     };
     let speed = base.engine.model.speed;
@@ -314,14 +351,23 @@ pub fn find_capacity_of(
     };
     let sweep_dir = work.join("capacity");
     cell::clear(&sweep_dir)?;
-    let min_requests = analysis::DriftConfig::default().min_requests;
+    let min_requests = analysis::DriftConfig::default()
+        .min_requests
+        .max(min_window_requests.unwrap_or(0));
     let mut workload_name = String::new();
     let mut measure = |step: &StepRequest| -> Result<StepMeasurement> {
-        let warmup_s = capacity::step_warmup_s(c.warmup_s, step.lengthening);
         let wall_rate = step.rate_rps * speed;
         let measure_s = c
             .measure_s
             .max(capacity::window_for_requests(wall_rate, min_requests));
+        // Long enough, in the workload's own terms, that the window is past the run's start:
+        // at most MAX_COLD_RESUME_SHARE of its requests resume a conversation cold.
+        let warmup_s = capacity::steady_step_warmup_s(
+            spec,
+            wall_rate,
+            capacity::step_warmup_s(c.warmup_s, step.lengthening),
+            measure_s,
+        )?;
         let run_s = warmup_s + measure_s;
         let step_point = capacity::step_point_of(point, step.rate_rps, step.lengthening);
         let arrival = ArrivalSpec::Open {
@@ -490,10 +536,14 @@ fn point_capacities(
             base,
             cal,
             &runs.join(name),
-            spec,
-            name,
-            start.clone(),
-            None,
+            SearchTarget {
+                spec,
+                point: name,
+                start: start.clone(),
+                resolution: None,
+                policies: None,
+                min_window_requests: None,
+            },
         )
         .with_context(|| format!("the capacity of point {name}"))
     })?;
@@ -633,10 +683,14 @@ pub fn simulated_point_capacities(
             &base,
             cal,
             &runs.join(name),
-            spec,
-            name,
-            start.clone(),
-            res,
+            SearchTarget {
+                spec,
+                point: name,
+                start: start.clone(),
+                resolution: res,
+                policies: None,
+                min_window_requests: None,
+            },
         )
         .with_context(|| format!("the simulated capacity of {name}"))
     })?;
@@ -1194,8 +1248,11 @@ mod tests {
         };
         let f = EmulatedFleet::of(&spec).unwrap();
         let base = f.base_config(&f.used_replicas()).unwrap();
-        assert_eq!(base.engine.cache_model, engine::CacheModel::LLAMA_FLEET);
-        let tiny = engine::StepModel::llama_tiny();
+        assert_eq!(
+            base.engine.cache_model,
+            engine_core::CacheModel::LLAMA_FLEET
+        );
+        let tiny = engine_core::StepModel::llama_tiny();
         assert_eq!(
             (base.engine.model.c_tok_ms, base.engine.model.speed),
             (tiny.c_tok_ms, 1.0)

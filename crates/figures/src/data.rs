@@ -1115,6 +1115,8 @@ pub fn load_curve(input: &LoadInput) -> Result<LoadCurveData> {
             input.offered.len()
         );
     }
+    // Series in the tables' policy order (then by name), whatever order the points list their
+    // cells in: the drawing order, and so each series' marker, is fixed by the policy alone.
     let mut policies: Vec<&str> = Vec::new();
     for p in &report.points {
         for c in &p.cells {
@@ -1123,6 +1125,7 @@ pub fn load_curve(input: &LoadInput) -> Result<LoadCurveData> {
             }
         }
     }
+    policies.sort_by_key(|p| (crate::input::policy_rank(p), *p));
     let mut series = Vec::new();
     let mut not_drawn = Vec::new();
     let mut lack = Vec::new();

@@ -1566,8 +1566,11 @@ impl LoadCurveFigure<'_> {
         chart: &mut ChartContext<'c, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
         value: impl Fn(&crate::data::LoadPoint) -> analysis::stats::Spread,
     ) -> Result<()> {
-        for (i, s) in self.data.series.iter().enumerate() {
+        for s in &self.data.series {
             let color = policy_color(&s.policy);
+            // The marker follows the policy, not the series' position, so a policy keeps its
+            // marker whichever others a sweep compared.
+            let i = crate::input::policy_rank(&s.policy);
             let xy: Vec<(f64, f64)> = s
                 .points
                 .iter()

@@ -175,11 +175,13 @@ pub fn load_load_sweep(dir: &Path) -> Result<LoadInput> {
     let (sweep, report, context) = analysed(dir)?;
     let mut offered: BTreeMap<String, (Offered, String)> = BTreeMap::new();
     for r in &sweep.reps {
-        let run = &r.meta.run;
-        let field = |k: &str| run.get(k).and_then(|v| v.as_f64());
+        let run = r.meta.run.as_ref();
+        let field = |f: fn(&schema::Run) -> &schema::Recorded<f64>| {
+            run.and_then(|run| f(run).get().copied())
+        };
         let cell = format!("{}/{}/rep-{}", r.point, r.policy, r.rep);
         let (Some(offered_rps), Some(offered_wall_rps)) =
-            (field("offered_rps"), field("offered_wall_rps"))
+            (field(|r| &r.offered_rps), field(|r| &r.offered_wall_rps))
         else {
             bail!(
                 "figures: {}: {cell}'s meta.json records no `run.offered_rps` and `run.offered_wall_rps`: not an open-loop point of a load sweep",
@@ -189,8 +191,8 @@ pub fn load_load_sweep(dir: &Path) -> Result<LoadInput> {
         let o = Offered {
             offered_rps,
             offered_wall_rps,
-            load_fraction: field("load_fraction"),
-            capacity_rps: field("capacity_rps"),
+            load_fraction: field(|r| &r.load_fraction),
+            capacity_rps: field(|r| &r.capacity_rps),
         };
         match offered.get(&r.point) {
             Some((first, first_cell)) if *first != o => bail!(

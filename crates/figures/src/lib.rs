@@ -1,4 +1,4 @@
-//! kvroute's figures (DESIGN.md §3.11, and the load curve of the operating point), each as PNG,
+//! kvroute's figures (docs/ARCHITECTURE.md, "Figures", and the load curve of the operating point), each as PNG,
 //! SVG and a CSV of exactly the numbers drawn, from published measurements.
 //!
 //! Figures 1–5 come from a grid sweep analysed by the `analysis` crate; figure 6 from a fault

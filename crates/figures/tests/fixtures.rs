@@ -667,3 +667,28 @@ fn the_trace_figure_draws_every_policy_of_the_replay() {
     let err = render_err(&m, &[FigureId::TraceReplay], "trace-two");
     assert!(err.contains("figure 9") && err.contains("points"), "{err}");
 }
+
+#[test]
+fn the_load_curve_draws_the_same_bytes_whatever_order_the_report_lists_its_cells_in() {
+    // Series are drawn in the tables' policy order and each keeps its policy's marker, so a
+    // report listing its cells in another order (an older report, another sweep) draws the same.
+    let input = figures::input::load_load_sweep(&fixtures().join("load")).unwrap();
+    let mut reversed = input.clone();
+    for p in &mut reversed.report.points {
+        p.cells.reverse();
+    }
+    assert!(
+        input.report.points.iter().any(|p| p.cells.len() > 1),
+        "the fixture compares more than one policy"
+    );
+    let (a, b) = (scratch("load-order-a"), scratch("load-order-b"));
+    figures::render_one(FigureId::LoadCurve, figures::Input::Load(&input), &a).unwrap();
+    figures::render_one(FigureId::LoadCurve, figures::Input::Load(&reversed), &b).unwrap();
+    for ext in ["csv", "svg", "png"] {
+        let name = format!("fig7-load-curve.{ext}");
+        assert!(
+            std::fs::read(a.join(&name)).unwrap() == std::fs::read(b.join(&name)).unwrap(),
+            "{name} depends on the report's cell order"
+        );
+    }
+}

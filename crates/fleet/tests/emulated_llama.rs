@@ -4,7 +4,8 @@
 //! meta, and, like llama-server, publish no KV events: exact residency is refused before the
 //! router starts, and a replica asked for events is refused before it is spawned.
 //!
-//! Builds the engine release binary first (a no-op when fresh). 0.2 s once built.
+//! Builds the engine release binary first (a no-op when fresh). 0.2 s once built; ignored by
+//! default: `cargo test -p fleet --test emulated_llama -- --include-ignored`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -13,8 +14,7 @@ use fleet::fleet::never;
 use fleet::ingress::router::check_fleet_kv_events;
 use fleet::{EmulatedCache, EmulatedSpec, Fleet, FleetOptions, RouterSettings, Source};
 
-mod common;
-use common::engine_bin;
+use test_support::release_bin;
 
 fn spec(engine_bin: PathBuf, kv_events: bool) -> EmulatedSpec {
     EmulatedSpec {
@@ -32,12 +32,10 @@ fn spec(engine_bin: PathBuf, kv_events: bool) -> EmulatedSpec {
 }
 
 #[test]
+#[ignore = "needs the release binaries: cargo build --release"]
 fn an_emulated_llama_fleet_has_the_llama_fleets_slots_and_no_kv_events() {
-    let engine = engine_bin();
-    let dir = tempfile::Builder::new()
-        .prefix("fleet-test-emulated-llama-")
-        .tempdir()
-        .unwrap();
+    let engine = release_bin("engine");
+    let dir = test_support::temp_dir("fleet-test-emulated-llama");
     let options = FleetOptions {
         ready_timeout: Duration::from_secs(60),
         ..FleetOptions::new(dir.path().join("logs"))

@@ -1,13 +1,11 @@
 //! The ingress against real processes: SSE streams through HAProxy whole and sessions stick
-//! (needs `haproxy`; skipped with a note when it is not installed), and two cells through
-//! [`IngressProcess`] — HAProxy and the router — on emulated engines with the driver (ignored:
-//! needs the release binaries).
+//! (needs `haproxy`), and three cells through [`IngressProcess`] — HAProxy, the router and Envoy
+//! with the endpoint picker — on emulated engines with the driver (needs HAProxy, Envoy and the
+//! release binaries). Both are ignored by default; a missing dependency fails them, saying how to
+//! install it: `cargo test -p fleet --test ingress -- --include-ignored`.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::time::Duration;
 
 use fleet::fleet::never;
@@ -18,83 +16,39 @@ use fleet::ingress::{
 };
 use fleet::{DriverSettings, EmulatedCache, EmulatedSpec, Fleet, FleetOptions, Source};
 
-mod common;
-use common::release_dir;
+use test_support::{MockReplica, Script, release_bin};
 
 /// A scratch directory removed when the test ends (pass or fail).
-fn temp_dir(name: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("fleet-test-{name}-"))
-        .tempdir()
-        .unwrap()
+fn temp_dir(name: &str) -> test_support::TempDir {
+    test_support::temp_dir(&format!("fleet-test-{name}"))
 }
 
-/// A backend that answers `/health`, and streams two SSE events per request, the second only
-/// once the test has read the first through HAProxy (so buffering would time out).
-fn sse_backend(index: usize, go: Arc<Mutex<mpsc::Receiver<()>>>) -> String {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    std::thread::spawn(move || {
-        for conn in l.incoming() {
-            let Ok(conn) = conn else { continue };
-            let go = go.clone();
-            std::thread::spawn(move || serve(index, conn, &go));
-        }
-    });
-    url
-}
-
-fn serve(index: usize, conn: TcpStream, go: &Mutex<mpsc::Receiver<()>>) {
-    let mut reader = BufReader::new(conn.try_clone().unwrap());
-    let mut conn = conn;
-    let mut request_line = String::new();
-    if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
-        return;
-    }
-    let mut length = 0usize;
-    loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
-            break;
-        }
-        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-            length = v.trim().parse().unwrap_or(0);
-        }
-    }
-    let mut body = vec![0u8; length];
-    let _ = reader.read_exact(&mut body);
-    if request_line.starts_with("GET /health") {
-        let _ =
-            conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
-        return;
-    }
-    let chunk = |s: &str| format!("{:x}\r\n{s}\r\n", s.len());
-    let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
-    let first = chunk(&format!("data: backend={index}\n\n"));
-    if conn.write_all(format!("{head}{first}").as_bytes()).is_err() {
-        return;
-    }
-    let released = go
-        .lock()
-        .unwrap()
-        .recv_timeout(Duration::from_secs(10))
-        .is_ok();
-    let last = if released {
-        "data: [DONE]\n\n"
-    } else {
-        "data: timeout\n\n"
-    };
-    let _ = conn.write_all(format!("{}0\r\n\r\n", chunk(last)).as_bytes());
+/// Three mock replicas (they answer `/health`) whose streams send one SSE event and then hold
+/// the second until the test releases it, once it has read the first through HAProxy (so
+/// buffering would time out); each names itself in an `x-backend` header.
+fn sse_backends() -> Vec<MockReplica> {
+    (0..3)
+        .map(|i| {
+            MockReplica::spawn(Script {
+                events: 2,
+                hold: true,
+                response_headers: vec![("x-backend".into(), i.to_string())],
+                ..Script::default()
+            })
+        })
+        .collect()
 }
 
 /// Sends one streamed request for `session`; returns the backend that served it.
-fn stream_once(url: &str, session: &str, go: &mpsc::Sender<()>) -> usize {
+fn stream_once(url: &str, session: &str, backends: &[MockReplica]) -> usize {
     let (authority, _) = http::split_url(url).unwrap();
     let mut s = TcpStream::connect(&authority).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let body = r#"{"stream":true}"#;
     write!(
         s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: {authority}\r\nx-session-id: {session}\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {authority}\r\nx-session-id: {session}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
     )
     .unwrap();
     let mut seen = Vec::new();
@@ -105,22 +59,23 @@ fn stream_once(url: &str, session: &str, go: &mpsc::Sender<()>) -> usize {
             .expect("the first SSE event must pass through HAProxy before the stream ends");
         assert!(n > 0, "the stream ended before its first event");
         seen.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&seen);
-        if let Some(i) = text.find("data: backend=") {
-            let digits: String = text[i + 14..]
-                .chars()
-                .take_while(char::is_ascii_digit)
-                .collect();
-            if !digits.is_empty() && text[i + 14 + digits.len()..].starts_with('\n') {
-                break digits.parse().unwrap();
-            }
+        let text = String::from_utf8_lossy(&seen).to_ascii_lowercase();
+        let Some((head, body)) = text.split_once("\r\n\r\n") else {
+            continue;
+        };
+        if body.contains("data: {") {
+            let backend = head
+                .lines()
+                .find_map(|l| l.strip_prefix("x-backend: "))
+                .unwrap_or_else(|| panic!("no x-backend header: {head}"));
+            break backend.trim().parse::<usize>().unwrap();
         }
     };
     assert!(
         !String::from_utf8_lossy(&seen).contains("[DONE]"),
         "the second event may only be sent after the first was read"
     );
-    go.send(()).unwrap();
+    backends[backend].state.release(1);
     let _ = s.read_to_end(&mut seen);
     let text = String::from_utf8_lossy(&seen);
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
@@ -132,25 +87,25 @@ fn stream_once(url: &str, session: &str, go: &mpsc::Sender<()>) -> usize {
 }
 
 #[test]
+#[ignore = "needs HAProxy: bash .ci/setup-packages.sh"]
 fn sse_streams_through_haproxy_and_sessions_stick() {
     // A missing HAProxy fails the test, saying how to install it: a skip would pass silently.
     if let Err(e) = haproxy_bin() {
         panic!("this test needs HAProxy: {e:#}; {INSTALL_HINT}");
     }
-    let (go_tx, go_rx) = mpsc::channel();
-    let go_rx = Arc::new(Mutex::new(go_rx));
-    let backends: Vec<String> = (0..3).map(|i| sse_backend(i, go_rx.clone())).collect();
+    let backends = sse_backends();
+    let urls: Vec<String> = backends.iter().map(|b| b.url.clone()).collect();
     let dir = temp_dir("haproxy");
-    let mut h = Haproxy::start(&backends, &HaproxySettings::default(), dir.path(), &never).unwrap();
+    let mut h = Haproxy::start(&urls, &HaproxySettings::default(), dir.path(), &never).unwrap();
     let sticky: Vec<usize> = (0..4)
-        .map(|_| stream_once(h.url(), "conv-7", &go_tx))
+        .map(|_| stream_once(h.url(), "conv-7", &backends))
         .collect();
     assert!(
         sticky.iter().all(|&b| b == sticky[0]),
         "one session, one backend: {sticky:?}"
     );
     let mut used: Vec<usize> = (0..12)
-        .map(|i| stream_once(h.url(), &format!("conv-{i}"), &go_tx))
+        .map(|i| stream_once(h.url(), &format!("conv-{i}"), &backends))
         .collect();
     used.sort_unstable();
     used.dedup();
@@ -170,32 +125,20 @@ fn sse_streams_through_haproxy_and_sessions_stick() {
     );
 }
 
-/// A release binary of the workspace (`target/release/<name>`, honouring `CARGO_TARGET_DIR`).
-fn release_bin(name: &str) -> PathBuf {
-    let bin = release_dir().join(name);
-    assert!(
-        bin.is_file(),
-        "{} is missing; build it with `cargo build --release -p engine-bin -p router-bin -p driver-bin`",
-        bin.display()
-    );
-    bin
-}
-
 /// Three cells through [`IngressProcess`] on three emulated engines — HAProxy, the router
 /// (session-bounded) and Envoy with the endpoint picker (session-bounded) — the same open-loop
 /// plan for a few seconds: every request streams through HAProxy whole, its cell has HAProxy's
 /// counts and no router rows; every request streams through Envoy whole with one picker row
-/// each; the TTFTs are printed side by side. Needs `haproxy`, Envoy (`bash scripts/envoy.sh`)
-/// and the release binaries (`cargo build --release -p engine-bin -p router-bin -p driver-bin
-/// -p epp-bin`); run with `cargo test -p fleet --test ingress -- --ignored`.
+/// each; the TTFTs are printed side by side. About 15 s once the release binaries are built.
 #[test]
-#[ignore = "needs the release binaries; about 15 s"]
+#[ignore = "needs HAProxy, Envoy and the release binaries: bash .ci/setup-packages.sh && bash scripts/envoy.sh && cargo build --release"]
 fn the_driver_streams_through_haproxy_to_emulated_engines() {
     let (engine_bin, router_bin, driver_bin) = (
         release_bin("engine"),
         release_bin("router"),
         release_bin("driver"),
     );
+    release_bin("epp"); // beside the router's, where the Envoy cell finds it
     let dir = temp_dir("haproxy-fleet");
     let model = "kvroute/emulated-8b";
     let source = Source::Emulated(EmulatedSpec {
@@ -323,7 +266,10 @@ fn the_driver_streams_through_haproxy_to_emulated_engines() {
         "{picker_rows:?}"
     );
     let ttft_envoy: Vec<f64> = via_envoy.iter().filter_map(|r| r.ttft_ms).collect();
-    let overhead: Vec<f64> = picker_rows.iter().filter_map(|r| r.overhead_us).collect();
+    let overhead: Vec<f64> = picker_rows
+        .iter()
+        .filter_map(|r| r.overhead_us.map(|us| us as f64))
+        .collect();
     let decide: Vec<f64> = picker_rows
         .iter()
         .filter_map(|r| r.decide_ns.map(|d| d as f64))

@@ -18,11 +18,8 @@ use fleet::{
 const FAKE: &str = env!("CARGO_BIN_EXE_fake-replica");
 
 /// A scratch directory removed when the test ends (pass or fail).
-fn temp_dir(name: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("fleet-test-{name}-"))
-        .tempdir()
-        .unwrap()
+fn temp_dir(name: &str) -> test_support::TempDir {
+    test_support::temp_dir(&format!("fleet-test-{name}"))
 }
 
 fn emulated(replicas: usize, extra: &[&str]) -> EmulatedSpec {

@@ -3,11 +3,11 @@
 //! closed loop sending 20 multi-turn requests. The engine must report cached tokens on repeated
 //! prefixes, and the client's and the router's rows must join request by request.
 //!
-//! Never skipped: without the binary or the model the test fails, saying to run
-//! `bash scripts/llama-server.sh`. Builds the router and driver release binaries first (a no-op
-//! when fresh). About 10-20 s on 2 cores.
+//! Ignored by default (`cargo test -p fleet --test llama -- --include-ignored`), never skipped:
+//! without the binary or the model the test fails, saying to run `bash scripts/llama-server.sh`.
+//! Builds the router and driver release binaries first (a no-op when fresh). About 10-20 s on 2
+//! cores.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use fleet::fleet::never;
@@ -17,16 +17,9 @@ use fleet::ingress::{HaproxySettings, Ingress, IngressProcess};
 use fleet::llama::{self, LlamaSpec};
 use fleet::{DriverSettings, Fleet, FleetOptions, RouterSettings, Source};
 
-mod common;
-use common::{build_release, release_dir};
+use test_support::release_bin;
 
 const MODEL: &str = "kvroute/tiny";
-
-/// Builds the router and driver release binaries (a no-op when fresh) and returns their paths.
-fn release_bins() -> (PathBuf, PathBuf) {
-    build_release(&["router-bin", "driver-bin"], "the router and driver");
-    (release_dir().join("router"), release_dir().join("driver"))
-}
 
 /// The pinned llama fleet of the tiny model; fails saying how to install it when missing.
 fn llama_spec(replicas: usize) -> LlamaSpec {
@@ -63,13 +56,11 @@ fn chat_once(url: &str, content: &str) -> (u64, u64) {
 }
 
 #[test]
+#[ignore = "needs llama-server and the release binaries: bash scripts/llama-server.sh && cargo build --release"]
 fn llama_server_replicas_behind_the_router_report_cached_prefixes() {
     let spec = llama_spec(2);
-    let (router_bin, driver_bin) = release_bins();
-    let dir = tempfile::Builder::new()
-        .prefix("kvroute-llama-")
-        .tempdir()
-        .unwrap();
+    let (router_bin, driver_bin) = (release_bin("router"), release_bin("driver"));
+    let dir = test_support::temp_dir("llama");
     let options = FleetOptions {
         ready_timeout: Duration::from_secs(60),
         ..FleetOptions::new(dir.path().join("logs"))
@@ -241,6 +232,7 @@ fn llama_server_replicas_behind_the_router_report_cached_prefixes() {
 /// wheel, `scripts/llama-server.sh`), its own chat template through the tokenize adapter, and a
 /// repeated ~200-token prompt read back from the slot (about 3 s on one thread).
 #[test]
+#[ignore = "needs llama-server: bash scripts/llama-server.sh"]
 fn smollm2_serves_and_caches_a_repeated_prompt() {
     let mut spec = llama_spec(1);
     spec.model_gguf = llama::default_dir()
@@ -249,10 +241,7 @@ fn smollm2_serves_and_caches_a_repeated_prompt() {
     if let Err(e) = llama::check_installed(&spec.server_bin, &spec.model_gguf) {
         panic!("{e:#}");
     }
-    let dir = tempfile::Builder::new()
-        .prefix("kvroute-smollm2-")
-        .tempdir()
-        .unwrap();
+    let dir = test_support::temp_dir("smollm2");
     let options = FleetOptions {
         ready_timeout: Duration::from_secs(120),
         ..FleetOptions::new(dir.path().join("logs"))

@@ -30,7 +30,8 @@
 //! class (reported, not asserted: the emulator runs the measured floors, the real engine shares
 //! the machine).
 //!
-//! Never skipped: without the llama-server binary or the model the test fails with
+//! Ignored by default (`cargo test -p fleet --test llama_emulator -- --include-ignored`), never
+//! skipped: without the llama-server binary or the model the test fails with
 //! `bash scripts/llama-server.sh`. Builds the release `engine` binary first (a no-op when fresh).
 
 use std::io::{BufRead, BufReader};
@@ -44,8 +45,7 @@ use fleet::llama::{self, LlamaSpec};
 use fleet::{Fleet, FleetOptions, Source};
 use serde_json::{Value, json};
 
-mod common;
-use common::engine_bin;
+use test_support::release_bin;
 
 const MODEL: &str = "kvroute/tiny";
 const CONVERSATIONS: usize = 6;
@@ -383,17 +383,15 @@ fn compare(real: &[Obs], emu: &[Obs]) -> (usize, String) {
 }
 
 #[test]
+#[ignore = "needs llama-server and the release binaries: bash scripts/llama-server.sh && cargo build --release"]
 fn emulated_llama_slots_match_the_real_llama_server_request_by_request() {
     let (bin, model) = (llama::default_server_bin(), llama::default_tiny_model());
     if let Err(e) = llama::check_installed(&bin, &model) {
         panic!("{e:#}");
     }
     let spec = LlamaSpec::new(bin, model, MODEL, 1);
-    let engine = engine_bin();
-    let dir = tempfile::Builder::new()
-        .prefix("kvroute-llama-emu-")
-        .tempdir()
-        .unwrap();
+    let engine = release_bin("engine");
+    let dir = test_support::temp_dir("llama-emu");
     let options = FleetOptions {
         ready_timeout: Duration::from_secs(60),
         ..FleetOptions::new(dir.path().join("logs"))

@@ -6,7 +6,8 @@
 //! `router-<K>.csv`, and a `routers.json` that parses.
 //!
 //! Needs `haproxy` (fails saying how to install it: a skip would pass silently) and the release
-//! `engine` and `router`, which it builds first (a no-op when fresh). A few seconds once built.
+//! `engine` and `router`, which it builds first (a no-op when fresh). A few seconds once built;
+//! ignored by default: `cargo test -p fleet --test routers -- --include-ignored`.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -23,8 +24,7 @@ use fleet::{
     Source,
 };
 
-mod common;
-use common::{build_release, release_dir};
+use test_support::release_bin;
 
 const MODEL: &str = "kvroute/emulated-8b";
 
@@ -76,17 +76,14 @@ fn cell(
     settings: RoutersSettings,
     sessions: usize,
     turns: usize,
-) -> (tempfile::TempDir, Vec<(String, String)>) {
+) -> (test_support::TempDir, Vec<(String, String)>) {
     if let Err(e) = haproxy_bin() {
         panic!("this test needs HAProxy: {e:#}; {INSTALL_HINT}");
     }
-    build_release(&["engine-bin", "router-bin"], "the engine and the router");
-    let dir = tempfile::Builder::new()
-        .prefix(&format!("fleet-test-routers-{name}-"))
-        .tempdir()
-        .unwrap();
+    let (engine_bin, router_bin) = (release_bin("engine"), release_bin("router"));
+    let dir = test_support::temp_dir(&format!("fleet-test-routers-{name}"));
     let source = Source::Emulated(EmulatedSpec {
-        engine_bin: release_dir().join("engine"),
+        engine_bin,
         replicas: 3,
         speed: 10.0,
         slowdowns: vec![1.0; 3],
@@ -113,7 +110,7 @@ fn cell(
     };
     let (process, url) = IngressProcess::start(
         Ingress::Routers(settings),
-        &release_dir().join("router"),
+        &router_bin,
         &fleet,
         &router,
         &HaproxySettings::default(),
@@ -218,6 +215,7 @@ fn check_common(
 }
 
 #[test]
+#[ignore = "needs HAProxy and the release binaries: bash .ci/setup-packages.sh && cargo build --release"]
 fn two_routers_behind_round_robin_both_serve_and_merge_their_rows() {
     let settings = routers(2, Front::RoundRobin, false, false);
     let (dir, sent) = cell("rr", settings, 4, 2);
@@ -246,6 +244,7 @@ fn two_routers_behind_round_robin_both_serve_and_merge_their_rows() {
 }
 
 #[test]
+#[ignore = "needs HAProxy and the release binaries: bash .ci/setup-packages.sh && cargo build --release"]
 fn behind_session_hashing_every_turn_of_a_session_goes_through_one_router() {
     let settings = routers(2, Front::SessionHash, false, false);
     let (dir, sent) = cell("hash", settings, 6, 3);
@@ -275,6 +274,7 @@ fn behind_session_hashing_every_turn_of_a_session_goes_through_one_router() {
 }
 
 #[test]
+#[ignore = "needs HAProxy and the release binaries: bash .ci/setup-packages.sh && cargo build --release"]
 fn routers_sharing_decisions_publish_receive_and_apply_each_others() {
     let settings = routers(2, Front::RoundRobin, true, false);
     let (dir, sent) = cell("share", settings, 4, 3);
@@ -326,6 +326,7 @@ fn routers_sharing_decisions_publish_receive_and_apply_each_others() {
 }
 
 #[test]
+#[ignore = "needs HAProxy and the release binaries: bash .ci/setup-packages.sh && cargo build --release"]
 fn routers_sharing_loads_publish_and_apply_each_others_views() {
     let settings = routers(2, Front::RoundRobin, true, true);
     let (dir, sent) = cell("share-loads", settings, 4, 3);
@@ -356,6 +357,7 @@ fn routers_sharing_loads_publish_and_apply_each_others_views() {
 }
 
 #[test]
+#[ignore = "needs HAProxy and the release binaries: bash .ci/setup-packages.sh && cargo build --release"]
 fn one_router_behind_the_front_is_the_control_arm() {
     let settings = routers(1, Front::RoundRobin, false, false);
     let (dir, sent) = cell("one", settings, 2, 2);

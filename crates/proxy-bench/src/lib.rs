@@ -253,7 +253,8 @@ mod tests {
 
     #[test]
     fn direct_only_run_prints_the_table() {
-        let dir = std::env::temp_dir().join(format!("proxy-bench-run-{}", std::process::id()));
+        let tmp = test_support::temp_dir("proxy-bench-run");
+        let dir = tmp.path().to_path_buf();
         let out = dir.join("table.md");
         let mut a = Cli::parse_from([
             "proxy-bench",
@@ -280,7 +281,6 @@ mod tests {
         a.out = Some(out.clone());
         run(&a).unwrap();
         let table = std::fs::read_to_string(&out).unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
         let direct: Vec<&str> = table
             .lines()
             .filter(|l| l.starts_with("| direct |"))

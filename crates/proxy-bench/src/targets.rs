@@ -100,7 +100,7 @@ pub(crate) fn router_overhead(rows: &std::path::Path) -> Result<HashMap<usize, (
     let mut by_streams: HashMap<usize, Vec<f64>> = HashMap::new();
     for r in analysis::read_router_csv(rows)? {
         if let (Some(k), Some(ov)) = (streams_of(&r.request_id), r.overhead_us) {
-            by_streams.entry(k).or_default().push(ov);
+            by_streams.entry(k).or_default().push(ov as f64);
         }
     }
     Ok(by_streams
@@ -314,8 +314,8 @@ mod tests {
             2,
             Duration::from_millis(1),
         ));
-        let rows =
-            std::env::temp_dir().join(format!("proxy-bench-rows-{}.csv", std::process::id()));
+        let dir = test_support::temp_dir("proxy-bench-rows");
+        let rows = dir.path().join("router.csv");
         let mut cfg = proxy::RouterConfig::new(
             vec![proxy::ReplicaSpec::new(format!("http://{upstream}"))],
             policies::PolicySpec::named("prefix-affinity"),
@@ -332,7 +332,6 @@ mod tests {
         }
         assert_eq!((one.ttfb_us.len(), three.ttfb_us.len()), (3, 6));
         let overhead = router_overhead(&rows).unwrap();
-        let _ = std::fs::remove_file(&rows);
         let mut ks: Vec<usize> = overhead.keys().copied().collect();
         ks.sort();
         assert_eq!(ks, [1, 3]);

@@ -16,7 +16,7 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::Full;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
-use crate::rows::Row;
+use crate::rows::RouterRow;
 use crate::state::{LoadGuard, Shared};
 use crate::usage::{BodyKind, UsageScanner};
 
@@ -26,7 +26,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Everything needed to finish a proxied request's row; taken exactly once.
 pub(crate) struct Finish {
     pub shared: Arc<Shared>,
-    pub row: Row,
+    pub row: RouterRow,
     pub guard: LoadGuard,
     /// Router work before the upstream write (arrival → written, minus tokenize), µs.
     pub pre_us: u64,

@@ -321,7 +321,7 @@ mod tests {
 
     #[test]
     fn admin_token_files() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = test_support::temp_dir("proxy-config");
         let p = dir.path().join("token");
         std::fs::write(&p, "  s3cret-token\n").unwrap();
         assert_eq!(load_admin_token(&p).unwrap(), "s3cret-token");

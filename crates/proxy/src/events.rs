@@ -1,9 +1,10 @@
 //! KV event consumer: vLLM's and SGLang's ZMQ/msgpack event streams → [`kv_index::KvEvent`].
 //!
-//! Wire format (REFERENCE.md §4; `ZmqEventPublisher` in vLLM's `vllm/distributed/kv_events.py`
-//! and SGLang's `python/sglang/srt/disaggregation/kv_events.py`): each message is three frames —
-//! topic, an 8-byte big-endian sequence number, and a msgpack batch `[ts, events, rank]`. Both
-//! engines declare their structs with msgspec, so the layouts differ by release:
+//! Wire format (crates/proxy/README.md, "KV events"; `ZmqEventPublisher` in vLLM's
+//! `vllm/distributed/kv_events.py` and SGLang's `python/sglang/srt/disaggregation/kv_events.py`):
+//! each message is three frames — topic, an 8-byte big-endian sequence number, and a msgpack batch
+//! `[ts, events, rank]`. Both engines declare their structs with msgspec, so the layouts differ by
+//! release:
 //!
 //! | release | batch | events |
 //! | --- | --- | --- |

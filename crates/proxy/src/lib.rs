@@ -1,10 +1,11 @@
 //! `proxy`: kvroute's router service — the sole ingress in front of N OpenAI-compatible replicas.
 //!
 //! It accepts `POST /v1/completions` and `POST /v1/chat/completions` (streamed or not), renders
-//! each prompt into block keys (DESIGN.md §3.1), asks a [`policies::Policy`] for a replica under
-//! one short lock that also takes the replica's load, forwards the client's bytes unchanged, and
-//! streams the response back frame by frame. One row per request goes to `router.csv` off the
-//! request path. Exact residency consumes each replica's KV event stream (vLLM's ZMQ format).
+//! each prompt into block keys (docs/ARCHITECTURE.md, "Prompt → blocks"), asks a
+//! [`policies::Policy`] for a replica under one short lock that also takes the replica's load,
+//! forwards the client's bytes unchanged, and streams the response back frame by frame. One row per
+//! request goes to `router.csv` off the request path. Exact residency consumes each replica's KV
+//! event stream (vLLM's ZMQ format).
 //!
 //! Module map:
 //! - [`server`]: [`Router`] (start, addresses, graceful shutdown), [`run_blocking`] (the

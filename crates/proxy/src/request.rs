@@ -1,4 +1,4 @@
-//! Request parsing and canonical rendering (DESIGN.md §3.1).
+//! Request parsing and canonical rendering (docs/ARCHITECTURE.md, "Prompt → blocks").
 //!
 //! The router never re-serialises what it forwards: the client's bytes go upstream unchanged. It
 //! parses only the fields it routes on, and renders the prompt into one canonical byte string that
@@ -187,7 +187,8 @@ impl ParsedRequest<'_> {
         kv_index::hash::cache_salted(base, self.cache_salt.as_deref().map(str::as_bytes))
     }
 
-    /// Renders the prompt into the canonical byte string of DESIGN.md §3.1, appending to `out`.
+    /// Renders the prompt into the canonical byte string of docs/ARCHITECTURE.md, "Prompt →
+    /// blocks", appending to `out`.
     ///
     /// Completions: the prompt text as UTF-8; token prompts as little-endian `u32`s; batch
     /// members joined by `0xFF`. Chat: per message, in order, `<|role|>\n` + content + `\n`, where

@@ -16,7 +16,7 @@ use policies::{Keying, ReplicaId, RouteRequest};
 
 use crate::body::{Finish, ProxyBody, RouterBody};
 use crate::request::{Endpoint, ParsedRequest, parse, parse_tokenize_reply};
-use crate::rows::Row;
+use crate::rows::RouterRow;
 use crate::state::{NoRoute, Replica, Shared};
 use crate::upstream::{TimedBody, join_uri};
 use crate::usage::BodyKind;
@@ -193,7 +193,7 @@ async fn not_llm(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Route
 /// drops the handler before the response head (the client went away, or shutdown cut it).
 struct PendingRow {
     shared: Arc<Shared>,
-    row: Row,
+    row: RouterRow,
     arrival_ns: u64,
     armed: bool,
 }
@@ -209,12 +209,12 @@ impl PendingRow {
         };
         PendingRow {
             shared: shared.clone(),
-            row: Row {
+            row: RouterRow {
                 request_id,
                 session_id: header_str(headers, SESSION_HEADER).map(str::to_string),
                 arrival_s: arrival_ns as f64 / 1e9,
                 policy: shared.policy_name.clone(),
-                ..Row::default()
+                ..RouterRow::default()
             },
             arrival_ns,
             armed: true,
@@ -222,7 +222,7 @@ impl PendingRow {
     }
 
     /// The row, for whoever writes it now; this guard writes nothing more.
-    fn take(&mut self) -> Row {
+    fn take(&mut self) -> RouterRow {
         self.armed = false;
         std::mem::take(&mut self.row)
     }
@@ -567,8 +567,8 @@ async fn proxy_llm(
         let replica = routed.guard.replica().clone();
         let d = &routed.decision;
         row.replica = Some(d.replica);
-        row.branch = Some(d.branch.as_str());
-        row.predicted_match_tokens = Some(d.predicted_match_tokens);
+        row.branch = Some(d.branch.as_str().into());
+        row.predicted_match_tokens = Some(u64::from(d.predicted_match_tokens));
         row.outstanding_chosen = Some(d.outstanding_chosen);
         row.outstanding_min = Some(d.outstanding_min);
         row.decide_ns = Some(routed.decide_ns);
@@ -695,7 +695,8 @@ pub fn key_model<'a>(shared: &'a Shared, parsed: &'a ParsedRequest<'_>) -> &'a s
         .unwrap_or("")
 }
 
-/// Computes a parsed request's block keys as the policy's keying asks (DESIGN.md §3.1): none;
+/// Computes a parsed request's block keys as the policy's keying asks (docs/ARCHITECTURE.md,
+/// "Prompt → blocks"): none;
 /// belief keys from the canonical rendering; or exact keys from a replica's `/tokenize` (a
 /// pre-tokenised prompt skips the round trip; a failed one is counted in `tokenize_errors` and
 /// leaves no keys). `model` salts belief keys; `body_len` sizes the rendering buffer. Shared by
@@ -836,7 +837,7 @@ fn via(headers: &HeaderMap) -> HeaderValue {
 fn response(
     shared: &Arc<Shared>,
     resp: Response<Incoming>,
-    row: Row,
+    row: RouterRow,
     guard: crate::state::LoadGuard,
     pre_us: u64,
     upstream_first_ns: u64,

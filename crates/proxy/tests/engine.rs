@@ -74,7 +74,7 @@ async fn exact_residency_follows_engine_events_and_rows_join() {
             .collect(),
         p,
     );
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     cfg.model = Some(DEFAULT_MODEL.into());
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
@@ -118,17 +118,23 @@ async fn exact_residency_follows_engine_events_and_rows_join() {
             // router has applied this turn's batch before the next turn routes on it.
             let replica = r.replica();
             let floor = applied_before(replica);
-            eventually(|| {
-                let u = metrics_url.clone();
-                async move {
-                    metric(
-                        &get(&u).await.1,
-                        &format!("kvroute_router_kv_event_batches_total{{replica=\"{replica}\"}}"),
-                    )
-                    .unwrap_or(0.0)
-                        > floor
-                }
-            })
+            eventually(
+                &format!("replica {replica}'s KV-event subscription live"),
+                WAIT,
+                || {
+                    let u = metrics_url.clone();
+                    async move {
+                        metric(
+                            &get(&u).await.1,
+                            &format!(
+                                "kvroute_router_kv_event_batches_total{{replica=\"{replica}\"}}"
+                            ),
+                        )
+                        .unwrap_or(0.0)
+                            > floor
+                    }
+                },
+            )
             .await;
         }
         homes.push(home.unwrap());
@@ -152,7 +158,7 @@ async fn exact_residency_follows_engine_events_and_rows_join() {
     }
     router.shutdown(Duration::from_secs(5)).await;
 
-    let rows = sorted_rows(&dir.join("router.csv"));
+    let rows = sorted_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 6);
     for (i, r) in rows.iter().enumerate() {
         assert_eq!(r["error"], "");
@@ -205,7 +211,7 @@ async fn prefix_affinity_fronts_an_emulated_fleet() {
             .collect(),
         policies::PolicySpec::named("prefix-affinity"),
     );
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     cfg.model = Some(DEFAULT_MODEL.into());
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
@@ -238,7 +244,7 @@ async fn prefix_affinity_fronts_an_emulated_fleet() {
     assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
     router.shutdown(Duration::from_secs(5)).await;
 
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 10);
     let later_turns: Vec<_> = rows
         .iter()

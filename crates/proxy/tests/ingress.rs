@@ -21,7 +21,7 @@ async fn metrics_of(router: &proxy::Router) -> String {
 /// Waits until the router's `/metrics` series reaches `at_least`.
 async fn wait_metric(router: &proxy::Router, series: &str, at_least: f64) {
     let url = format!("{}/metrics", admin_url(router));
-    eventually(|| {
+    eventually(&format!("{series} ≥ {at_least}"), WAIT, || {
         let url = url.clone();
         async move { metric(&get(&url).await.1, series).unwrap_or(-1.0) >= at_least }
     })
@@ -31,9 +31,9 @@ async fn wait_metric(router: &proxy::Router, series: &str, at_least: f64) {
 fn with_rows(
     mut cfg: proxy::RouterConfig,
     name: &str,
-) -> (proxy::RouterConfig, std::path::PathBuf) {
+) -> (proxy::RouterConfig, test_support::TempDir) {
     let dir = temp_dir(name);
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     (cfg, dir)
 }
 
@@ -89,7 +89,7 @@ async fn a_trickled_body_gets_408_with_a_row() {
     assert_eq!(v["error"]["code"], 408);
     assert_eq!(v["error"]["type"], "RequestTimeoutError");
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["request_id"], "trickle");
     assert_eq!(rows[0]["upstream_status"], "408");
@@ -139,7 +139,7 @@ async fn past_the_connection_cap_requests_get_503_and_a_row() {
     assert_eq!(get(&format!("{url}/health")).await.0, 503);
 
     drop(first);
-    eventually(|| async {
+    eventually("one open connection", WAIT, || async {
         metric(
             &metrics_of(&router).await,
             "kvroute_router_connections_open",
@@ -163,7 +163,7 @@ async fn past_the_connection_cap_requests_get_503_and_a_row() {
         Some(2.0)
     );
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     let by_id: std::collections::HashMap<_, _> =
         rows.iter().map(|r| (r["request_id"].as_str(), r)).collect();
     assert_eq!(rows.len(), 2, "{rows:?}");
@@ -210,7 +210,7 @@ async fn an_early_413_is_readable_by_a_client_that_writes_everything_first() {
     assert_eq!(body_json(&answer)["error"]["code"], 413);
     assert!(answer.to_ascii_lowercase().contains("connection: close"));
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["upstream_status"], "413");
     assert!(rows[0]["error"].starts_with("too_large:"));
@@ -258,7 +258,7 @@ async fn a_stalled_replica_gets_504_and_the_request_is_not_retried() {
     router.shutdown(Duration::from_secs(5)).await;
     a.state.release_heads(1);
     b.state.release_heads(1);
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["upstream_status"], "504");
     assert_eq!(rows[0]["attempts"], "1");
@@ -299,7 +299,7 @@ async fn a_silent_stream_ends_with_an_error_event_and_a_row() {
     assert_eq!(errs[0]["error"]["code"], 504);
     a.state.release(1);
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["upstream_status"], "200");
     assert!(
@@ -400,7 +400,7 @@ async fn a_request_cut_after_it_was_sent_is_not_retried() {
     assert_eq!(good.state.count(), 1, "the cut request was not sent again");
     router.shutdown(Duration::from_secs(5)).await;
     cut_task.abort();
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     let cut: Vec<_> = rows
         .iter()
         .filter(|r| r["upstream_status"] == "502")
@@ -714,7 +714,7 @@ async fn past_the_in_flight_ceiling_requests_get_429() {
     assert!(s1.finish().await.done);
     assert!(s2.finish().await.done);
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     let over: Vec<_> = rows.iter().filter(|r| r["request_id"] == "over").collect();
     assert_eq!(over.len(), 1);
     assert_eq!(over[0]["upstream_status"], "429");

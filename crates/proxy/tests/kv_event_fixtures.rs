@@ -398,13 +398,19 @@ async fn gap_repaired_by(replay_fixture: &str) -> (Vec<KvEvent>, Arc<EventStats>
     rx.await.unwrap();
     let send = |m: &Vec<Bytes>| zeromq::ZmqMessage::try_from(m.clone()).unwrap();
     // A PUB drops what it sends before the subscription reaches it: resend batch 0 until it
-    // lands (each try waits long enough that no earlier copy can still be in flight).
+    // lands (each try waits long enough that no earlier copy can still be in flight), for at
+    // most 10 s.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         publisher.send(send(&stream[0])).await.unwrap();
         let landed = tokio::time::timeout(Duration::from_millis(500), sink.batches.notified());
         if landed.await.is_ok() {
             break;
         }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the subscription never received batch 0"
+        );
     }
     publisher.send(send(&stream[1])).await.unwrap();
     // Wait on what the sink holds (it is filled before it notifies; the stats lag behind it):

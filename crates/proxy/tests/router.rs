@@ -14,7 +14,7 @@ fn chosen_replicas(results: &[StreamResult]) -> Vec<u32> {
 /// Waits until the router counts no request in flight (a client can read `[DONE]` just before
 /// the router sees the upstream's end of body and releases the load).
 async fn wait_idle(admin_url: &str) {
-    eventually(|| {
+    eventually("no request in flight", WAIT, || {
         let admin_url = admin_url.to_string();
         async move {
             let (_, text) = send("GET", &format!("{admin_url}/admin/replicas"), "").await;
@@ -90,7 +90,7 @@ async fn least_outstanding_avoids_the_busy_replica() {
     a.state.release(1);
     let done = s_on_a.finish().await;
     assert!(done.done);
-    eventually(|| {
+    eventually("replica 0 idle", WAIT, || {
         let admin_url = admin_url.clone();
         async move { admin(&admin_url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
     })
@@ -158,7 +158,7 @@ async fn session_bounded_walks_the_ring_under_load() {
     let b = MockReplica::start(held).await;
     let dir = temp_dir("bounded");
     let mut cfg = router_config(&[&a, &b], "session-bounded");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
     let mut streams = Vec::new();
@@ -188,7 +188,7 @@ async fn session_bounded_walks_the_ring_under_load() {
         assert!(s.finish().await.done);
     }
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     let branches: Vec<&str> = rows.iter().map(|r| r["branch"].as_str()).collect();
     assert!(branches.contains(&"ring"), "{branches:?}");
     assert!(branches.contains(&"ring-walk"), "{branches:?}");
@@ -225,7 +225,7 @@ async fn prefix_affinity_follows_belief_and_spills_under_load() {
     let b = MockReplica::start(Script::default()).await;
     let dir = temp_dir("affinity");
     let mut cfg = router_config(&[&a, &b], "prefix-affinity");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     cfg.model = Some("mock-model".into());
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
@@ -275,7 +275,7 @@ async fn prefix_affinity_follows_belief_and_spills_under_load() {
     }
     router.shutdown(Duration::from_secs(5)).await;
 
-    let mut rows = read_rows(&dir.join("router.csv"));
+    let mut rows = read_rows(&dir.path().join("router.csv"));
     // Rows are written as requests finish; arrival order is the decision order.
     rows.sort_by(|x, y| {
         x["arrival_s"]
@@ -314,7 +314,7 @@ async fn exact_residency_follows_kv_events_and_distrusts_gaps() {
     let mut cfg = router_config(&[&a, &b], "exact-residency");
     cfg.replicas[0].kv_events = Some(pub_a.endpoint.clone());
     cfg.replicas[1].kv_events = Some(pub_b.endpoint.clone());
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     cfg.model = Some("mock-model".into());
     cfg.policy.salt = "mock-model".into();
     let router = start_router(cfg).await;
@@ -323,17 +323,7 @@ async fn exact_residency_follows_kv_events_and_distrusts_gaps() {
     let metrics_url = format!("{admin_url}/metrics");
 
     // Probe until replica 1's subscription is live (PUB drops messages sent before it is).
-    let mut seq_b = 0;
-    loop {
-        pub_b.publish(seq_b, batch(0.0, &[], Encoding::Map)).await;
-        seq_b += 1;
-        let (_, m) = get(&metrics_url).await;
-        if metric(&m, "kvroute_router_kv_event_batches_total{replica=\"1\"}").unwrap_or(0.0) >= 1.0
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let mut seq_b = wait_subscribed(&mut pub_b, &metrics_url, 1).await;
     // Replica 1 reports it stored the first 4 blocks (64 tokens) of the prompt.
     let prompt =
         "The quick brown fox jumps over the lazy dog; then it rests a while. And again, and again.";
@@ -355,7 +345,7 @@ async fn exact_residency_follows_kv_events_and_distrusts_gaps() {
         .publish(seq_b, batch(1.0, &[stored], Encoding::Array))
         .await;
     seq_b += 1;
-    eventually(|| {
+    eventually("replica 1's stored batch applied", WAIT, || {
         let u = metrics_url.clone();
         async move {
             metric(
@@ -386,7 +376,7 @@ async fn exact_residency_follows_kv_events_and_distrusts_gaps() {
     pub_b
         .publish(seq_b + 5, batch(2.0, &[], Encoding::Map))
         .await;
-    eventually(|| {
+    eventually("the gap counted", WAIT, || {
         let u = metrics_url.clone();
         async move {
             metric(
@@ -411,7 +401,7 @@ async fn exact_residency_follows_kv_events_and_distrusts_gaps() {
     let r = run(&url, completion(prompt), &[]).await;
     assert_eq!(r.status, 200);
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 4);
     for r in &rows[..3] {
         assert_eq!(r["branch"], "match");
@@ -441,7 +431,7 @@ async fn drain_loses_nothing() {
     let b = MockReplica::start(held).await;
     let dir = temp_dir("drain");
     let mut cfg = router_config(&[&a, &b], "least-outstanding");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
     let admin_url = format!("http://{}", router.admin_addr());
@@ -486,7 +476,7 @@ async fn drain_loses_nothing() {
         );
         assert_eq!(r.events.len(), 5);
     }
-    eventually(|| {
+    eventually("the drained replica idle", WAIT, || {
         let admin_url = admin_url.clone();
         async move { admin(&admin_url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
     })
@@ -498,7 +488,7 @@ async fn drain_loses_nothing() {
     let (status, _) = admin(&admin_url, "POST", "/admin/replicas/9/drain", "").await;
     assert_eq!(status, 404);
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 8);
     assert!(
         rows.iter()
@@ -516,7 +506,7 @@ async fn killed_replica_loses_only_in_flight() {
     let b = MockReplica::start(held).await;
     let dir = temp_dir("kill");
     let mut cfg = router_config(&[&a, &b], "round-robin");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
     let mut on_a = Vec::new();
@@ -566,7 +556,7 @@ async fn killed_replica_loses_only_in_flight() {
         assert!(r.done && r.errors().is_empty());
     }
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 8);
     for r in &rows {
         let in_flight_on_a = r["request_id"].starts_with('k') && r["replica"] == "0";
@@ -596,7 +586,7 @@ async fn bad_inputs_get_status_and_body() {
     let a = MockReplica::start(Script::default()).await;
     let dir = temp_dir("bad");
     let mut cfg = router_config(&[&a], "round-robin");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     cfg.max_body_bytes = 1024;
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
@@ -700,7 +690,7 @@ async fn bad_inputs_get_status_and_body() {
     assert_eq!(v["error"]["code"], 503);
     assert_eq!(a.state.count(), 0, "nothing bad reached the replica");
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 7, "every LLM request gets a row");
     assert!(
         rows.iter()
@@ -728,7 +718,7 @@ async fn rows_join_with_engine_usage() {
     .await;
     let dir = temp_dir("join");
     let mut cfg = router_config(&[&a, &b], "round-robin");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
     for i in 0..4 {
@@ -765,9 +755,9 @@ async fn rows_join_with_engine_usage() {
     let _ = read_json(s).await;
     router.shutdown(Duration::from_secs(5)).await;
 
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 6);
-    let header: Vec<String> = csv::Reader::from_path(dir.join("router.csv"))
+    let header: Vec<String> = csv::Reader::from_path(dir.path().join("router.csv"))
         .unwrap()
         .headers()
         .unwrap()
@@ -904,7 +894,7 @@ async fn graceful_shutdown_finishes_in_flight_and_flushes_rows() {
     .await;
     let dir = temp_dir("shutdown");
     let mut cfg = router_config(&[&a], "round-robin");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
     let mut s = post(
@@ -917,7 +907,7 @@ async fn graceful_shutdown_finishes_in_flight_and_flushes_rows() {
     assert!(s.next_event().await.is_some());
     let shutdown = tokio::spawn(router.shutdown(Duration::from_secs(10)));
     // The listener closes; the stream in flight still completes.
-    eventually(|| {
+    eventually("the serving port closed", WAIT, || {
         let url = url.clone();
         async move {
             tokio::net::TcpStream::connect(url.trim_start_matches("http://"))
@@ -930,7 +920,7 @@ async fn graceful_shutdown_finishes_in_flight_and_flushes_rows() {
     let r = s.finish().await;
     assert!(r.done && r.errors().is_empty());
     shutdown.await.unwrap();
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["request_id"], "inflight");
     assert_eq!(rows[0]["error"], "");
@@ -994,13 +984,13 @@ async fn admin_add_remove_models_health_metrics() {
     // Health checks take a failing replica out of rotation and bring it back.
     b.state.unhealthy.store(true, Ordering::SeqCst);
     a.state.unhealthy.store(true, Ordering::SeqCst);
-    eventually(|| {
+    eventually("/health 503 with no healthy replica", WAIT, || {
         let u = url.clone();
         async move { get(&format!("{u}/health")).await.0 == 503 }
     })
     .await;
     b.state.unhealthy.store(false, Ordering::SeqCst);
-    eventually(|| {
+    eventually("/health 200 again", WAIT, || {
         let u = url.clone();
         async move { get(&format!("{u}/health")).await.0 == 200 }
     })
@@ -1012,7 +1002,7 @@ async fn admin_add_remove_models_health_metrics() {
 
     // Rows and the overhead histogram are recorded when the router sees each body end, which
     // can trail the client's [DONE] slightly.
-    eventually(|| {
+    eventually("8 overhead samples", WAIT, || {
         let u = admin_url.clone();
         async move {
             metric(
@@ -1042,10 +1032,13 @@ async fn admin_add_remove_models_health_metrics() {
     router.shutdown(Duration::from_secs(5)).await;
 }
 
-/// Probes until the router's subscriber to `replica` applies a batch; returns the next free seq.
+/// Probes until the router's subscriber to `replica` applies a batch (each probe an empty batch
+/// at the next seq); returns the next free seq. Fails when the subscription is not live within
+/// [`WAIT`].
 async fn wait_subscribed(publisher: &mut MockPublisher, metrics_url: &str, replica: u32) -> u64 {
     use proxy::events::encode::{Encoding, batch};
     let series = format!("kvroute_router_kv_event_batches_total{{replica=\"{replica}\"}}");
+    let deadline = std::time::Instant::now() + WAIT;
     let mut seq = 0;
     loop {
         publisher.publish(seq, batch(0.0, &[], Encoding::Map)).await;
@@ -1053,6 +1046,10 @@ async fn wait_subscribed(publisher: &mut MockPublisher, metrics_url: &str, repli
         if metric(&get(metrics_url).await.1, &series).unwrap_or(0.0) >= 1.0 {
             return seq;
         }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "replica {replica}'s KV-event subscription not live within {WAIT:?} ({seq} probes)"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -1099,7 +1096,7 @@ async fn sequence_gaps_are_repaired_by_replay() {
         .publish(seq + 1, batch(1.1, &[], Encoding::Array))
         .await;
     seq += 2;
-    eventually(|| {
+    eventually("the gap counted", WAIT, || {
         let u = metrics_url.clone();
         async move {
             metric(
@@ -1125,7 +1122,7 @@ async fn sequence_gaps_are_repaired_by_replay() {
     // An engine restart (sequence back to 0) clears what the router knew.
     pub_b.publish(0, batch(2.0, &[], Encoding::Map)).await;
     let _ = seq;
-    eventually(|| {
+    eventually("the gap counted", WAIT, || {
         let u = metrics_url.clone();
         async move {
             metric(
@@ -1159,7 +1156,7 @@ async fn upstream_errors_pass_through_and_are_recorded() {
     .await;
     let dir = temp_dir("upstream-error");
     let mut cfg = router_config(&[&a], "round-robin");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
     let (status, v) = read_json(
@@ -1183,7 +1180,7 @@ async fn upstream_errors_pass_through_and_are_recorded() {
             .contains("maximum context length")
     );
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["upstream_status"], "400");
     assert_eq!(rows[0]["error"], "http: upstream status 400");
@@ -1236,7 +1233,7 @@ async fn decisions_and_load_are_atomic_under_concurrency() {
         assert!(t.await.unwrap().done);
     }
     // The client may read [DONE] just before the router sees the upstream's end of body.
-    eventually(|| {
+    eventually("no request in flight", WAIT, || {
         let admin_url = admin_url.clone();
         async move {
             let list = admin(&admin_url, "GET", "/admin/replicas", "").await.1;
@@ -1259,7 +1256,7 @@ async fn a_client_hanging_up_releases_its_load() {
     .await;
     let dir = temp_dir("hangup");
     let mut cfg = router_config(&[&a], "least-outstanding");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     let router = start_router(cfg).await;
     let url = format!("http://{}", router.local_addr());
     let admin_url = format!("http://{}", router.admin_addr());
@@ -1275,14 +1272,14 @@ async fn a_client_hanging_up_releases_its_load() {
     assert_eq!(list[0]["outstanding"], 1);
     drop(s);
     // The router notices the closed client connection and drops the response body.
-    eventually(|| {
+    eventually("replica 0 idle", WAIT, || {
         let admin_url = admin_url.clone();
         async move { admin(&admin_url, "GET", "/admin/replicas", "").await.1[0]["outstanding"] == 0 }
     })
     .await;
     a.state.release(10);
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["request_id"], "gone");
     assert!(rows[0]["error"].starts_with("client:"), "{:?}", rows[0]);
@@ -1291,7 +1288,7 @@ async fn a_client_hanging_up_releases_its_load() {
 /// Waits until hyper has handed `n` LLM requests to the router (a connection still in the
 /// listener's backlog at shutdown never reaches it).
 async fn handed_over(shared: &std::sync::Arc<proxy::state::Shared>, n: u64) {
-    eventually(|| {
+    eventually("the requests counted", WAIT, || {
         let shared = shared.clone();
         async move { shared.metrics.requests.load(Ordering::Relaxed) >= n }
     })
@@ -1316,7 +1313,7 @@ async fn a_client_gone_before_the_head_leaves_its_row() {
     .await;
     let dir = temp_dir("gone-before-head");
     let mut cfg = router_config(&[&a, &b], "least-outstanding");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     let router = start_router(cfg).await;
     let shared = router.shared().clone();
     // Replica 0 drained, so the choice (replica 1) is not the column's first value.
@@ -1340,14 +1337,14 @@ async fn a_client_gone_before_the_head_leaves_its_row() {
     assert_eq!(chosen.outstanding.load(Ordering::Acquire), 1);
     drop(conn);
     // The router notices the closed connection and drops the request: its load is released.
-    eventually(|| {
+    eventually("the chosen replica's load released", WAIT, || {
         let chosen = chosen.clone();
         async move { chosen.outstanding.load(Ordering::Acquire) == 0 }
     })
     .await;
     b.state.release_heads(1);
     router.shutdown(Duration::from_secs(5)).await;
-    let row = only_row(&dir, "gone-early");
+    let row = only_row(dir.path(), "gone-early");
     assert_eq!(row["session_id"], "s-gone");
     assert_eq!(row["replica"], "1", "{row:?}");
     assert_eq!(row["branch"], "least", "{row:?}");
@@ -1374,7 +1371,7 @@ async fn a_client_gone_as_soon_as_it_sent_leaves_its_row() {
     .await;
     let dir = temp_dir("gone-at-once");
     let mut cfg = router_config(&[&a], "round-robin");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     let router = start_router(cfg).await;
     let shared = router.shared().clone();
     let body = completion("hit and run").to_string();
@@ -1391,7 +1388,7 @@ async fn a_client_gone_as_soon_as_it_sent_leaves_its_row() {
     // Shutdown waits for the connection, which ends on its own once the hang-up is read.
     router.shutdown(Duration::from_secs(5)).await;
     a.state.release_heads(1);
-    let row = only_row(&dir, "gone-at-once");
+    let row = only_row(dir.path(), "gone-at-once");
     assert!(
         row["error"].starts_with("client: disconnected before the response head"),
         "{row:?}"
@@ -1415,7 +1412,7 @@ async fn a_client_gone_while_sending_its_body_leaves_its_row() {
     let a = MockReplica::start(Script::default()).await;
     let dir = temp_dir("gone-in-body");
     let mut cfg = router_config(&[&a], "round-robin");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     let router = start_router(cfg).await;
     let shared = router.shared().clone();
     let conn = raw_post(
@@ -1429,7 +1426,7 @@ async fn a_client_gone_while_sending_its_body_leaves_its_row() {
     drop(conn);
     handed_over(&shared, 1).await;
     router.shutdown(Duration::from_secs(5)).await;
-    let row = only_row(&dir, "gone-in-body");
+    let row = only_row(dir.path(), "gone-in-body");
     assert!(
         row["error"].starts_with("client: disconnected while sending the request body"),
         "{row:?}"
@@ -1451,7 +1448,7 @@ async fn a_shutdown_past_its_grace_cuts_with_rows_that_say_so() {
     .await;
     let dir = temp_dir("cut");
     let mut cfg = router_config(&[&a], "round-robin");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     let router = start_router(cfg).await;
     let shared = router.shared().clone();
     let url = format!("http://{}", router.local_addr());
@@ -1481,7 +1478,7 @@ async fn a_shutdown_past_its_grace_cuts_with_rows_that_say_so() {
     router.shutdown(Duration::ZERO).await;
     assert!(waiting.await.unwrap(), "the waiting client got no answer");
     let _ = streaming.finish().await;
-    let mut rows = read_rows(&dir.join("router.csv"));
+    let mut rows = read_rows(&dir.path().join("router.csv"));
     rows.sort_by(|x, y| x["request_id"].cmp(&y["request_id"]));
     assert_eq!(rows.len(), 2, "{rows:?}");
     assert_eq!(rows[0]["request_id"], "cut-streaming");
@@ -1518,7 +1515,7 @@ async fn exact_residency_spec_trusts_what_it_just_routed() {
     ];
     let dir = temp_dir("spec");
     let mut cfg = router_config(&[&reps[0], &reps[1], &reps[2]], "exact-residency-spec");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     cfg.model = Some("mock-model".into());
     cfg.policy.salt = "mock-model".into();
     let router = start_router(cfg).await;
@@ -1533,7 +1530,7 @@ async fn exact_residency_spec_trusts_what_it_just_routed() {
         .replica();
     assert_eq!(first, second);
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     let by_id: std::collections::HashMap<_, _> =
         rows.iter().map(|r| (r["request_id"].clone(), r)).collect();
     assert_eq!(by_id["s1"]["branch"], "miss");
@@ -1578,7 +1575,7 @@ async fn a_replica_added_at_run_time_gets_its_events() {
     pub_b
         .publish(seq, batch(1.0, &[stored], Encoding::Array))
         .await;
-    eventually(|| {
+    eventually("replica 1's batch applied", WAIT, || {
         let u = metrics_url.clone();
         async move {
             metric(
@@ -1606,7 +1603,7 @@ async fn a_refused_connection_is_retried_on_the_next_choice() {
     };
     let dir = temp_dir("refused");
     let mut cfg = router_config(&[&a], "round-robin");
-    cfg.rows = Some(dir.join("router.csv"));
+    cfg.rows = Some(dir.path().join("router.csv"));
     // Health checks far apart, so only the request path can discover the dead replica.
     cfg.health_interval_ms = 600_000;
     let router = start_router(cfg).await;
@@ -1614,7 +1611,7 @@ async fn a_refused_connection_is_retried_on_the_next_choice() {
     let admin_url = format!("http://{}", router.admin_addr());
     // Let the health loop's first round finish; the next one is ten minutes away.
     let st = a.state.clone();
-    eventually(|| {
+    eventually("a health check", WAIT, || {
         let st = st.clone();
         async move { st.health_calls.load(Ordering::SeqCst) >= 1 }
     })
@@ -1648,7 +1645,7 @@ async fn a_refused_connection_is_retried_on_the_next_choice() {
     assert_eq!(list[1]["upstream_errors"], 3);
     assert_eq!(list[1]["marked_down"], 1);
     router.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 12);
     assert_eq!(
         rows.iter().filter(|r| r["attempts"] == "2").count(),

@@ -18,10 +18,14 @@ async fn shared_metric(admin_url: &str, suffix: &str) -> f64 {
 
 /// Waits until the counter reaches `at_least`.
 async fn wait_metric(admin_url: &str, suffix: &str, at_least: f64) {
-    eventually(|| {
-        let admin_url = admin_url.to_string();
-        async move { shared_metric(&admin_url, suffix).await >= at_least }
-    })
+    eventually(
+        &format!("kvroute_shared_decisions_{suffix} ≥ {at_least}"),
+        WAIT,
+        || {
+            let admin_url = admin_url.to_string();
+            async move { shared_metric(&admin_url, suffix).await >= at_least }
+        },
+    )
     .await;
 }
 
@@ -38,7 +42,7 @@ async fn wait_share_live(sender: &Router, receiver: &Router) {
     wait_metric(&receiver_admin, "peers_connected", 1.0).await;
     let url = format!("http://{}", sender.local_addr());
     let probe = "probe: decision sharing warm-up text, long enough for one 64-byte key block.";
-    eventually(|| {
+    eventually("a shared probe decision received", WAIT, || {
         let (url, receiver_admin) = (url.clone(), receiver_admin.clone());
         async move {
             let r = post(&url, "/v1/completions", completion(probe), &[])
@@ -79,7 +83,7 @@ async fn turn_two_through_another_router(
     let mut cfg_b = router_config(&[&reps[2], &reps[0], &reps[1]], "prefix-affinity");
     cfg_b.model = Some("mock-model".into());
     cfg_b.router_id = Some("r1".into());
-    cfg_b.rows = Some(dir.join("router.csv"));
+    cfg_b.rows = Some(dir.path().join("router.csv"));
     if share {
         cfg_b.share_decisions_peers = vec![a_endpoint];
     }
@@ -147,7 +151,7 @@ async fn turn_two_through_another_router(
     assert_eq!(shared_metric(&admin(&b), "published_total").await, 0.0);
     a.shutdown(Duration::from_secs(5)).await;
     b.shutdown(Duration::from_secs(5)).await;
-    let rows = read_rows(&dir.join("router.csv"));
+    let rows = read_rows(&dir.path().join("router.csv"));
     assert_eq!(rows.len(), 1, "B routed only turn 2");
     (rows[0].clone(), home_url, b_urls)
 }
@@ -359,7 +363,7 @@ async fn least_loaded_through_another_router(share_loads: bool) -> (usize, usize
     wait_metric(&b_admin, "peers_connected", 1.0).await;
     if share_loads {
         // A's heartbeat (every 0.5 s) reaches B once the subscription is live.
-        eventually(|| {
+        eventually("a shared load view received", WAIT, || {
             let b_admin = b_admin.clone();
             async move {
                 let (_, text) = get(&format!("{b_admin}/metrics")).await;
@@ -385,7 +389,7 @@ async fn least_loaded_through_another_router(share_loads: bool) -> (usize, usize
     let x = stream_replica(&a, &a_streams[0]);
     assert!(a_streams.iter().all(|s| stream_replica(&a, s) == x));
     if share_loads {
-        eventually(|| {
+        eventually("the peer's outstanding 3", WAIT, || {
             let seen = peer_outstanding_by_url(&b).get(&x).copied();
             async move { seen == Some(3) }
         })
@@ -413,7 +417,7 @@ async fn least_loaded_through_another_router(share_loads: bool) -> (usize, usize
     }
     if share_loads {
         // A publishes the change: its streams are done, so B's view of X empties.
-        eventually(|| {
+        eventually("the peer's outstanding 0", WAIT, || {
             let seen = peer_outstanding_by_url(&b).get(&x).copied();
             async move { seen == Some(0) }
         })
@@ -478,7 +482,7 @@ async fn a_silent_peers_load_view_expires_and_bad_entries_are_counted() {
         .await;
     // The hand publisher now falls silent: after LOAD_STALE_AFTER its contribution is removed.
     let started = std::time::Instant::now();
-    eventually(|| {
+    eventually("a stale load view expired", WAIT, || {
         let expired = loads_metric("expired_total");
         async move { expired.await >= 1.0 }
     })

@@ -200,19 +200,68 @@ mod tests {
         drop(keep); // joins every spinner: the test ends only if they all stopped
     }
 
-    #[test]
+    /// The calling thread's policy and real-time priority, as the kernel reports them.
     #[allow(unsafe_code)]
+    fn policy_and_priority() -> (i32, i32) {
+        let mut param = libc::sched_param { sched_priority: -1 };
+        // SAFETY: both read the calling thread's scheduling; `param` is written only.
+        let (policy, rc) = unsafe {
+            (
+                libc::sched_getscheduler(0),
+                libc::sched_getparam(0, &mut param),
+            )
+        };
+        assert!(
+            policy >= 0 && rc == 0,
+            "{}",
+            std::io::Error::last_os_error()
+        );
+        (policy, param.sched_priority)
+    }
+
+    #[test]
     fn a_granted_request_is_in_effect_on_the_thread() {
         // On its own thread, so the test harness's other threads keep their policy.
-        std::thread::spawn(|| match request_fifo(1) {
-            Scheduling::Fifo(1) => {
-                // SAFETY: reads the calling thread's policy.
-                let policy = unsafe { libc::sched_getscheduler(0) };
-                assert_eq!(policy, libc::SCHED_FIFO);
+        std::thread::spawn(|| {
+            let before = policy_and_priority();
+            match request_fifo(1) {
+                Scheduling::Fifo(1) => {
+                    assert_eq!(policy_and_priority(), (libc::SCHED_FIFO, 1));
+                    // … and a thread created afterwards inherits it, as the engine relies on.
+                    let child = std::thread::spawn(policy_and_priority).join().unwrap();
+                    assert_eq!(child, (libc::SCHED_FIFO, 1), "a new thread inherits FIFO 1");
+                }
+                // Refusal is a legitimate outcome of a valid priority only for want of privilege
+                // (no CAP_SYS_NICE, RLIMIT_RTPRIO 0, or a cgroup without real-time runtime): EPERM,
+                // with the thread left as it was.
+                Scheduling::Refused { priority, reason } => {
+                    assert_eq!(priority, 1);
+                    let eperm = std::io::Error::from_raw_os_error(libc::EPERM).to_string();
+                    assert_eq!(reason, eperm, "refused for another reason than privilege");
+                    assert_eq!(policy_and_priority(), before, "a refusal changes nothing");
+                }
+                other => panic!("asked for fifo:1, got {other:?}"),
             }
-            // Refusal is a legitimate outcome (no CAP_SYS_NICE); it must say why.
-            Scheduling::Refused { reason, .. } => assert!(!reason.is_empty()),
-            other => panic!("unexpected {other:?}"),
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn an_invalid_priority_is_refused_with_the_os_reason_and_changes_nothing() {
+        // SCHED_FIFO priorities run 1..=99: the kernel checks that before any privilege, so this
+        // is refused (EINVAL) everywhere, privileged or not.
+        std::thread::spawn(|| {
+            let before = policy_and_priority();
+            let einval = std::io::Error::from_raw_os_error(libc::EINVAL).to_string();
+            assert_eq!(
+                request_fifo(100),
+                Scheduling::Refused {
+                    priority: 100,
+                    reason: einval
+                }
+            );
+            assert_eq!(policy_and_priority(), before);
         })
         .join()
         .unwrap();

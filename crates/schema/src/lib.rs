@@ -2,8 +2,13 @@
 //! writes or reads them.
 //!
 //! - [`meta`]: a repetition's `meta.json` ([`Meta`]), its SLO ([`Slo`]) and measured window
-//!   ([`Window`], with the sweep's window rule [`Window::measured`]).
-//! - [`rows`]: the `client.csv` and `router.csv` columns ([`CLIENT_COLUMNS`],
+//!   ([`Window`], with the sweep's window rule [`Window::measured`]), and its run record
+//!   ([`Run`]).
+//! - [`evidence`]: the evidence that a window was clean ([`EvidenceSummary`], recorded as
+//!   [`Evidence`]) and the check against its bounds.
+//! - [`drift`]: the drift check's verdict ([`DriftVerdict`]).
+//! - [`rows`]: the `client.csv` and `router.csv` rows ([`ClientRow`], [`RouterRow`]: every writer
+//!   serializes them, every reader deserializes them) and their columns ([`CLIENT_COLUMNS`],
 //!   [`ROUTER_COLUMNS`]), in contract order (docs/CONTRACTS.md, "Rows").
 //! - [`stats`]: the one percentile definition ([`stats::quantile`], R type 7).
 //! - [`engine`]: which engine serves a fleet ([`EngineKind`]) and what differs between engines
@@ -11,11 +16,15 @@
 //!
 //! Pure data and arithmetic: no I/O, no clock, no async.
 
+pub mod drift;
 pub mod engine;
+pub mod evidence;
 pub mod meta;
 pub mod rows;
 pub mod stats;
 
+pub use drift::DriftVerdict;
 pub use engine::EngineKind;
-pub use meta::{ATTAINMENT_TARGET, Meta, Slo, Window, WindowClock, WindowError};
-pub use rows::{CLIENT_COLUMNS, ROUTER_COLUMNS};
+pub use evidence::{Evidence, EvidenceSummary};
+pub use meta::{ATTAINMENT_TARGET, Meta, Recorded, Run, Slo, Window, WindowClock, WindowError};
+pub use rows::{CLIENT_COLUMNS, ClientRow, ROUTER_COLUMNS, RouterRow};

@@ -1,20 +1,27 @@
 //! `meta.json`: what a sweep records about one repetition (docs/CONTRACTS.md, "Measurements
-//! layout"), with the SLO and the measured window it names.
+//! layout"), with the SLO and the measured window it names, and its run record ([`Run`]); its
+//! evidence and drift verdict are [`crate::evidence`]'s and [`crate::drift`]'s types.
 //!
 //! One type for writers and readers. Writers (the live sweep, the fault run, calibration, the
 //! simulator) fill every field, and [`Meta`] serializes them in declaration order — the order of
-//! every published `meta.json`. Readers parse leniently where writers may reasonably differ: names
-//! and fingerprints as strings or numbers, fields a minimal `meta.json` leaves out (they take the
-//! defaults documented on each field), unknown extra fields (the simulator's `sim` summary) ignored.
-//! The SLO and the window are strict: the analysis depends on them.
+//! every published `meta.json` — with the keys inside `evidence`, `drift` and `run` in alphabetical
+//! order, as they were written when those sections were free-form. Readers parse leniently where
+//! writers may reasonably differ: names and fingerprints as strings or numbers, fields a minimal
+//! `meta.json` leaves out (they take the defaults documented on each field), unknown top-level
+//! fields ignored, and within the typed sections what each type documents (a drift verdict's
+//! missing fields default, evidence of an unknown shape and run fields not typed here are kept as
+//! written). The SLO and the window are strict: the analysis depends on them.
 
 use serde::{Deserialize, Serialize};
+
+use crate::drift::DriftVerdict;
+use crate::evidence::Evidence;
 
 /// A policy *meets its SLO* at an offered load when at least this share of its measured requests
 /// meet the per-request SLO. One definition for the calibration's capacity search (the highest
 /// load at which the best policy still meets it) and the report's "below pressure" flag (a point
 /// where every policy meets it says nothing about goodput under pressure). 90% is the level
-/// the capacity rule names (DESIGN.md's operating point, issue #15).
+/// the capacity rule names (docs/ARCHITECTURE.md, "Calibration": the operating point; issue #15).
 pub const ATTAINMENT_TARGET: f64 = 0.9;
 
 /// The SLO a request must meet to count towards goodput: TTFT below `ttft_ms` and per-request
@@ -28,7 +35,8 @@ pub struct Slo {
 }
 
 impl Default for Slo {
-    /// 3× the reference floors (REFERENCE.md §1): TTFT < 990 ms, ITL p50 < 24 ms.
+    /// 3× the reference floors (crates/engine-core/README.md, "Defaults and calibration"): TTFT <
+    /// 990 ms, ITL p50 < 24 ms.
     fn default() -> Self {
         Self {
             ttft_ms: 990.0,
@@ -252,15 +260,115 @@ pub struct Meta {
     /// recorded.
     #[serde(default, deserialize_with = "lenient::count")]
     pub attempts: u32,
-    /// The evidence summary of the accepted attempt, free-form.
-    #[serde(default)]
-    pub evidence: serde_json::Value,
-    /// The drift verdict of the accepted attempt (`null`: no drift check ran), free-form.
-    #[serde(default)]
-    pub drift: serde_json::Value,
-    /// Run settings (users, rate, durations, policy flags), free-form.
-    #[serde(default)]
-    pub run: serde_json::Value,
+    /// The evidence of the accepted attempt (`null`: none recorded).
+    #[serde(default, serialize_with = "sorted")]
+    pub evidence: Option<Evidence>,
+    /// The drift verdict of the accepted attempt (`null`: no drift check ran).
+    #[serde(default, serialize_with = "sorted")]
+    pub drift: Option<DriftVerdict>,
+    /// Run settings (`null`: none recorded).
+    #[serde(default, serialize_with = "sorted")]
+    pub run: Option<Run>,
+}
+
+/// Writes a section as a JSON object with its keys in alphabetical order, at every depth: the
+/// order of every published `meta.json`, whose sections were written as free-form JSON.
+fn sorted<T: Serialize, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    // `serde_json`'s map (without `preserve_order`) keeps its keys sorted.
+    serde_json::to_value(v)
+        .map_err(serde::ser::Error::custom)?
+        .serialize(s)
+}
+
+/// A `meta.json` field that writers may leave out, write as `null`, or fill: read as it was
+/// written, and written back the same way (absent stays absent, `null` stays `null`), so a file
+/// reads back to its own bytes. Readers take [`Recorded::get`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub enum Recorded<T> {
+    /// Not in the file (written before the field existed, or by a writer that has none).
+    #[default]
+    Absent,
+    /// Written as `null`: not applicable.
+    Null,
+    /// Written with a value.
+    Value(T),
+}
+
+impl<T> Recorded<T> {
+    /// The value, if one was written.
+    pub fn get(&self) -> Option<&T> {
+        match self {
+            Recorded::Value(v) => Some(v),
+            Recorded::Absent | Recorded::Null => None,
+        }
+    }
+
+    /// Not in the file (then not written either).
+    pub fn is_absent(&self) -> bool {
+        matches!(self, Recorded::Absent)
+    }
+}
+
+impl<T> From<Option<T>> for Recorded<T> {
+    /// A writer's value: `None` is written as `null`.
+    fn from(v: Option<T>) -> Recorded<T> {
+        v.map_or(Recorded::Null, Recorded::Value)
+    }
+}
+
+impl<T: Serialize> Serialize for Recorded<T> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        // `Absent` is skipped by its field (`skip_serializing_if = "Recorded::is_absent"`).
+        self.get().serialize(s)
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Recorded<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Option::<T>::deserialize(d)?.into())
+    }
+}
+
+/// A repetition's `run` in `meta.json`: how it was run (docs/CONTRACTS.md, "Measurements
+/// layout"). Each writer records its own settings (a live sweep cell, a fault repetition, a
+/// calibration or capacity step, a virtual cell — the simulator's nest the sweep's under
+/// `sweep` and add `sim`); the fields typed here are the ones readers take out, the rest stay in
+/// [`Run::other`] as written. Every field is read as written and written back the same way
+/// ([`Recorded`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Run {
+    /// The `--load` fraction of the capacity a sweep cell ran at (`null`: closed loop or an
+    /// absolute rate).
+    #[serde(default, skip_serializing_if = "Recorded::is_absent")]
+    pub load_fraction: Recorded<f64>,
+    /// The open-loop rate, model req/s (`null`: a closed loop or a trace).
+    #[serde(default, skip_serializing_if = "Recorded::is_absent")]
+    pub offered_rps: Recorded<f64>,
+    /// The open-loop rate, wall req/s (model × speed).
+    #[serde(default, skip_serializing_if = "Recorded::is_absent")]
+    pub offered_wall_rps: Recorded<f64>,
+    /// The capacity `load_fraction` is of, model req/s.
+    #[serde(default, skip_serializing_if = "Recorded::is_absent")]
+    pub capacity_rps: Recorded<f64>,
+    /// Whose capacity that is: `reference` (the calibration's) or `per-point`.
+    #[serde(default, skip_serializing_if = "Recorded::is_absent")]
+    pub capacity_scope: Recorded<String>,
+    /// kvroute routers serving the cell ([`Meta::routers`]).
+    #[serde(default, skip_serializing_if = "Recorded::is_absent")]
+    pub routers: Recorded<u64>,
+    /// The balancer in front of several routers: `rr` or `session-hash`.
+    #[serde(default, skip_serializing_if = "Recorded::is_absent")]
+    pub front: Recorded<String>,
+    /// Whether the routers shared their routing decisions.
+    #[serde(default, skip_serializing_if = "Recorded::is_absent")]
+    pub share_decisions: Recorded<bool>,
+    /// Whether the routers shared their load view too.
+    #[serde(default, skip_serializing_if = "Recorded::is_absent")]
+    pub share_loads: Recorded<bool>,
+    /// Everything else the writer recorded (`arrival`, `window`, `router`, `driver`, `gates`,
+    /// `trace`, `sim`, …), as written.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Meta {
@@ -269,37 +377,35 @@ impl Meta {
         self.fleet.get("capacity_tokens").and_then(|v| v.as_u64())
     }
 
+    /// A typed field of the run record, if the record has it.
+    fn run_field<T>(&self, field: impl FnOnce(&Run) -> &Recorded<T>) -> Option<&T> {
+        self.run.as_ref().and_then(|r| field(r).get())
+    }
+
     /// How many kvroute routers served the cell (`run.routers`): 1 when not recorded (every
     /// cell before `--routers`, and HAProxy or Envoy in place of the router, which record none).
     pub fn routers(&self) -> u64 {
-        self.run
-            .get("routers")
-            .and_then(|v| v.as_u64())
-            .unwrap_or(1)
+        self.run_field(|r| &r.routers).copied().unwrap_or(1)
     }
 
     /// The balancer in front of several routers (`run.front`: `rr`, `session-hash`); `None` for
     /// one router or when not recorded.
     pub fn routers_front(&self) -> Option<&str> {
-        self.run.get("front").and_then(|v| v.as_str())
+        self.run_field(|r| &r.front).map(String::as_str)
     }
 
     /// Whether the routers shared their routing decisions (`run.share_decisions`); false when
     /// not recorded.
     pub fn share_decisions(&self) -> bool {
-        self.run
-            .get("share_decisions")
-            .and_then(|v| v.as_bool())
+        self.run_field(|r| &r.share_decisions)
+            .copied()
             .unwrap_or(false)
     }
 
     /// Whether the routers shared their load view too (`run.share_loads`); false when not
     /// recorded (cells from before the flag shared decisions only).
     pub fn share_loads(&self) -> bool {
-        self.run
-            .get("share_loads")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false)
+        self.run_field(|r| &r.share_loads).copied().unwrap_or(false)
     }
 }
 
@@ -390,9 +496,9 @@ mod tests {
             accepted: false,
             set_aside_reason: Some("drift".into()),
             attempts: 2,
-            evidence: serde_json::Value::Null,
-            drift: serde_json::Value::Null,
-            run: serde_json::json!({"users": 4}),
+            evidence: None,
+            drift: None,
+            run: Some(serde_json::from_value(serde_json::json!({"users": 4})).unwrap()),
         }
     }
 
@@ -455,7 +561,12 @@ mod tests {
             (1, None, false)
         );
         let mut r = m.clone();
-        r.run = serde_json::json!({"routers": 4, "front": "session-hash", "share_decisions": true});
+        r.run = Some(
+            serde_json::from_value(
+                serde_json::json!({"routers": 4, "front": "session-hash", "share_decisions": true}),
+            )
+            .unwrap(),
+        );
         assert_eq!(
             (r.routers(), r.routers_front(), r.share_decisions()),
             (4, Some("session-hash"), true)
@@ -464,7 +575,7 @@ mod tests {
             !m.share_loads() && !r.share_loads(),
             "absent: decisions only"
         );
-        r.run["share_loads"] = true.into();
+        r.run.as_mut().unwrap().share_loads = Recorded::Value(true);
         assert!(r.share_loads());
         assert_eq!(m.window.measured_s(), 100.0);
         assert!(
@@ -485,6 +596,47 @@ mod tests {
             .is_err(),
             "a repetition number is a count"
         );
+    }
+
+    #[test]
+    fn a_run_record_reads_back_as_it_was_written() {
+        // Absent stays absent, `null` stays `null`, other fields stay as they were, and keys are
+        // written in alphabetical order (the order of every published `meta.json`).
+        let text = r#"{"zeta":{"b":1,"a":[2.0]},"front":null,"routers":2,"arrival":{"Open":{"rate_rps":1.5}}}"#;
+        let run: Run = serde_json::from_str(text).unwrap();
+        assert_eq!(run.front, Recorded::Null);
+        assert_eq!(run.routers, Recorded::Value(2));
+        assert!(run.offered_rps.is_absent() && run.other.contains_key("zeta"));
+        let mut m = written();
+        m.run = Some(run);
+        let back = serde_json::to_value(&m).unwrap();
+        assert_eq!(
+            serde_json::to_string(&back["run"]).unwrap(),
+            r#"{"arrival":{"Open":{"rate_rps":1.5}},"front":null,"routers":2,"zeta":{"a":[2.0],"b":1}}"#
+        );
+        assert_eq!((m.routers(), m.routers_front()), (2, None));
+        // A drift record of any shape reads (missing fields take their defaults); no record is
+        // `null`.
+        let drift: crate::DriftVerdict =
+            serde_json::from_str(r#"{"class": "overloaded", "reason": "queue"}"#).unwrap();
+        assert_eq!(drift.class, crate::drift::DriftClass::Overloaded);
+        assert!(!drift.warming);
+        assert_eq!(
+            serde_json::to_value(written()).unwrap()["drift"],
+            serde_json::Value::Null
+        );
+        // Evidence: sampled, virtual, or anything else, kept as written.
+        for (text, virtual_) in [
+            (r#"{"source": "virtual", "lateness_p99_ms": 0.0}"#, true),
+            (r#"{"hand": "written"}"#, false),
+        ] {
+            let e: crate::Evidence = serde_json::from_str(text).unwrap();
+            assert_eq!(matches!(e, crate::Evidence::Virtual(_)), virtual_, "{text}");
+            assert_eq!(
+                serde_json::to_value(&e).unwrap(),
+                serde_json::from_str::<serde_json::Value>(text).unwrap()
+            );
+        }
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! The one percentile definition: linear interpolation between closest ranks (Hyndman & Fan
 //! type 7; R's and NumPy's default). With `n` values sorted, `q` in [0, 1] falls at rank
 //! `h = (n − 1)·q`; the quantile is `v[⌊h⌋] + (h − ⌊h⌋)·(v[⌈h⌉] − v[⌊h⌋])`. So p50 of an even count is
-//! the mean of the two middle values (the per-request ITL p50 of DESIGN.md §3.6), p0 is the
-//! minimum and p100 the maximum.
+//! the mean of the two middle values (the per-request ITL p50 of docs/ARCHITECTURE.md,
+//! "Metrics"), p0 is the minimum and p100 the maximum.
 //!
 //! Every crate that reports a percentile uses it — the analysis (published reports), the
 //! driver (per-request ITL p50 in `client.csv`, the run summary), the simulator (the same rows,

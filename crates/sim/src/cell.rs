@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
+use schema::evidence::{Evidence, VirtualEvidence};
 use schema::stats::quantile_in_place;
 use serde::Serialize;
 use workload::{ArrivalSpec, Plan, Schedule};
@@ -17,9 +18,8 @@ use workload::{ArrivalSpec, Plan, Schedule};
 use crate::SimError;
 use crate::config::SimConfig;
 use crate::prompts::PromptBook;
-use crate::rows::{client_record, router_record, to_csv};
+use crate::rows::{client_csv, client_row, router_csv, router_row};
 use crate::sim::{SimOutput, simulate_with};
-use schema::{CLIENT_COLUMNS, ROUTER_COLUMNS};
 
 /// `meta.json`, the SLO and the window: one definition for every writer and reader
 /// (crates/schema).
@@ -276,24 +276,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SimError> {
 pub fn render_rows(out: &SimOutput) -> Result<(Vec<u8>, Vec<u8>), SimError> {
     let csv_err = |e: csv::Error| SimError::Io(format!("csv: {e}"));
     let session = |o: &crate::rows::Outcome| out.session_ids[o.conversation as usize].as_str();
-    let client = to_csv(
-        &CLIENT_COLUMNS,
-        out.outcomes.iter().map(|o| {
-            let mut f = Vec::with_capacity(CLIENT_COLUMNS.len());
-            client_record(o, session(o), &mut f);
-            f
-        }),
-    )
-    .map_err(csv_err)?;
-    let router = to_csv(
-        &ROUTER_COLUMNS,
-        out.outcomes.iter().map(|o| {
-            let mut f = Vec::with_capacity(ROUTER_COLUMNS.len());
-            router_record(o, session(o), &out.policy, &mut f);
-            f
-        }),
-    )
-    .map_err(csv_err)?;
+    let client =
+        client_csv(out.outcomes.iter().map(|o| client_row(o, session(o)))).map_err(csv_err)?;
+    let router = router_csv((out.outcomes.iter()).map(|o| router_row(o, session(o), &out.policy)))
+        .map_err(csv_err)?;
     Ok((client, router))
 }
 
@@ -317,7 +303,7 @@ fn meta_json(
         "block_size": cfg.engine.block_size,
     });
     // The paged (vLLM) model's meta stays as it was; llama.cpp's slot model is recorded.
-    if let engine::CacheModel::LlamaSlots {
+    if let engine_core::CacheModel::LlamaSlots {
         slots,
         similarity,
         ctx_tokens,
@@ -330,6 +316,7 @@ fn meta_json(
             "ctx_tokens": ctx_tokens,
         });
     }
+    let json = |e: serde_json::Error| SimError::Io(format!("meta.json: {e}"));
     let written = Meta {
         sweep: meta.sweep.clone(),
         point: meta.point.clone(),
@@ -348,9 +335,9 @@ fn meta_json(
         accepted: true,
         set_aside_reason: None,
         attempts: 1,
-        evidence: serde_json::json!({"source": "virtual", "lateness_p99_ms": 0.0}),
-        drift: serde_json::Value::Null,
-        run: serde_json::json!({
+        evidence: Some(Evidence::Virtual(VirtualEvidence::new())),
+        drift: None,
+        run: serde_json::from_value(serde_json::json!({
             "plan_name": w.name,
             "model": cfg.model,
             "policy_seed": cfg.policy.seed,
@@ -365,9 +352,9 @@ fn meta_json(
             "block_bytes": r.block_bytes,
             "bytes_per_token": r.bytes_per_token,
             "sweep": meta.run,
-        }),
+        }))
+        .map_err(json)?,
     };
-    let json = |e: serde_json::Error| SimError::Io(format!("meta.json: {e}"));
     // A JSON value, so that a sweep can still set `accepted`, `set_aside_reason` and `drift`
     // (null: the simulator runs no drift check) after its own check; the summary rides along
     // under `run.sim`. `write_meta` writes it back through `schema::Meta`, so the file is the
@@ -553,20 +540,12 @@ mod tests {
 
     #[test]
     fn atomic_write_replaces_the_whole_file_and_leaves_no_temp() {
-        struct Gone(PathBuf);
-        impl Drop for Gone {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
-        let dir = std::env::temp_dir().join(format!("sim-atomic-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let _gone = Gone(dir.clone());
-        let path = dir.join("x.csv");
+        let dir = test_support::temp_dir("sim-atomic");
+        let path = dir.path().join("x.csv");
         write_atomic(&path, b"first version, longer").expect("write");
         write_atomic(&path, b"second").expect("write");
         assert_eq!(std::fs::read(&path).expect("read"), b"second");
-        let names: Vec<_> = std::fs::read_dir(&dir)
+        let names: Vec<_> = std::fs::read_dir(dir.path())
             .expect("list")
             .map(|e| e.expect("entry").file_name())
             .collect();

@@ -1,6 +1,6 @@
 //! What a virtual cell simulates: the fleet, the router model and the driver settings.
 
-use engine::EngineConfig;
+use engine_core::EngineConfig;
 use policies::PolicySpec;
 
 use crate::SimError;

@@ -8,7 +8,7 @@
 //! piece cross a special token, hence the tokens of a concatenation of template segments are the
 //! concatenation of their tokens. Tests pin both against the live functions.
 
-use engine::tokenizer::{self, ChatMessage};
+use engine_core::tokenizer::{self, ChatMessage};
 use workload::{Plan, Role};
 
 use crate::SimError;

@@ -1,8 +1,9 @@
-//! `client.csv` and `router.csv` records in the live schema (`schema::rows`, docs/CONTRACTS.md),
-//! formatted exactly as the driver and the router format them (`_s` with 6 decimals, `_ms` with 3,
-//! empty = none).
+//! `client.csv` and `router.csv` rows in the live schema: the simulator fills the very row types
+//! the driver and the router write (`schema::rows::{ClientRow, RouterRow}`, docs/CONTRACTS.md), so
+//! its rows are formatted as theirs are (`_s` with 6 decimals, `_ms` with 3, empty = none).
 
-use std::fmt::Write as _;
+use schema::{CLIENT_COLUMNS, ClientRow, ROUTER_COLUMNS, RouterRow};
+use serde::Serialize;
 
 /// Who sent a request: closed-loop user `u`'s `k`-th request, open-loop arrival `i`, or request
 /// `i` of a trace replay.
@@ -125,98 +126,97 @@ impl Outcome {
     }
 }
 
-fn secs(out: &mut String, us: Option<u64>) {
-    if let Some(us) = us {
-        let _ = write!(out, "{}.{:06}", us / 1_000_000, us % 1_000_000);
-    }
+/// Seconds from µs on the virtual clock (exact in an `f64`, so 6 decimals give the µs back).
+fn secs(us: u64) -> f64 {
+    us as f64 / 1e6
 }
 
-fn millis(out: &mut String, v: Option<f64>) {
-    if let Some(v) = v {
-        let _ = write!(out, "{v:.3}");
-    }
+/// Milliseconds from µs.
+fn millis(us: u64) -> f64 {
+    us as f64 / 1e3
 }
 
-fn opt<T: std::fmt::Display>(out: &mut String, v: Option<T>) {
-    if let Some(v) = v {
-        let _ = write!(out, "{v}");
-    }
+/// The error text as a row holds it: `None` on success.
+fn error(o: &Outcome) -> Option<String> {
+    (!o.error.is_empty()).then(|| o.error.clone())
 }
 
-/// Renders the `client.csv` record of `o` into `fields` (cleared first).
-pub fn client_record(o: &Outcome, session_id: &str, fields: &mut Vec<String>) {
-    fields.clear();
-    let mut f = |fill: &dyn Fn(&mut String)| {
-        let mut s = String::new();
-        fill(&mut s);
-        fields.push(s);
+/// The `client.csv` row of `o`.
+pub fn client_row(o: &Outcome, session_id: &str) -> ClientRow {
+    let tpot_ms = match (o.first_us, o.last_us) {
+        (Some(a), Some(b)) if o.output_tokens > 1 => {
+            Some(millis(b - a) / f64::from(o.output_tokens - 1))
+        }
+        _ => None,
     };
-    f(&|s| s.push_str(&o.origin.request_id()));
-    f(&|s| s.push_str(session_id));
-    f(&|s| opt(s, Some(o.turn)));
-    f(&|s| secs(s, Some(o.scheduled_us)));
-    f(&|s| secs(s, Some(o.sent_us)));
-    f(&|s| secs(s, o.first_us));
-    f(&|s| secs(s, o.last_us));
-    f(&|s| millis(s, o.ttft_ms()));
-    f(&|s| millis(s, o.itl_p50_ms()));
-    f(&|s| {
-        let tpot = match (o.first_us, o.last_us) {
-            (Some(a), Some(b)) if o.output_tokens > 1 => {
-                Some((b - a) as f64 / 1e3 / f64::from(o.output_tokens - 1))
-            }
-            _ => None,
-        };
-        millis(s, tpot)
-    });
-    f(&|s| millis(s, Some((o.end_us - o.sent_us) as f64 / 1e3)));
-    f(&|s| opt(s, o.prompt_tokens));
-    f(&|s| opt(s, o.prompt_tokens.map(|_| o.output_tokens)));
-    f(&|s| opt(s, o.reported_cached()));
-    f(&|s| opt(s, Some(o.status)));
-    f(&|s| s.push_str(&o.error.replace(['\n', '\r'], " ")));
-    f(&|s| opt(s, Some(u8::from(o.warmup))));
-    f(&|s| millis(s, Some((o.sent_us - o.scheduled_us) as f64 / 1e3)));
-    f(&|s| opt(s, Some(o.output_tokens)));
+    ClientRow {
+        request_id: o.origin.request_id(),
+        session_id: Some(session_id.to_string()),
+        turn: o.turn,
+        scheduled_s: Some(secs(o.scheduled_us)),
+        sent_s: Some(secs(o.sent_us)),
+        first_token_s: o.first_us.map(secs),
+        last_s: o.last_us.map(secs),
+        ttft_ms: o.ttft_ms(),
+        itl_p50_ms: o.itl_p50_ms(),
+        tpot_ms,
+        e2el_ms: Some(millis(o.end_us - o.sent_us)),
+        prompt_tokens: o.prompt_tokens.map(u64::from),
+        output_tokens: o.prompt_tokens.map(|_| u64::from(o.output_tokens)),
+        cached_tokens: o.reported_cached().map(u64::from),
+        status: o.status,
+        error: error(o),
+        warmup: o.warmup,
+        send_lag_ms: Some(millis(o.sent_us - o.scheduled_us)),
+        chunks: o.output_tokens,
+    }
 }
 
-/// Renders the `router.csv` record of `o` into `fields` (cleared first).
-pub fn router_record(o: &Outcome, session_id: &str, policy: &str, fields: &mut Vec<String>) {
-    fields.clear();
+/// The `router.csv` row of `o`.
+pub fn router_row(o: &Outcome, session_id: &str, policy: &str) -> RouterRow {
     let d = o.decision.as_ref();
-    let mut f = |fill: &dyn Fn(&mut String)| {
-        let mut s = String::new();
-        fill(&mut s);
-        fields.push(s);
-    };
-    f(&|s| s.push_str(&o.origin.request_id()));
-    f(&|s| s.push_str(session_id));
-    f(&|s| secs(s, Some(o.sent_us)));
-    f(&|s| s.push_str(policy));
-    f(&|s| opt(s, d.map(|d| d.replica)));
-    f(&|s| s.push_str(d.map_or("", |d| d.branch)));
-    f(&|s| opt(s, d.map(|d| d.predicted_match_tokens)));
-    f(&|s| opt(s, d.map(|d| d.outstanding_chosen)));
-    f(&|s| opt(s, d.map(|d| d.outstanding_min)));
-    f(&|s| opt(s, d.map(|d| d.decide_ns)));
-    f(&|s| opt(s, d.map(|d| d.overhead_us)));
-    f(&|s| millis(s, d.and_then(|d| d.tokenize_us).map(|t| t as f64 / 1e3)));
-    f(&|s| opt(s, (o.status != 0).then_some(o.status)));
-    f(&|s| opt(s, o.reported_cached()));
-    f(&|s| opt(s, o.prompt_tokens));
-    f(&|s| s.push_str(&o.error.replace(['\n', '\r'], " ")));
-    f(&|s| opt(s, Some(u32::from(d.is_some()))));
+    RouterRow {
+        request_id: o.origin.request_id(),
+        session_id: Some(session_id.to_string()),
+        arrival_s: secs(o.sent_us),
+        policy: policy.to_string(),
+        replica: d.map(|d| d.replica),
+        branch: d.map(|d| d.branch.into()),
+        predicted_match_tokens: d.map(|d| u64::from(d.predicted_match_tokens)),
+        outstanding_chosen: d.map(|d| d.outstanding_chosen),
+        outstanding_min: d.map(|d| d.outstanding_min),
+        decide_ns: d.map(|d| d.decide_ns),
+        overhead_us: d.map(|d| d.overhead_us),
+        tokenize_ms: d.and_then(|d| d.tokenize_us).map(millis),
+        upstream_status: (o.status != 0).then_some(o.status),
+        cached_tokens: o.reported_cached().map(u64::from),
+        prompt_tokens: o.prompt_tokens.map(u64::from),
+        error: error(o),
+        attempts: u32::from(d.is_some()),
+    }
 }
 
-/// Writes a whole CSV (header + records) into memory.
-pub fn to_csv<I>(header: &[&str], records: I) -> Result<Vec<u8>, csv::Error>
-where
-    I: IntoIterator<Item = Vec<String>>,
-{
-    let mut w = csv::Writer::from_writer(Vec::new());
+/// Writes a whole rows file into memory: `header` (the schema's column list), then the rows.
+fn to_csv<T: Serialize>(
+    header: &[&str],
+    rows: impl IntoIterator<Item = T>,
+) -> Result<Vec<u8>, csv::Error> {
+    let mut w = csv::WriterBuilder::new()
+        .has_headers(false)
+        .from_writer(Vec::new());
     w.write_record(header)?;
-    for r in records {
-        w.write_record(&r)?;
+    for r in rows {
+        w.serialize(r)?;
     }
     w.into_inner().map_err(|e| e.into_error().into())
+}
+
+/// `client.csv` bytes of `rows`.
+pub fn client_csv(rows: impl IntoIterator<Item = ClientRow>) -> Result<Vec<u8>, csv::Error> {
+    to_csv(&CLIENT_COLUMNS, rows)
+}
+
+/// `router.csv` bytes of `rows`.
+pub fn router_csv(rows: impl IntoIterator<Item = RouterRow>) -> Result<Vec<u8>, csv::Error> {
+    to_csv(&ROUTER_COLUMNS, rows)
 }

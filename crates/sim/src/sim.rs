@@ -27,7 +27,7 @@ use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
 use std::time::Instant;
 
-use engine::{Engine, EngineConfig, SamplingParams, StepOutput};
+use engine_core::{Engine, EngineConfig, SamplingParams, StepOutput};
 use kv_index::IndexStats;
 use policies::prefix::{IndexMode, PrefixPolicy};
 use policies::{Keying, Policy, PolicySpec, ReplicaView, RouteRequest};
@@ -271,7 +271,7 @@ struct Sim<'a> {
     conv_owner: Vec<Option<u32>>,
     /// Closed loop: users waiting for a conversation, FIFO.
     conv_waiters: Vec<VecDeque<u32>>,
-    batches: Vec<Option<(u32, Vec<engine::KvEvent>)>>,
+    batches: Vec<Option<(u32, Vec<engine_core::KvEvent>)>>,
     free_batches: Vec<u32>,
     gap_pool: Vec<Vec<f64>>,
     session_ids: Vec<String>,
@@ -341,7 +341,7 @@ fn run(cfg: &SimConfig, src: Source<'_>) -> Result<SimOutput, SimError> {
     spec.tokens_per_block = cfg.engine.block_size;
     let policy = Routing::build(&spec)?;
     let keying = policy.keying();
-    if keying == Keying::ExactTokens && cfg.engine.cache_model != engine::CacheModel::Paged {
+    if keying == Keying::ExactTokens && cfg.engine.cache_model != engine_core::CacheModel::Paged {
         return Err(SimError::Config(format!(
             "policy {} needs the engines' KV events, and the {} cache model (llama.cpp's \
              llama-server) publishes none",
@@ -919,7 +919,7 @@ impl Sim<'_> {
         self.event_batches += 1;
         for e in events.drain(..) {
             let ev = match e {
-                engine::KvEvent::BlockStored {
+                engine_core::KvEvent::BlockStored {
                     block_hashes,
                     parent_block_hash,
                     token_ids,
@@ -931,10 +931,10 @@ impl Sim<'_> {
                     block_size,
                     cache_salt: None,
                 },
-                engine::KvEvent::BlockRemoved { block_hashes } => {
+                engine_core::KvEvent::BlockRemoved { block_hashes } => {
                     kv_index::KvEvent::Removed { block_hashes }
                 }
-                engine::KvEvent::AllBlocksCleared => kv_index::KvEvent::AllCleared,
+                engine_core::KvEvent::AllBlocksCleared => kv_index::KvEvent::AllCleared,
             };
             self.policy.get().on_kv_event(i, &ev, t);
         }

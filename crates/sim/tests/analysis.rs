@@ -2,13 +2,14 @@
 //! guard, and its goodput is the simulator's own.
 
 mod common;
+use test_support::temp_dir;
 
-use common::{Scratch, closed_plan};
+use common::closed_plan;
 use sim::{CellMeta, SimConfig, run_cell};
 
 #[test]
 fn analysis_reads_a_virtual_sweep_unchanged() {
-    let sweep = Scratch::new("analysis-sweep");
+    let sweep = temp_dir("sim-test-analysis-sweep");
     let base = {
         let mut c = SimConfig::new(2, "session-affinity");
         c.engine.num_gpu_blocks = 1024;

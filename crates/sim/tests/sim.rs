@@ -2,11 +2,12 @@
 //! the router model, and the expected direction of a policy comparison.
 
 mod common;
+use test_support::temp_dir;
 
 use std::collections::HashMap;
 
-use common::{Scratch, closed_plan, closed_plan_think, open_plan};
-use engine::{Engine, SamplingParams};
+use common::{closed_plan, closed_plan_think, open_plan};
+use engine_core::{Engine, SamplingParams};
 use sim::prompts::{PromptBook, canonical_bytes, engine_tokens};
 use sim::{CellMeta, SimConfig, SimError, run_cell, simulate};
 use workload::Schedule;
@@ -109,7 +110,7 @@ fn canonical_bytes_follow_the_documented_form() {
 
 #[test]
 fn rows_and_meta_follow_the_contract() {
-    let dir = Scratch::new("schema");
+    let dir = temp_dir("sim-test-schema");
     let cfg = {
         let mut c = small(2, "exact-residency");
         c.driver.warmup_s = 5.0;
@@ -202,7 +203,7 @@ fn rows_and_meta_follow_the_contract() {
 
 #[test]
 fn the_same_seed_gives_byte_identical_rows() {
-    let dir = Scratch::new("determinism");
+    let dir = temp_dir("sim-test-determinism");
     for policy in [
         "prefix-affinity",
         "exact-residency-spec",
@@ -376,7 +377,7 @@ fn bad_input_is_an_error_not_a_panic() {
     assert!(matches!(simulate(&cfg, &plan), Err(SimError::Config(_))));
     cfg.slowdowns.clear();
     cfg.driver.warmup_s = 100.0;
-    let dir = Scratch::new("bad");
+    let dir = temp_dir("sim-test-bad");
     let e = run_cell(&cfg, &plan, dir.path(), &CellMeta::default()).unwrap_err();
     assert!(matches!(e, SimError::Window(_)), "{e}");
     assert!(!dir.path().join("meta.json").exists());
@@ -454,7 +455,8 @@ fn believed_residency_decays_with_its_ttl_and_events_do_not() {
 
 #[test]
 fn calibration_reproduces_the_reference_floors() {
-    // The engine's default step model is calibrated to the reference fleet (REFERENCE.md §1):
+    // The engine's default step model is calibrated to the reference fleet (crates/engine-core
+    // README, "Defaults and calibration"):
     // unseen ~1,100-token prompts → TTFT ≈ 329 ms, ITL ≈ 7.8 ms at concurrency 1.
     let cfg = SimConfig::new(5, "round-robin");
     let shape = workload::WorkloadSpec {
@@ -473,7 +475,7 @@ fn calibration_reproduces_the_reference_floors() {
 
 #[test]
 fn a_grid_in_parallel_writes_what_cells_write_one_by_one() {
-    let dir = Scratch::new("grid");
+    let dir = temp_dir("sim-test-grid");
     let cfg = small(2, "prefix-affinity");
     let plan = std::sync::Arc::new(closed_plan(cfg.capacity_tokens(), 1.0, 1.4, 4, 6, 1));
     let mut jobs = Vec::new();
@@ -612,7 +614,7 @@ fn belief_predicts_the_engines_hit_for_a_conversation_on_one_replica() {
 
 #[test]
 fn skewed_closed_loop_users_skip_owned_conversations_instead_of_convoying() {
-    let dir = Scratch::new("skew-skip");
+    let dir = temp_dir("sim-test-skew-skip");
     let mut cfg = small(2, "round-robin");
     cfg.engine.model.jitter = 0.05;
     let plan = closed_plan_think(cfg.capacity_tokens(), 4.0, 1.4, 12, 18, 3, 0.5);
@@ -755,9 +757,9 @@ fn shared_open_loop_arrivals_go_out_on_time() {
 fn llama_slots_replicas_cache_per_slot_and_refuse_kv_event_policies() {
     let llama = |policy: &str| {
         let mut cfg = SimConfig::new(2, policy);
-        cfg.engine.cache_model = engine::CacheModel::LLAMA_FLEET;
+        cfg.engine.cache_model = engine_core::CacheModel::LLAMA_FLEET;
         cfg.engine.max_model_len = 16384;
-        cfg.engine.model = engine::StepModel::llama_tiny();
+        cfg.engine.model = engine_core::StepModel::llama_tiny();
         cfg
     };
     let cfg = llama("session-affinity");
@@ -795,7 +797,7 @@ fn llama_slots_replicas_cache_per_slot_and_refuse_kv_event_policies() {
         "slot hits are token-exact, not block-aligned"
     );
 
-    let dir = Scratch::new("llama-slots");
+    let dir = temp_dir("sim-test-llama-slots");
     let mut files = Vec::new();
     for k in 0..2 {
         let out = dir.path().join(format!("cell-{k}"));

@@ -5,8 +5,8 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::Scratch;
 use sim::{CellMeta, SimConfig, context_tokens, run_trace_cell};
+use test_support::temp_dir;
 use trace::{ReplayPlan, ReplaySpec, Trace};
 
 /// 30 sessions behind system block 0, one to four turns each, a turn re-sending its session's
@@ -51,7 +51,7 @@ fn config(policy: &str, plan: &ReplayPlan) -> SimConfig {
 
 #[test]
 fn a_trace_slice_replays_end_to_end_in_the_simulator() {
-    let scratch = Scratch::new("trace-replay");
+    let scratch = temp_dir("sim-test-trace-replay");
     let spec = ReplaySpec {
         block_tokens: 64,
         time_scale: 0.5,
@@ -143,7 +143,7 @@ fn a_trace_slice_replays_end_to_end_in_the_simulator() {
 
 #[test]
 fn a_request_longer_than_the_engines_admit_is_a_row_not_a_panic() {
-    let scratch = Scratch::new("trace-too-long");
+    let scratch = temp_dir("sim-test-trace-too-long");
     let plan = plan(&ReplaySpec {
         block_tokens: 64,
         max_requests: Some(12),

@@ -317,6 +317,15 @@ fn group_text(spec: &WorkloadSpec, group: u32) -> String {
 }
 
 impl Plan {
+    /// Of the open-loop arrivals scheduled in `[from_us, to_us)`, the share that are a cold
+    /// resume ([`cold_resume_share`]); `None` for a closed loop or a window without arrivals.
+    pub fn cold_resume_share(&self, from_us: u64, to_us: u64) -> Option<f64> {
+        let Schedule::Open { arrivals } = &self.schedule else {
+            return None;
+        };
+        cold_resume_share(arrivals, self.conversations.len(), from_us, to_us)
+    }
+
     /// Draws the conversations and the schedule. Deterministic: the same arguments give a
     /// byte-identical plan.
     pub fn build(spec: &WorkloadSpec, arrival: &ArrivalSpec) -> Result<Plan, WorkloadError> {
@@ -754,4 +763,87 @@ fn open_arrivals(
         });
     }
     out
+}
+
+/// Of `arrivals` (sorted, over `conversations` conversations) scheduled in `[from_us, to_us)`,
+/// the share that are a *cold resume*: their conversation's first arrival at a turn after the
+/// first. An open loop that starts at the steady state's turn mix ([`OpenStart::Stationary`])
+/// sends such a turn with a history no replica was ever sent, so every replica prefills all of
+/// it: an artefact of the run having a start, which no router can avoid and which a later window
+/// leaves behind. `None` when the window holds no arrival.
+pub fn cold_resume_share(
+    arrivals: &[Arrival],
+    conversations: usize,
+    from_us: u64,
+    to_us: u64,
+) -> Option<f64> {
+    let mut seen = vec![false; conversations];
+    let (mut in_window, mut cold) = (0u64, 0u64);
+    for a in arrivals {
+        if a.at_us >= to_us {
+            break;
+        }
+        let first = !std::mem::replace(&mut seen[a.conversation as usize], true);
+        if a.at_us >= from_us {
+            in_window += 1;
+            if first && a.turn > 1 {
+                cold += 1;
+            }
+        }
+    }
+    (in_window > 0).then(|| cold as f64 / in_window as f64)
+}
+
+/// The warm-up an open loop of `spec` at `rate_rps` needs before a window of `measure_s` holds
+/// at most `max_share` cold resumes ([`cold_resume_share`]): `base_s`, doubled until it does, at
+/// most `max_doublings` times. The schedule alone is drawn (no texts), the same draws
+/// [`Plan::build`] makes, so the plan of the chosen length has exactly these arrivals. Returns
+/// the warm-up (s) and the window's share under it; the share may still exceed `max_share`
+/// after the last doubling (the caller says so). Seconds are the plan's own (the rate's).
+pub fn steady_state_warmup_s(
+    spec: &WorkloadSpec,
+    rate_rps: f64,
+    start: OpenStart,
+    base_s: f64,
+    measure_s: f64,
+    max_share: f64,
+    max_doublings: u32,
+) -> Result<(f64, f64), WorkloadError> {
+    spec.validate()?;
+    let conversations = layout(spec)?.private_tokens.len();
+    let zipf = Zipf::new(conversations, spec.zipf_s)?;
+    let mut warmup_s = base_s;
+    let mut doublings = 0;
+    loop {
+        let duration_s = warmup_s + measure_s;
+        ArrivalSpec::Open {
+            rate_rps,
+            duration_s,
+            start,
+        }
+        .validate()?;
+        let arrivals = open_arrivals(
+            derive_seed(spec.seed, tag::OPEN, 0, 0),
+            &zipf,
+            spec.turns,
+            rate_rps,
+            duration_s,
+            match start {
+                OpenStart::Fresh => None,
+                OpenStart::Stationary => Some(spec.seed),
+            },
+        );
+        let share = cold_resume_share(
+            &arrivals,
+            conversations,
+            (warmup_s * 1e6).round() as u64,
+            (duration_s * 1e6).round() as u64,
+        )
+        .unwrap_or(0.0);
+        if share <= max_share || doublings >= max_doublings {
+            return Ok((warmup_s, share));
+        }
+        warmup_s *= 2.0;
+        doublings += 1;
+    }
 }

@@ -629,3 +629,91 @@ mod sizing_props {
         }
     }
 }
+
+#[test]
+fn cold_resumes_are_first_visits_after_turn_one_and_thin_out_as_the_window_starts_later() {
+    let arrival = |start| ArrivalSpec::Open {
+        rate_rps: 50.0,
+        duration_s: 60.0,
+        start,
+    };
+    let steady = Plan::build(
+        &WorkloadSpec::default(),
+        &arrival(workload::OpenStart::Stationary),
+    )
+    .unwrap();
+    let Schedule::Open { arrivals } = &steady.schedule else {
+        panic!("an open plan")
+    };
+    // Counted by hand over the whole run: first arrivals of a conversation at a turn > 1.
+    let mut seen = std::collections::HashSet::new();
+    let cold = arrivals
+        .iter()
+        .filter(|a| seen.insert(a.conversation) && a.turn > 1)
+        .count();
+    let all = steady.cold_resume_share(0, u64::MAX).unwrap();
+    assert!((all - cold as f64 / arrivals.len() as f64).abs() < 1e-12);
+    assert!(cold > 0, "a stationary start resumes conversations cold");
+    let early = steady.cold_resume_share(0, 10_000_000).unwrap();
+    let late = steady.cold_resume_share(50_000_000, 60_000_000).unwrap();
+    assert!(late < early / 2.0, "early {early}, late {late}");
+    // A fresh start sends every conversation from turn 1: nothing is resumed cold.
+    let fresh = Plan::build(
+        &WorkloadSpec::default(),
+        &arrival(workload::OpenStart::Fresh),
+    )
+    .unwrap();
+    assert_eq!(fresh.cold_resume_share(0, u64::MAX), Some(0.0));
+    // A window without arrivals, or a closed loop, has no share.
+    assert_eq!(steady.cold_resume_share(70_000_000, 80_000_000), None);
+    let closed_plan = Plan::build(&WorkloadSpec::default(), &closed()).unwrap();
+    assert_eq!(closed_plan.cold_resume_share(0, u64::MAX), None);
+}
+
+#[test]
+fn the_steady_state_warm_up_doubles_until_the_window_is_nearly_free_of_cold_resumes() {
+    let spec = WorkloadSpec::default();
+    let start = workload::OpenStart::Stationary;
+    let (warmup_s, share) =
+        workload::steady_state_warmup_s(&spec, 50.0, start, 1.0, 10.0, 0.01, 12).unwrap();
+    assert!(share <= 0.01, "share {share}");
+    assert!(
+        warmup_s > 1.0,
+        "a 1-s warm-up leaves cold resumes in the window"
+    );
+    // The rule's share is the plan's own: the plan of that length has the same arrivals.
+    let plan = Plan::build(
+        &spec,
+        &ArrivalSpec::Open {
+            rate_rps: 50.0,
+            duration_s: warmup_s + 10.0,
+            start,
+        },
+    )
+    .unwrap();
+    let us = |s: f64| (s * 1e6).round() as u64;
+    assert_eq!(
+        plan.cold_resume_share(us(warmup_s), us(warmup_s + 10.0)),
+        Some(share)
+    );
+    // The warm-up before it did not meet the bound.
+    let halved = Plan::build(
+        &spec,
+        &ArrivalSpec::Open {
+            rate_rps: 50.0,
+            duration_s: warmup_s / 2.0 + 10.0,
+            start,
+        },
+    )
+    .unwrap();
+    assert!(
+        halved
+            .cold_resume_share(us(warmup_s / 2.0), us(warmup_s / 2.0 + 10.0))
+            .unwrap()
+            > 0.01
+    );
+    // Out of doublings: the last warm-up and its share, for the caller to report.
+    let (w, s) = workload::steady_state_warmup_s(&spec, 50.0, start, 1.0, 10.0, 0.0, 0).unwrap();
+    assert_eq!(w, 1.0);
+    assert!(s > 0.0);
+}

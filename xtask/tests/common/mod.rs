@@ -1,60 +1,21 @@
-//! Harness shared by the xtask integration tests: the workspace and its release binaries
-//! (located by xtask's own `env` module, so tests and the CLI agree on paths), scratch
-//! directories removed on drop, and JSON reading with the path in the panic.
+//! Harness shared by the xtask integration tests: the workspace and its release binaries (from
+//! `test-support`, as every crate's tests get them), temp dirs removed on drop, and JSON reading
+//! with the path in the panic.
 
 // Each test file uses its own subset of these helpers.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-#[path = "../../src/env.rs"]
-mod env;
+pub use test_support::{temp_dir, workspace_root};
 
-pub use env::workspace_root;
-
-/// A directory under the system temp dir, removed when dropped (even when a test fails).
-pub struct Scratch(pub PathBuf);
-
-impl Scratch {
-    /// `xtask-<name>-<pid>` under the temp dir, emptied of any earlier run and created.
-    pub fn new(name: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("xtask-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The release binary `name` under the target dir (honours `CARGO_TARGET_DIR`).
-pub fn release_bin(name: &str) -> PathBuf {
-    env::target_dir().join("release").join(name)
-}
-
-/// Builds the engine, router and driver release binaries (a no-op when they are fresh).
+/// Builds the engine, router and driver release binaries (a no-op when they are fresh), which
+/// the xtask binary then runs with `--no-build`.
 pub fn build_bins() {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(workspace_root())
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "engine-bin",
-            "-p",
-            "router-bin",
-            "-p",
-            "driver-bin",
-        ])
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building the experiment binaries failed");
+    for name in ["engine", "router", "driver"] {
+        test_support::release_bin(name);
+    }
 }
 
 /// The JSON document at `path`; panics naming the file when it is missing or malformed.

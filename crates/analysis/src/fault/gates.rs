@@ -1,4 +1,4 @@
-//! The gates of one fault repetition, the same two a sweep cell passes (DESIGN.md §3.10): the
+//! The gates of one fault repetition, the same two a sweep cell passes (docs/ARCHITECTURE.md, "Analysis"): the
 //! evidence check, then the drift test — with the fault excluded from the drift test. Drift is
 //! measured on the steady load before the fault ([`drift_window`]): the outage and the recovery
 //! after the restart are the fault's own effect (goodput falls, then climbs back as the restarted
@@ -98,8 +98,16 @@ impl RecordedGates {
     /// The record in `meta.run`, if the run wrote one (`None` for runs before gating, or a
     /// record this build cannot read).
     pub fn from_run(run: &serde_json::Value) -> Option<RecordedGates> {
-        run.get("gates")
-            .and_then(|g| serde_json::from_value(g.clone()).ok())
+        run.get("gates").and_then(Self::from_record)
+    }
+
+    /// The record in a repetition's `meta.json` (`run.gates`), as [`RecordedGates::from_run`].
+    pub fn from_meta(meta: &crate::meta::Meta) -> Option<RecordedGates> {
+        (meta.run.as_ref()?.other.get("gates")).and_then(Self::from_record)
+    }
+
+    fn from_record(gates: &serde_json::Value) -> Option<RecordedGates> {
+        serde_json::from_value(gates.clone()).ok()
     }
 }
 
@@ -138,7 +146,7 @@ impl RepGates {
 /// analysis's drift test on the pre-fault window.
 pub fn rep_gates(data: &RepData, events: &FaultEvents, cfg: &DriftConfig) -> RepGates {
     let window = drift_window(events);
-    let recorded = RecordedGates::from_run(&data.meta.run);
+    let recorded = RecordedGates::from_meta(&data.meta);
     RepGates {
         policy: data.policy.clone(),
         rep: data.rep,

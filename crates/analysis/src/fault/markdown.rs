@@ -136,6 +136,7 @@ fn with_attainment(goodput: Option<f64>, attainment: Option<f64>) -> String {
 /// The human summary.
 pub fn markdown(s: &Summary) -> String {
     let mut md = format!("# Fault `{}` at {}\n\n", s.kind.as_str(), s.point);
+    md.push_str(&crate::markdown::rules_line(&s.rules));
     let rule = match s.kind {
         FaultKind::Kill => {
             "only requests in flight on the killed replica may be lost; none that were not yet dispatched"

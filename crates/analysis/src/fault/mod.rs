@@ -1,4 +1,4 @@
-//! The fault experiment's analysis (DESIGN.md §3.12): what one repetition of `cargo xtask fault
+//! The fault experiment's analysis (docs/ARCHITECTURE.md, "Faults"): what one repetition of `cargo xtask fault
 //! kill|drain` shows, from its rows and its `fault.json`, and the summary of a fault run's
 //! directory (`summary.md`, `summary.json`, `timeline.csv`; docs/CONTRACTS.md, "Fault timeline").
 //! The procedure that produces the rows (fleet, router admin API, clock probes) is

@@ -19,6 +19,10 @@ use crate::stats::median;
 /// Every repetition of a fault directory.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
+    /// The analysis rules this summary was built with ([`crate::RULES_VERSION`]); empty in a
+    /// summary written before summaries named them.
+    #[serde(default)]
+    pub rules: String,
     /// `kill` or `drain`.
     pub kind: FaultKind,
     /// Point directory the reps live in.
@@ -261,6 +265,7 @@ pub fn summarize(dir: &Path, point: &str, drift: &DriftConfig) -> Result<Summary
     };
     let (reps, gates) = found.into_iter().map(|(r, g, _)| (r, g)).unzip();
     Ok(Summary {
+        rules: crate::RULES_VERSION.to_string(),
         kind,
         point: point.to_string(),
         reps,

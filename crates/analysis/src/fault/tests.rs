@@ -24,7 +24,7 @@ fn client(id: &str, sent: f64, ttft: Option<f64>, error: Option<&str>) -> Client
         error: error.map(str::to_string),
         warmup: false,
         send_lag_ms: Some(0.0),
-        chunks: Some(32),
+        chunks: 32,
     }
 }
 
@@ -40,13 +40,13 @@ fn routed(id: &str, arrival: f64, replica: Option<u32>) -> RouterRow {
         outstanding_chosen: Some(0),
         outstanding_min: Some(0),
         decide_ns: Some(100),
-        overhead_us: Some(50.0),
+        overhead_us: Some(50),
         tokenize_ms: None,
         upstream_status: Some(200),
         cached_tokens: None,
         prompt_tokens: None,
         error: None,
-        attempts: Some(1),
+        attempts: 1,
     }
 }
 
@@ -357,6 +357,7 @@ fn summary_markdown_names_the_verdict() {
     let r = vec![routed("a", 105.0, Some(0))];
     let out = analyse_rep("session-affinity", 1, &e, &c, &r, &slo());
     let s = Summary {
+        rules: crate::RULES_VERSION.to_string(),
         kind: FaultKind::Kill,
         point: "ws1-s0-rate2.4".into(),
         reps: vec![out],

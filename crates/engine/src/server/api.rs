@@ -1,4 +1,5 @@
-//! vLLM's OpenAI-compatible request parsing and response shapes (REFERENCE.md §2).
+//! vLLM's OpenAI-compatible request parsing and response shapes (crates/engine/README.md, "Server
+//! surface").
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;

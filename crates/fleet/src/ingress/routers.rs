@@ -930,7 +930,7 @@ mod tests {
 
     #[test]
     fn rows_merge_under_one_header_on_one_clock() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = test_support::temp_dir("fleet-routers");
         let header = "request_id,session_id,arrival_s,policy,error\n";
         let a = dir.path().join("router-0.csv");
         let b = dir.path().join("router-1.csv");

@@ -1,32 +1,8 @@
-//! Shared helpers: small plans and scratch directories removed on drop.
+//! Shared helpers: small plans (temp dirs come from `test-support`).
 
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
-
 use workload::{ArrivalSpec, Plan, Sizing, WorkloadSpec};
-
-/// A directory under the target dir's tmp, removed when dropped (even when a test fails).
-pub struct Scratch(pub PathBuf);
-
-impl Scratch {
-    pub fn new(name: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("sim-test-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        Scratch(dir)
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A closed-loop plan sized against `capacity_tokens`.
 pub fn closed_plan(

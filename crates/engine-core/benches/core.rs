@@ -1,7 +1,7 @@
 //! Engine-core step cost: the simulator steps the core millions of times.
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use engine::{Engine, EngineConfig, SamplingParams, StepModel, StepOutput};
+use engine_core::{Engine, EngineConfig, SamplingParams, StepModel, StepOutput};
 use std::time::Instant;
 
 fn engine(events: bool) -> Engine {

@@ -160,7 +160,8 @@ impl EngineConfig {
     }
 }
 
-/// The step-time model of REFERENCE.md §1 (a 4-bit 8B model on an RTX 3090):
+/// The step-time model of the reference fleet (a 4-bit 8B model on an RTX 3090; crates/engine-core
+/// README, "Defaults and calibration"):
 /// `T_step = T_ovh + max(T_mem, T_comp)`, `T_mem = (W + kv_per_tok · Σ ctx) / BW_eff`,
 /// `T_comp = c_tok · N_tok + c_attn · Σ_prefill chunk · (ctx + chunk/2)`.
 ///
@@ -227,7 +228,7 @@ pub const STEP_MODEL_PRESETS: &[&str] = &["vllm-3090", "llama-tiny"];
 impl StepModel {
     /// The step model of one llama-server replica of kvroute's tiny grid model
     /// (`tiny-words.gguf`: 4 layers × 256, F32) on one CPU thread, with the llama fleet's pinned
-    /// flags — fitted to floors measured with `scripts/llama_step_floors.py` (crates/engine
+    /// flags — fitted to floors measured with `scripts/llama_step_floors.py` (crates/engine-core
     /// README, "llama-tiny"): CPU-bound, so the memory term is off (`weight_bytes` and
     /// `kv_bytes_per_token` 0) and every cost is compute: a prefill of N fresh tokens costs
     /// `0.72 + 0.1834·N + 2.515e-4·N²/2` ms, a step of d decodes with total context C costs
@@ -250,7 +251,7 @@ impl StepModel {
         }
     }
 
-    /// A named preset: `vllm-3090` (the default, REFERENCE.md §1) or `llama-tiny`
+    /// A named preset: `vllm-3090` (the default, the reference fleet's) or `llama-tiny`
     /// ([`StepModel::llama_tiny`]).
     pub fn preset(name: &str) -> Option<Self> {
         match name {

@@ -1,4 +1,5 @@
-//! vLLM KV cache events: the pure data, and their msgpack wire form (REFERENCE.md §4).
+//! vLLM KV cache events: the pure data, and their msgpack wire form (crates/engine-core README,
+//! "KV events").
 //!
 //! A published batch is `[ts, events, data_parallel_rank]`. Each event is either a positional
 //! array tagged by its name first (`["BlockStored", hashes, parent, token_ids, block_size,

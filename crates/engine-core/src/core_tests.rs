@@ -452,7 +452,8 @@ fn speed_and_slowdown_scale_durations() {
     assert!((d - base.1 as f64 / 2.0).abs() <= 1.0, "{d} vs {}", base.1);
 }
 
-/// Calibration: the three concurrency-1 floors of REFERENCE.md §1 within 5%.
+/// Calibration: the reference fleet's three concurrency-1 floors (crates/engine-core README,
+/// "Defaults and calibration") within 5%.
 #[test]
 fn calibration_floors_within_five_percent() {
     let mut e = Engine::new(EngineConfig::default()).expect("valid");
@@ -816,7 +817,7 @@ fn llama_slots_abort_keeps_the_computed_prefix_and_reset_erases_idle_slots() {
 }
 
 /// The `llama-tiny` step model against the floors `scripts/llama_step_floors.py` measured on the
-/// real llama-server over four runs (crates/engine README, "llama-tiny"; raw numbers in
+/// real llama-server over four runs (crates/engine-core README, "llama-tiny"; raw numbers in
 /// docs/measurements/llama-step-floors/). Prefill floors are the server's own work per fresh
 /// prompt, the least of llama.cpp's `timings.prompt_ms` and the server threads' CPU time less 4 ms
 /// of HTTP: 105 tokens 21.7 ms, 278 → 61.3, 1,005 → 306.8, 2,005 → 892.7, 4,005 → 2,735.9; the
