@@ -420,17 +420,7 @@ impl Plan {
                 duration_s,
                 start,
             } => Schedule::Open {
-                arrivals: open_arrivals(
-                    derive_seed(spec.seed, tag::OPEN, 0, 0),
-                    &zipf,
-                    spec.turns,
-                    rate_rps,
-                    duration_s,
-                    match start {
-                        OpenStart::Fresh => None,
-                        OpenStart::Stationary => Some(spec.seed),
-                    },
-                ),
+                arrivals: spec_arrivals(spec, &zipf, rate_rps, duration_s, start),
             },
         };
         Ok(Plan {
@@ -725,6 +715,28 @@ fn closed_script(
     out
 }
 
+/// `spec`'s open-loop arrivals: [`open_arrivals`] on its own streams (the one draw
+/// [`Plan::build`] and [`steady_state_warmup_s`] share).
+fn spec_arrivals(
+    spec: &WorkloadSpec,
+    zipf: &Zipf,
+    rate_rps: f64,
+    duration_s: f64,
+    start: OpenStart,
+) -> Vec<Arrival> {
+    open_arrivals(
+        derive_seed(spec.seed, tag::OPEN, 0, 0),
+        zipf,
+        spec.turns,
+        rate_rps,
+        duration_s,
+        match start {
+            OpenStart::Fresh => None,
+            OpenStart::Stationary => Some(spec.seed),
+        },
+    )
+}
+
 /// Poisson arrivals; each goes to a Zipf-drawn conversation's next turn, and a conversation
 /// that has sent its last turn starts again from turn 1 (the same bytes: a returning user).
 /// `stationary_seed`: each conversation's first turn is drawn uniformly from its own stream of
@@ -822,17 +834,7 @@ pub fn steady_state_warmup_s(
             start,
         }
         .validate()?;
-        let arrivals = open_arrivals(
-            derive_seed(spec.seed, tag::OPEN, 0, 0),
-            &zipf,
-            spec.turns,
-            rate_rps,
-            duration_s,
-            match start {
-                OpenStart::Fresh => None,
-                OpenStart::Stationary => Some(spec.seed),
-            },
-        );
+        let arrivals = spec_arrivals(spec, &zipf, rate_rps, duration_s, start);
         let share = cold_resume_share(
             &arrivals,
             conversations,
