@@ -81,9 +81,7 @@ pub fn run_virtual(
             continue;
         }
         point_names.push(name.clone());
-        let start_rps = std::fs::read_to_string(dir.join(&p.name).join("capacity.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str::<PointCapacity>(&t).ok())
+        let start_rps = PointCapacity::read(&dir.join(&p.name).join("capacity.json"))
             .map_or(reference.rate_rps, |c| c.capacity.rate_rps);
         for policy in &prepared.policies {
             for &seed in &seeds {
@@ -227,11 +225,7 @@ fn search_one(
     let record = job.work.join("capacity.json");
     let unbracketed = job.work.join("unbracketed.json");
     let workload = job.spec.name();
-    if let Some(c) = std::fs::read_to_string(&record)
-        .ok()
-        .and_then(|t| serde_json::from_str::<PointCapacity>(&t).ok())
-        .filter(|c| c.capacity.workload == workload && c.slo == cal.slo)
-    {
+    if let Some(c) = PointCapacity::reusable(&record, &workload, cal.slo) {
         return Ok(seed_capacity(job.seed, &c.capacity));
     }
     if let Some(c) = std::fs::read_to_string(&unbracketed)
@@ -268,15 +262,12 @@ fn search_one(
     }
     match result {
         Ok(c) => {
-            cell::write_atomic(
-                &record,
-                serde_json::to_string_pretty(&PointCapacity {
-                    slo: cal.slo,
-                    capacity: c.clone(),
-                    simulated: None,
-                })?
-                .as_bytes(),
-            )?;
+            PointCapacity {
+                slo: cal.slo,
+                capacity: c.clone(),
+                simulated: None,
+            }
+            .write(&record)?;
             Ok(seed_capacity(job.seed, &c))
         }
         Err(e) if e.downcast_ref::<crate::capacity::Unbracketed>().is_some() => {

@@ -453,22 +453,16 @@ fn searched_in_parallel(
 ) -> Result<Vec<(String, Capacity)>> {
     let record = |name: &str| records.join(name).join("capacity.json");
     let one = |name: &String, spec: &WorkloadSpec| -> Result<(String, Capacity)> {
-        let reused = std::fs::read_to_string(record(name))
-            .ok()
-            .and_then(|t| serde_json::from_str::<PointCapacity>(&t).ok())
-            .filter(|c| {
-                c.capacity.workload == spec.name() && c.slo == slo && c.capacity.stale().is_none()
-            });
-        if let Some(c) = reused {
+        if let Some(c) = PointCapacity::reusable(&record(name), &spec.name(), slo) {
             return Ok((name.clone(), c.capacity));
         }
         let c = search(name, spec)?;
-        let text = serde_json::to_string_pretty(&PointCapacity {
+        PointCapacity {
             slo,
             capacity: c.clone(),
             simulated: None,
-        })?;
-        cell::write_atomic(&record(name), text.as_bytes())?;
+        }
+        .write(&record(name))?;
         Ok((name.clone(), c))
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -562,16 +556,12 @@ fn point_capacities(
         let Some((_, c)) = found.iter().find(|(n, _)| *n == owner) else {
             continue;
         };
-        std::fs::create_dir_all(dir.join(&point))?;
-        cell::write_atomic(
-            &dir.join(&point).join("capacity.json"),
-            serde_json::to_string_pretty(&PointCapacity {
-                slo: cal.slo,
-                capacity: c.clone(),
-                simulated: None,
-            })?
-            .as_bytes(),
-        )
+        PointCapacity {
+            slo: cal.slo,
+            capacity: c.clone(),
+            simulated: None,
+        }
+        .write(&dir.join(&point).join("capacity.json"))
         .with_context(|| format!("recording the capacity of {point}"))?;
         out.push((point, c.clone()));
     }
@@ -589,6 +579,31 @@ pub struct PointCapacity {
     /// absent for a search's own result.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub simulated: Option<SimulatedScaling>,
+}
+
+impl PointCapacity {
+    /// The record at `path`, if there is one that reads.
+    pub fn read(path: &Path) -> Option<PointCapacity> {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+    }
+
+    /// The record at `path` when a resume may reuse it: searched on `workload` under `slo`,
+    /// with today's open-loop start.
+    pub fn reusable(path: &Path, workload: &str, slo: Slo) -> Option<PointCapacity> {
+        PointCapacity::read(path).filter(|c| {
+            c.capacity.workload == workload && c.slo == slo && c.capacity.stale().is_none()
+        })
+    }
+
+    /// Writes the record to `path` atomically (its directory created).
+    pub fn write(&self, path: &Path) -> Result<()> {
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        cell::write_atomic(path, serde_json::to_string_pretty(self)?.as_bytes())
+    }
 }
 
 /// How a live point's capacity came from the simulator: the live reference capacity × the
@@ -739,16 +754,12 @@ pub fn simulated_point_capacities(
                 None => "the reference point's, measured live".into(),
             }
         );
-        std::fs::create_dir_all(dir.join(&point))?;
-        cell::write_atomic(
-            &dir.join(&point).join("capacity.json"),
-            serde_json::to_string_pretty(&PointCapacity {
-                slo: cal.slo,
-                capacity: capacity.clone(),
-                simulated,
-            })?
-            .as_bytes(),
-        )
+        PointCapacity {
+            slo: cal.slo,
+            capacity: capacity.clone(),
+            simulated,
+        }
+        .write(&dir.join(&point).join("capacity.json"))
         .with_context(|| format!("recording the capacity of {point}"))?;
         out.push((point, capacity));
     }
