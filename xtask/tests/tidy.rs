@@ -460,3 +460,178 @@ fn every_crate_is_in_the_architecture_code_map() {
     problems.sort();
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// Dependencies a crate declares that no source of it names as a path (`name::`, `use name`,
+/// `extern crate name`), with why the crate still needs them: used only through a Cargo feature,
+/// a macro that names no path, or linked for a side effect. `(crate, dependency, reason)`; an
+/// entry that is no longer declared, or whose dependency the sources now name, fails the test,
+/// so the list never outlives its reason.
+#[rustfmt::skip]
+const USED_WITHOUT_A_PATH: &[(&str, &str, &str)] = &[];
+
+/// Every workspace member's directory: `crates/*`, `bins/*` and `xtask`.
+fn members() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    for kind in ["crates", "bins"] {
+        for e in fs::read_dir(root().join(kind)).expect("crates/ and bins/") {
+            let p = e.expect("entry").path();
+            if p.join("Cargo.toml").is_file() {
+                dirs.push(p);
+            }
+        }
+    }
+    dirs.push(root().join("xtask"));
+    dirs.sort();
+    dirs
+}
+
+/// Every dependency a manifest declares, with its table: `[dependencies]`,
+/// `[dev-dependencies]`, `[build-dependencies]` (and their `[target.….…]` forms), as
+/// `name.workspace = true` / `name = …` lines or `[dependencies.name]` tables.
+fn declared_dependencies(manifest: &Path) -> Vec<(String, String)> {
+    const TABLES: &[&str] = &["dependencies", "dev-dependencies", "build-dependencies"];
+    let text = fs::read_to_string(manifest).expect("Cargo.toml");
+    let mut deps = Vec::new();
+    let mut table: Option<String> = None;
+    for line in text.lines() {
+        let line = line.trim();
+        if let Some(header) = line.strip_prefix('[') {
+            let header = header.trim_end_matches(']');
+            // `[target.'cfg(…)'.dev-dependencies]`: the table is the last segment.
+            let header = match header.strip_prefix("target.") {
+                Some(t) => t.rsplit('.').next().unwrap_or(t),
+                None => header,
+            };
+            table = None;
+            for t in TABLES {
+                if header == *t {
+                    table = Some((*t).to_string());
+                } else if let Some(name) = header.strip_prefix(&format!("{t}.")) {
+                    deps.push(((*t).to_string(), name.trim_matches('"').to_string()));
+                }
+            }
+            continue;
+        }
+        let Some(t) = &table else { continue };
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let key = line.split(['=', '.']).next().expect("a key");
+        deps.push((t.clone(), key.trim().trim_matches('"').to_string()));
+    }
+    deps
+}
+
+/// Whether `ident` (a crate name as Rust spells it) is named as a path in `text`: `ident::…`
+/// (uses, calls, attributes such as `#[tokio::main]`, derives such as `thiserror::Error`),
+/// `use ident…` or `extern crate ident`.
+fn names_crate(text: &str, ident: &str) -> bool {
+    let is_ident = |c: char| c.is_alphanumeric() || c == '_';
+    let mut from = 0;
+    while let Some(i) = text[from..].find(ident).map(|i| i + from) {
+        from = i + ident.len();
+        let before = text[..i].chars().next_back();
+        let after = &text[from..];
+        if before.is_some_and(is_ident) || after.starts_with(is_ident) {
+            continue;
+        }
+        let head = text[..i].trim_end();
+        if after.starts_with("::")
+            || head.ends_with("use")
+            || head.ends_with("extern crate")
+            || head.ends_with("pub use")
+        {
+            return true;
+        }
+    }
+    false
+}
+
+/// A crate's Rust sources (src, tests, benches, examples, build.rs), line comments cut, so a
+/// dependency named only in a comment or doc counts as unused.
+fn crate_source_text(dir: &Path) -> String {
+    let mut files = Vec::new();
+    rust_files(dir, &mut files);
+    let mut text = String::new();
+    for f in files {
+        for line in fs::read_to_string(&f).expect("source").lines() {
+            text.push_str(line.split_once("//").map_or(line, |(code, _)| code));
+            text.push('\n');
+        }
+    }
+    text
+}
+
+#[test]
+fn every_declared_dependency_is_used() {
+    let mut problems = Vec::new();
+    let mut allowed_seen = BTreeSet::new();
+    let mut declared_anywhere = BTreeSet::new();
+    for dir in members() {
+        let manifest = dir.join("Cargo.toml");
+        let text = crate_source_text(&dir);
+        let krate = rel(&dir);
+        for (table, dep) in declared_dependencies(&manifest) {
+            declared_anywhere.insert(dep.clone());
+            let allowed = USED_WITHOUT_A_PATH
+                .iter()
+                .find(|(c, d, _)| *c == name_of(&dir) && *d == dep);
+            let used = names_crate(&text, &dep.replace('-', "_"));
+            match (used, allowed) {
+                (false, None) => problems.push(format!(
+                    "{krate}: [{table}] `{dep}` is not used by any of its sources (no `{}::`, `use {}` or `extern crate {}`): remove it, or list it in USED_WITHOUT_A_PATH with the reason",
+                    dep.replace('-', "_"),
+                    dep.replace('-', "_"),
+                    dep.replace('-', "_"),
+                )),
+                (true, Some(_)) => problems.push(format!(
+                    "{krate}: `{dep}` is listed in USED_WITHOUT_A_PATH but its sources name it: drop the entry"
+                )),
+                _ => {}
+            }
+            if allowed.is_some() {
+                allowed_seen.insert((name_of(&dir), dep));
+            }
+        }
+    }
+    for (c, d, _) in USED_WITHOUT_A_PATH {
+        if !allowed_seen.contains(&(c.to_string(), d.to_string())) {
+            problems.push(format!(
+                "USED_WITHOUT_A_PATH lists `{d}` for `{c}`, which does not declare it: drop the entry"
+            ));
+        }
+    }
+    // The workspace's own table: an entry no member declares is dead too.
+    for (_, dep) in workspace_dependencies() {
+        if !declared_anywhere.contains(&dep) {
+            problems.push(format!(
+                "Cargo.toml: [workspace.dependencies] `{dep}` is declared by no workspace member: remove it"
+            ));
+        }
+    }
+    problems.sort();
+    problems.dedup();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The names in the root manifest's `[workspace.dependencies]`.
+fn workspace_dependencies() -> Vec<(String, String)> {
+    let text = fs::read_to_string(root().join("Cargo.toml")).expect("Cargo.toml");
+    let mut inside = false;
+    let mut deps = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            inside = line == "[workspace.dependencies]";
+            continue;
+        }
+        if inside && !line.is_empty() && !line.starts_with('#') {
+            let key = line.split(['=', '.']).next().expect("a key");
+            deps.push((
+                "workspace.dependencies".into(),
+                key.trim().trim_matches('"').to_string(),
+            ));
+        }
+    }
+    deps
+}

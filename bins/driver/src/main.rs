@@ -24,7 +24,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Build a plan (bincode) and print its name and fingerprint.
+    /// Build a plan (format byte + MessagePack) and print its name and fingerprint.
     Plan(PlanArgs),
     /// Print a plan's name, fingerprint and size.
     Inspect {

@@ -139,7 +139,9 @@ fn config(a: &Args) -> Result<ServerConfig, String> {
         (Some(_), Some(_)) => {
             return Err("give either --kv-events-config or --kv-events-port, not both".into());
         }
-        (Some(json), None) => KvEventsConfig::from_vllm_json(json, a.kv_events_encoding)?,
+        (Some(json), None) => {
+            KvEventsConfig::from_vllm_json(json, a.kv_events_encoding).map_err(|e| e.to_string())?
+        }
         (None, Some(port)) => Some(KvEventsConfig {
             // Port 0 must bind to resolve; "*" would bind every interface, so bind loopback.
             endpoint: format!("tcp://127.0.0.1:{port}"),

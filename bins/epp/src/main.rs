@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use proxy::cli::{KvEventsFormat, RoutingArgs};
 use proxy::{ReplicaSpec, RouterConfig};
 
 /// An Envoy `ext_proc` endpoint picker deciding with kvroute's router core.
@@ -34,58 +35,18 @@ struct Args {
     /// Eligible endpoints listed after the picked one for the proxy's retries.
     #[arg(long, default_value_t = epp::config::DEFAULT_FALLBACKS)]
     fallbacks: usize,
-    /// Routing policy.
-    #[arg(long, default_value = "prefix-affinity", value_parser = clap::builder::PossibleValuesParser::new(policies::POLICY_NAMES))]
-    policy: String,
-    /// KV event PUB endpoints, one per replica in the same order (exact residency).
-    #[arg(long, value_delimiter = ',')]
-    kv_events: Vec<String>,
-    /// KV event replay (ROUTER) endpoints, one per replica in the same order (gap repair).
-    #[arg(long, value_delimiter = ',')]
-    kv_replay: Vec<String>,
+    // The routing flags shared with the router (`proxy::cli`).
+    #[command(flatten)]
+    routing: RoutingArgs,
     /// Which engine publishes the KV events: `vllm` (default) or `sglang`.
-    #[arg(long, default_value = "vllm", value_parser = ["vllm", "sglang"])]
-    kv_events_format: String,
-    /// Where to write router.csv.
-    #[arg(long)]
-    rows: Option<PathBuf>,
-    /// Model name: the salt of block keys and the model sent to /tokenize (default: each
-    /// request's own `model`).
-    #[arg(long)]
-    model: Option<String>,
-    /// Belief block size in bytes.
-    #[arg(long, default_value_t = 64)]
-    block_bytes: usize,
+    #[arg(long, default_value = "vllm", value_enum)]
+    kv_events_format: KvEventsFormat,
     /// Bytes of the router's rendering per engine token (belief predictions).
     #[arg(long, default_value_t = policies::DEFAULT_BELIEF_BYTES_PER_TOKEN)]
     bytes_per_token: f64,
-    /// Engine block size in tokens (exact keys).
-    #[arg(long, default_value_t = 16)]
-    block_tokens: u32,
-    /// Spill (load branch) of prefix-affinity / exact-residency.
-    #[arg(long, value_parser = ["on", "off"])]
-    spill: Option<String>,
-    /// Bounded-load factor c (session-bounded, prefix-hash).
-    #[arg(long)]
-    load_factor: Option<f64>,
-    /// Seed of every tie-break.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
     /// Tokio worker threads.
     #[arg(long, default_value_t = proxy::config::DEFAULT_WORKERS)]
     workers: usize,
-    /// Largest request body accepted; larger gets 413.
-    #[arg(long, default_value_t = 8 << 20)]
-    max_body_bytes: usize,
-    /// Health-check period, milliseconds.
-    #[arg(long, default_value_t = 1000)]
-    health_interval_ms: u64,
-    /// Health-check timeout, milliseconds.
-    #[arg(long, default_value_t = 1000)]
-    health_timeout_ms: u64,
-    /// Per-replica in-flight ceiling; when every eligible replica is at it, 429 (off when absent).
-    #[arg(long)]
-    max_in_flight_per_replica: Option<u32>,
     /// How long SIGTERM/SIGINT waits for open exchanges, milliseconds.
     #[arg(long, default_value_t = 30_000)]
     shutdown_grace_ms: u64,
@@ -97,18 +58,9 @@ struct Args {
     /// `/health`). A non-loopback address needs --admin-token-file.
     #[arg(long, default_value = "127.0.0.1")]
     admin_host: String,
-    /// Admin listener port (0 = ephemeral; the readiness line names it).
-    #[arg(long, default_value_t = 0)]
-    admin_port: u16,
     /// File holding the bearer token the admin listener requires.
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
-    /// Sliding TTL of believed index entries, seconds.
-    #[arg(long)]
-    index_ttl_s: Option<f64>,
-    /// Node cap of the index.
-    #[arg(long)]
-    index_node_cap: Option<usize>,
     /// Also start Envoy in front of the replicas, wired to this picker (ext_proc + override_host).
     /// The readiness line then names Envoy's listener as `listening` and the picker as `epp`.
     #[arg(long)]
@@ -150,7 +102,11 @@ fn config(a: Args) -> Result<epp::EppConfig, String> {
     if replicas.is_empty() {
         return Err("no replicas given".into());
     }
-    for (flag, list) in [("--kv-events", &a.kv_events), ("--kv-replay", &a.kv_replay)] {
+    let routing = &a.routing;
+    for (flag, list) in [
+        ("--kv-events", &routing.kv_events),
+        ("--kv-replay", &routing.kv_replay),
+    ] {
         if !list.is_empty() && (a.config.is_some() || list.len() != replicas.len()) {
             return Err(format!(
                 "{flag} needs one endpoint per --replicas entry (with --config, name them in the file)"
@@ -158,46 +114,19 @@ fn config(a: Args) -> Result<epp::EppConfig, String> {
         }
     }
     for (i, r) in replicas.iter_mut().enumerate() {
-        r.kv_events = a.kv_events.get(i).cloned().or(r.kv_events.take());
-        r.kv_replay = a.kv_replay.get(i).cloned().or(r.kv_replay.take());
+        r.kv_events = routing.kv_events.get(i).cloned().or(r.kv_events.take());
+        r.kv_replay = routing.kv_replay.get(i).cloned().or(r.kv_replay.take());
     }
-    let mut p = policies::PolicySpec::named(&a.policy);
-    p.seed = a.seed;
-    p.salt = a.model.clone().unwrap_or_default();
-    p.tokens_per_block = a.block_tokens;
-    if let Some(v) = &a.spill {
-        p.spill = v == "on";
-    }
-    if let Some(v) = a.load_factor {
-        p.load_factor = v;
-    }
-    if let Some(v) = a.index_ttl_s {
-        if !(v.is_finite() && v > 0.0) {
-            return Err(format!("--index-ttl-s must be > 0, got {v}"));
-        }
-        p.index_ttl_us = (v * 1e6) as u64;
-    }
-    if let Some(v) = a.index_node_cap {
-        p.index_node_cap = v;
-    }
-    p.validate()?;
-    if a.block_bytes == 0 {
-        return Err("--block-bytes must be ≥ 1".into());
-    }
+    let p = routing.policy_spec().map_err(|e| e.to_string())?;
+    p.validate().map_err(|e| e.to_string())?;
     let mut r = RouterConfig::new(replicas, p);
+    routing.apply(&mut r).map_err(|e| e.to_string())?;
     r.host = a.host;
     r.port = a.port;
-    r.rows = a.rows;
-    r.model = a.model;
-    r.block_bytes = a.block_bytes;
     r.bytes_per_token = a.bytes_per_token;
-    r.max_body_bytes = a.max_body_bytes;
-    r.health_interval_ms = a.health_interval_ms;
-    r.health_timeout_ms = a.health_timeout_ms;
     r.workers = a.workers.max(1);
     r.shutdown_grace_ms = a.shutdown_grace_ms;
-    r.max_in_flight_per_replica = a.max_in_flight_per_replica;
-    r.kv_events_format = a.kv_events_format.parse()?;
+    r.kv_events_format = a.kv_events_format.0;
     r.sched_fifo_priority = a.sched_fifo_priority;
     if a.router_id.as_deref().is_some_and(str::is_empty) {
         return Err("--router-id must not be empty".into());
@@ -209,7 +138,6 @@ fn config(a: Args) -> Result<epp::EppConfig, String> {
     proxy::config::check_share_loads(&r)?;
     proxy::config::check_admin_exposure(&a.admin_host, a.admin_token_file.is_some())?;
     r.admin_host = a.admin_host;
-    r.admin_port = a.admin_port;
     r.admin_token = match &a.admin_token_file {
         Some(p) => Some(proxy::config::load_admin_token(p)?),
         None => None,

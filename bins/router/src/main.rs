@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use proxy::cli::{KvEventsFormat, RoutingArgs};
 use proxy::{ReplicaSpec, RouterConfig};
 
 /// A streaming, OpenAI-compatible router in front of N replicas.
@@ -27,55 +28,24 @@ struct Args {
     /// JSON file with the replica list (`[{"url":…,"kv_events":…,"kv_replay":…}]`).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Routing policy.
-    #[arg(long, default_value = "prefix-affinity", value_parser = clap::builder::PossibleValuesParser::new(policies::POLICY_NAMES))]
-    policy: String,
-    /// KV event PUB endpoints, one per replica in the same order (exact residency).
-    #[arg(long, value_delimiter = ',')]
-    kv_events: Vec<String>,
-    /// KV event replay (ROUTER) endpoints, one per replica in the same order (gap repair).
-    #[arg(long, value_delimiter = ',')]
-    kv_replay: Vec<String>,
+    // The routing flags shared with `epp` (`proxy::cli`).
+    #[command(flatten)]
+    routing: RoutingArgs,
     /// Which engine publishes the KV events: `vllm` (default) or `sglang`. It says where a
     /// `BlockStored` carries the storing request's `cache_salt` (vLLM: block 0's `extra_keys`;
     /// SGLang: its own field); blocks are keyed from the events' token ids either way.
-    #[arg(long, default_value = "vllm", value_parser = ["vllm", "sglang"])]
-    kv_events_format: String,
-    /// Where to write router.csv.
-    #[arg(long)]
-    rows: Option<PathBuf>,
-    /// Model name: the salt of block keys and the model sent to /tokenize (default: each
-    /// request's own `model`).
-    #[arg(long)]
-    model: Option<String>,
-    /// Belief block size in bytes.
-    #[arg(long, default_value_t = 64)]
-    block_bytes: usize,
+    #[arg(long, default_value = "vllm", value_enum)]
+    kv_events_format: KvEventsFormat,
     /// Bytes of the router's rendering per engine token: converts matched belief blocks into
     /// `predicted_match_tokens` (measured for the emulator's tokenizer; an estimate for real models).
     #[arg(long, default_value_t = policies::DEFAULT_BELIEF_BYTES_PER_TOKEN)]
     bytes_per_token: f64,
-    /// Engine block size in tokens (exact keys).
-    #[arg(long, default_value_t = 16)]
-    block_tokens: u32,
-    /// Sliding TTL of believed index entries, seconds.
-    #[arg(long)]
-    index_ttl_s: Option<f64>,
-    /// Node cap of the index.
-    #[arg(long)]
-    index_node_cap: Option<usize>,
-    /// Spill (load branch) of prefix-affinity / exact-residency.
-    #[arg(long, value_parser = ["on", "off"])]
-    spill: Option<String>,
     /// Spill needs matched − least outstanding > N.
     #[arg(long)]
     spill_abs: Option<u32>,
     /// Spill needs matched > F × least outstanding (0 disables this half).
     #[arg(long)]
     spill_ratio: Option<f64>,
-    /// Bounded-load factor c (session-bounded, prefix-hash).
-    #[arg(long)]
-    load_factor: Option<f64>,
     /// Virtual nodes per replica on the hash ring.
     #[arg(long)]
     virtual_nodes: Option<u32>,
@@ -88,9 +58,6 @@ struct Args {
     /// Lifetime of speculative entries (exact-residency-spec), milliseconds.
     #[arg(long)]
     speculative_ttl_ms: Option<u64>,
-    /// Seed of every tie-break.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
     /// Tokio worker threads (2 measured best on a 2-core machine; see docs/proxy-bench.md).
     #[arg(long, default_value_t = proxy::config::DEFAULT_WORKERS)]
     workers: usize,
@@ -99,12 +66,6 @@ struct Args {
     /// `scheduling` says what was granted.
     #[arg(long, default_value_t = 0)]
     sched_fifo_priority: u8,
-    /// Largest request body accepted; larger gets 413.
-    #[arg(long, default_value_t = 8 << 20)]
-    max_body_bytes: usize,
-    /// Health-check period, milliseconds.
-    #[arg(long, default_value_t = 1000)]
-    health_interval_ms: u64,
     /// How long SIGTERM/SIGINT waits for in-flight responses, milliseconds.
     #[arg(long, default_value_t = 30_000)]
     shutdown_grace_ms: u64,
@@ -112,9 +73,6 @@ struct Args {
     /// --admin-token-file.
     #[arg(long, default_value = "127.0.0.1")]
     admin_host: String,
-    /// Admin listener port (0 = ephemeral; the readiness line names it).
-    #[arg(long, default_value_t = 0)]
-    admin_port: u16,
     /// File holding the bearer token the admin listener requires (`Authorization: Bearer …`).
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
@@ -134,18 +92,12 @@ struct Args {
     /// error event beyond).
     #[arg(long, default_value_t = proxy::config::DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS)]
     upstream_idle_timeout_ms: u64,
-    /// Health-check timeout, milliseconds.
-    #[arg(long, default_value_t = 1000)]
-    health_timeout_ms: u64,
     /// Consecutive failures (probes or requests) that mark a replica down.
     #[arg(long, default_value_t = 3)]
     health_fails_to_down: u32,
     /// Consecutive passing probes that mark a down replica up.
     #[arg(long, default_value_t = 2)]
     health_oks_to_up: u32,
-    /// Per-replica in-flight ceiling; when every eligible replica is at it, 429 (off when absent).
-    #[arg(long)]
-    max_in_flight_per_replica: Option<u32>,
     /// One upstream connection per request instead of a keep-alive pool: for engines that close
     /// a connection after a streamed response while announcing keep-alive (llama.cpp's
     /// llama-server), where a request on a pooled connection fails with a 502.
@@ -171,6 +123,13 @@ struct Args {
     /// least-loaded choices see the whole fleet's load. A peer silent for 2 s is dropped from it.
     #[arg(long)]
     share_loads: bool,
+    /// Require API keys on the LLM endpoints and /v1/models (`Authorization: Bearer <key>`; 401
+    /// without a known key). FILE holds one key per line, `<name> sha256:<hex of SHA-256 of the
+    /// key>`, with optional per-key limits `rps=N [burst=N] tokens_per_min=N` (429 past them);
+    /// `#` comments. A malformed file is refused at start (crates/proxy/README.md, "Keys and
+    /// limits"). Off when absent.
+    #[arg(long, value_name = "FILE")]
+    api_keys: Option<PathBuf>,
 }
 
 fn config(a: Args) -> Result<RouterConfig, String> {
@@ -181,7 +140,11 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     if replicas.is_empty() {
         return Err("no replicas given".into());
     }
-    for (flag, list) in [("--kv-events", &a.kv_events), ("--kv-replay", &a.kv_replay)] {
+    let routing = &a.routing;
+    for (flag, list) in [
+        ("--kv-events", &routing.kv_events),
+        ("--kv-replay", &routing.kv_replay),
+    ] {
         if !list.is_empty() && list.len() != replicas.len() {
             return Err(format!(
                 "{flag} has {} endpoints for {} replicas",
@@ -191,37 +154,19 @@ fn config(a: Args) -> Result<RouterConfig, String> {
         }
     }
     for (i, r) in replicas.iter_mut().enumerate() {
-        if let Some(e) = a.kv_events.get(i) {
+        if let Some(e) = routing.kv_events.get(i) {
             r.kv_events = Some(e.clone());
         }
-        if let Some(e) = a.kv_replay.get(i) {
+        if let Some(e) = routing.kv_replay.get(i) {
             r.kv_replay = Some(e.clone());
         }
     }
-    let mut p = policies::PolicySpec::named(&a.policy);
-    p.seed = a.seed;
-    p.salt = a.model.clone().unwrap_or_default();
-    p.tokens_per_block = a.block_tokens;
-    if let Some(v) = a.index_ttl_s {
-        if !(v.is_finite() && v > 0.0) {
-            return Err(format!("--index-ttl-s must be > 0, got {v}"));
-        }
-        p.index_ttl_us = (v * 1e6) as u64;
-    }
-    if let Some(v) = a.index_node_cap {
-        p.index_node_cap = v;
-    }
-    if let Some(v) = &a.spill {
-        p.spill = v == "on";
-    }
+    let mut p = routing.policy_spec().map_err(|e| e.to_string())?;
     if let Some(v) = a.spill_abs {
         p.spill_abs = v;
     }
     if let Some(v) = a.spill_ratio {
         p.spill_ratio = v;
-    }
-    if let Some(v) = a.load_factor {
-        p.load_factor = v;
     }
     if let Some(v) = a.virtual_nodes {
         p.virtual_nodes = v;
@@ -236,25 +181,17 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     if let Some(v) = a.speculative_ttl_ms {
         p.speculative_ttl_us = v * 1000;
     }
-    p.validate()?;
-    if a.block_bytes == 0 {
-        return Err("--block-bytes must be ≥ 1".into());
-    }
+    p.validate().map_err(|e| e.to_string())?;
     proxy::config::check_admin_exposure(&a.admin_host, a.admin_token_file.is_some())?;
     let mut cfg = RouterConfig::new(replicas, p);
+    routing.apply(&mut cfg).map_err(|e| e.to_string())?;
     cfg.host = a.host;
     cfg.port = a.port;
-    cfg.rows = a.rows;
-    cfg.model = a.model;
-    cfg.block_bytes = a.block_bytes;
     cfg.bytes_per_token = a.bytes_per_token;
-    cfg.max_body_bytes = a.max_body_bytes;
-    cfg.health_interval_ms = a.health_interval_ms;
     cfg.workers = a.workers.max(1);
     cfg.sched_fifo_priority = a.sched_fifo_priority;
     cfg.shutdown_grace_ms = a.shutdown_grace_ms;
     cfg.admin_host = a.admin_host;
-    cfg.admin_port = a.admin_port;
     cfg.admin_token = match &a.admin_token_file {
         Some(p) => Some(proxy::config::load_admin_token(p)?),
         None => None,
@@ -264,12 +201,10 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     cfg.max_connections = a.max_connections;
     cfg.upstream_head_timeout_ms = a.upstream_head_timeout_ms;
     cfg.upstream_idle_timeout_ms = a.upstream_idle_timeout_ms;
-    cfg.health_timeout_ms = a.health_timeout_ms;
     cfg.health_fails_to_down = a.health_fails_to_down;
     cfg.health_oks_to_up = a.health_oks_to_up;
-    cfg.max_in_flight_per_replica = a.max_in_flight_per_replica;
     cfg.upstream_keep_alive = !a.no_upstream_keep_alive;
-    cfg.kv_events_format = a.kv_events_format.parse()?;
+    cfg.kv_events_format = a.kv_events_format.0;
     if a.router_id.as_deref().is_some_and(str::is_empty) {
         return Err("--router-id must not be empty".into());
     }
@@ -277,6 +212,10 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     cfg.share_decisions_bind = a.share_decisions_bind;
     cfg.share_decisions_peers = a.share_decisions_peer;
     cfg.share_loads = a.share_loads;
+    if let Some(path) = &a.api_keys {
+        let keys = proxy::keys::ApiKeys::load(path).map_err(|e| e.to_string())?;
+        cfg.api_keys = Some(std::sync::Arc::new(keys));
+    }
     proxy::config::check_share_loads(&cfg)?;
     Ok(cfg)
 }

@@ -285,3 +285,35 @@ fn the_admin_token_file_locks_the_admin_listener() {
     assert!(status.success());
     assert!(guard.0.wait().unwrap().success());
 }
+
+#[test]
+fn a_malformed_api_keys_file_is_refused_with_its_line() {
+    let dir = temp_dir("router-keys");
+    let keys = dir.path().join("keys.txt");
+    std::fs::write(
+        &keys,
+        format!(
+            "# keys\n{} {}\nbob sha256:1234 rps=1\n",
+            "alice",
+            proxy::keys::hash_line("sk-alice")
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_router"))
+        .args([
+            "--replicas",
+            "http://127.0.0.1:1",
+            "--port",
+            "0",
+            "--api-keys",
+        ])
+        .arg(&keys)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("{}:3: ", keys.display())) && err.contains("64 hex digits"),
+        "{err}"
+    );
+}

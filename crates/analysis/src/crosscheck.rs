@@ -181,7 +181,9 @@ fn hit_rate(c: &Cell) -> Option<f64> {
 fn comparable(live: &Point, virt: &Point) -> Result<(), String> {
     if live.plan_fingerprint != virt.plan_fingerprint {
         return Err(format!(
-            "plan_fingerprint differs: live {}, virtual {}",
+            "plan_fingerprint differs: live {}, virtual {} (the plans differ; a plan's \
+             fingerprint hashes its format byte, so plans written before and after a plan \
+             format change — workload::PLAN_FORMAT — never match: run both sides with one format)",
             live.plan_fingerprint, virt.plan_fingerprint
         ));
     }

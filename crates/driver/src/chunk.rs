@@ -90,16 +90,35 @@ pub fn error_message(v: &serde_json::Value) -> String {
     }
 }
 
+/// Why a `data:` payload is not an OpenAI chunk; `head` is its first 80 characters.
+#[derive(Debug, thiserror::Error)]
+pub enum ChunkError {
+    /// Not JSON of a chunk's shape.
+    #[error("payload is not an OpenAI chunk ({source}): {head:?}")]
+    NotJson {
+        /// The JSON error.
+        source: serde_json::Error,
+        /// The payload's start.
+        head: String,
+    },
+    /// JSON, but with no `choices`, `usage` or `error`.
+    #[error("payload has no choices, usage or error: {head:?}")]
+    NotAChunk {
+        /// The payload's start.
+        head: String,
+    },
+}
+
 /// Interprets one `data:` payload (not `[DONE]`). Errors when it is not JSON or not shaped
 /// like an OpenAI chunk (no `choices`, `usage` or `error`).
-pub fn parse_chunk(data: &str) -> Result<Chunk, String> {
-    let json: ChunkJson = serde_json::from_str(data).map_err(|e| {
-        let head: String = data.chars().take(80).collect();
-        format!("payload is not an OpenAI chunk ({e}): {head:?}")
+pub fn parse_chunk(data: &str) -> Result<Chunk, ChunkError> {
+    let head = || data.chars().take(80).collect::<String>();
+    let json: ChunkJson = serde_json::from_str(data).map_err(|source| ChunkError::NotJson {
+        source,
+        head: head(),
     })?;
     if json.choices.is_none() && json.usage.is_none() && json.error.is_none() {
-        let head: String = data.chars().take(80).collect();
-        return Err(format!("payload has no choices, usage or error: {head:?}"));
+        return Err(ChunkError::NotAChunk { head: head() });
     }
     let cache_n = json.timings.and_then(|t| t.cache_n);
     let mut content: Option<String> = None;
@@ -190,6 +209,7 @@ mod tests {
         assert!(
             parse_chunk("not json")
                 .unwrap_err()
+                .to_string()
                 .contains("not an OpenAI chunk")
         );
         assert!(parse_chunk(r#"{"hello":1}"#).is_err());

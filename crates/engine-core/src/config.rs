@@ -69,7 +69,7 @@ impl CacheModel {
     }
 
     /// Checks the slot settings.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if let Self::LlamaSlots {
             slots,
             similarity,
@@ -77,15 +77,13 @@ impl CacheModel {
         } = *self
         {
             if slots == 0 {
-                return Err("llama-slots needs at least 1 slot".into());
+                return Err(ConfigError::NoSlots);
             }
             if !similarity.is_finite() || !(0.0..=1.0).contains(&similarity) {
-                return Err(format!(
-                    "slot prompt similarity must be in [0, 1], got {similarity}"
-                ));
+                return Err(ConfigError::SlotSimilarity(similarity));
             }
             if ctx_tokens < 2 {
-                return Err("llama-slots needs ctx_tokens of at least 2".into());
+                return Err(ConfigError::SlotContext);
             }
         }
         Ok(())
@@ -121,21 +119,33 @@ impl Default for EngineConfig {
 
 impl EngineConfig {
     /// Checks the values that would make the engine misbehave, returning a readable reason.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.block_size == 0 {
-            return Err("block_size must be at least 1".into());
+            return Err(ConfigError::TooSmall {
+                field: "block_size",
+                min: 1,
+            });
         }
         if self.num_gpu_blocks < 2 {
-            return Err("num_gpu_blocks must be at least 2 (block 0 is the null block)".into());
+            return Err(ConfigError::GpuBlocks);
         }
         if self.max_num_batched_tokens == 0 {
-            return Err("max_num_batched_tokens must be at least 1".into());
+            return Err(ConfigError::TooSmall {
+                field: "max_num_batched_tokens",
+                min: 1,
+            });
         }
         if self.max_num_seqs == 0 {
-            return Err("max_num_seqs must be at least 1".into());
+            return Err(ConfigError::TooSmall {
+                field: "max_num_seqs",
+                min: 1,
+            });
         }
         if self.max_model_len < 2 {
-            return Err("max_model_len must be at least 2".into());
+            return Err(ConfigError::TooSmall {
+                field: "max_model_len",
+                min: 2,
+            });
         }
         self.cache_model.validate()?;
         self.model.validate()
@@ -262,7 +272,7 @@ impl StepModel {
     }
 
     /// Checks that every constant is finite and in range.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         let nonneg = [
             ("overhead_ms", self.overhead_ms),
             ("weight_bytes", self.weight_bytes),
@@ -275,7 +285,7 @@ impl StepModel {
         ];
         for (name, v) in nonneg {
             if !v.is_finite() || v < 0.0 {
-                return Err(format!("{name} must be a finite number >= 0, got {v}"));
+                return Err(ConfigError::Negative { name, value: v });
             }
         }
         let pos = [
@@ -285,11 +295,11 @@ impl StepModel {
         ];
         for (name, v) in pos {
             if !v.is_finite() || v <= 0.0 {
-                return Err(format!("{name} must be a finite number > 0, got {v}"));
+                return Err(ConfigError::NotPositive { name, value: v });
             }
         }
         if !self.jitter.is_finite() || !(0.0..1.0).contains(&self.jitter) {
-            return Err(format!("jitter must be in [0, 1), got {}", self.jitter));
+            return Err(ConfigError::Jitter(self.jitter));
         }
         Ok(())
     }
@@ -329,4 +339,49 @@ impl StepModel {
     pub fn step_scale(&self) -> f64 {
         self.slowdown / self.speed
     }
+}
+
+/// Why an [`EngineConfig`] (its [`CacheModel`] or [`StepModel`]) was refused; the message names
+/// the setting.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// A count below its minimum.
+    #[error("{field} must be at least {min}")]
+    TooSmall {
+        /// The setting.
+        field: &'static str,
+        /// Its least valid value.
+        min: u32,
+    },
+    /// `num_gpu_blocks` below 2.
+    #[error("num_gpu_blocks must be at least 2 (block 0 is the null block)")]
+    GpuBlocks,
+    /// `llama-slots` with no slot.
+    #[error("llama-slots needs at least 1 slot")]
+    NoSlots,
+    /// `llama-slots`' prompt similarity outside [0, 1].
+    #[error("slot prompt similarity must be in [0, 1], got {0}")]
+    SlotSimilarity(f64),
+    /// `llama-slots`' context below 2 tokens.
+    #[error("llama-slots needs ctx_tokens of at least 2")]
+    SlotContext,
+    /// A step-model constant that must be finite and ≥ 0.
+    #[error("{name} must be a finite number >= 0, got {value}")]
+    Negative {
+        /// The constant.
+        name: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// A step-model constant that must be finite and > 0.
+    #[error("{name} must be a finite number > 0, got {value}")]
+    NotPositive {
+        /// The constant.
+        name: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// `jitter` outside [0, 1).
+    #[error("jitter must be in [0, 1), got {0}")]
+    Jitter(f64),
 }

@@ -324,7 +324,7 @@ fn ensure_hashes(req: &mut Request, num_blocks: usize, block_size: usize) {
 
 impl Engine {
     /// Builds an engine; fails with a readable reason on an invalid config.
-    pub fn new(cfg: EngineConfig) -> Result<Self, String> {
+    pub fn new(cfg: EngineConfig) -> Result<Self, crate::config::ConfigError> {
         cfg.validate()?;
         let pool = BlockPool::new(
             cfg.num_gpu_blocks,

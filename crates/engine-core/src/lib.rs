@@ -13,7 +13,7 @@ pub mod kv_events;
 pub mod llama_slots;
 pub mod tokenizer;
 
-pub use crate::config::{CacheModel, DEFAULT_NUM_GPU_BLOCKS, EngineConfig, StepModel};
+pub use crate::config::{CacheModel, ConfigError, DEFAULT_NUM_GPU_BLOCKS, EngineConfig, StepModel};
 pub use crate::core::{
     AddError, Counters, Engine, FinishReason, RequestId, SamplingParams, StepOutput, TokenOut,
     block_hash, block_hashes,

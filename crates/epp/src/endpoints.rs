@@ -16,25 +16,48 @@ use std::time::Duration;
 use proxy::ReplicaSpec;
 use proxy::state::{Replica, Shared, start_replica_tasks};
 
+/// Why a replica list cannot be the picker's endpoint set. The replica table's and the URL
+/// parser's refusals (crates/proxy) come as their messages.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    /// The replica URL does not parse (the router's message).
+    #[error("{0}")]
+    Url(String),
+    /// A host name where the protocol needs an IP literal.
+    #[error(
+        "replica URL {0:?}: the endpoint picker names endpoints as <ip:port>, so the host must be an IP address"
+    )]
+    NotIp(String),
+    /// The replica table refused an added replica (the router's message).
+    #[error("{0}")]
+    Replica(String),
+    /// The endpoint file is not UTF-8 or not the router's `--config` format.
+    #[error("{}: {reason}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
 /// A replica's endpoint as the EPP protocol writes it (`ip:port`, IPv6 bracketed), or why it has
 /// none (a host name instead of an IP literal).
-pub fn endpoint_of(url: &str) -> Result<SocketAddr, String> {
-    let (_, authority) = proxy::upstream::parse_base_url(url)?;
+pub fn endpoint_of(url: &str) -> Result<SocketAddr, EndpointError> {
+    let (_, authority) = proxy::upstream::parse_base_url(url).map_err(EndpointError::Url)?;
     let port = authority.port_u16().unwrap_or(80);
     let host = authority
         .host()
         .trim_start_matches('[')
         .trim_end_matches(']');
-    let ip: std::net::IpAddr = host.parse().map_err(|_| {
-        format!(
-            "replica URL {url:?}: the endpoint picker names endpoints as <ip:port>, so the host must be an IP address"
-        )
-    })?;
+    let ip: std::net::IpAddr = host
+        .parse()
+        .map_err(|_| EndpointError::NotIp(url.to_string()))?;
     Ok(SocketAddr::new(ip, port))
 }
 
 /// Checks that every replica has an `ip:port` endpoint.
-pub fn check_specs(specs: &[ReplicaSpec]) -> Result<(), String> {
+pub fn check_specs(specs: &[ReplicaSpec]) -> Result<(), EndpointError> {
     specs.iter().try_for_each(|s| endpoint_of(&s.url).map(drop))
 }
 
@@ -59,7 +82,7 @@ pub struct Applied {
 /// Makes the replica table hold exactly `specs` (by URL): adds the new ones (starting their KV
 /// subscribers), removes the missing ones. A spec without an `ip:port` endpoint is refused whole
 /// (nothing changes).
-pub async fn apply(shared: &Arc<Shared>, specs: &[ReplicaSpec]) -> Result<Applied, String> {
+pub async fn apply(shared: &Arc<Shared>, specs: &[ReplicaSpec]) -> Result<Applied, EndpointError> {
     check_specs(specs)?;
     let current = shared.replicas();
     let mut applied = Applied::default();
@@ -71,7 +94,7 @@ pub async fn apply(shared: &Arc<Shared>, specs: &[ReplicaSpec]) -> Result<Applie
     }
     for s in specs {
         if !current.iter().any(|r| r.url == s.url.trim_end_matches('/')) {
-            let r = shared.add_replica(s)?;
+            let r = shared.add_replica(s).map_err(EndpointError::Replica)?;
             start_replica_tasks(shared, &r).await;
             applied.added.push(r.url.clone());
         }
@@ -124,15 +147,19 @@ pub async fn watch_file(
     }
 }
 
-async fn reload(shared: &Arc<Shared>, path: &Path, text: &[u8]) -> Result<Applied, String> {
+async fn reload(shared: &Arc<Shared>, path: &Path, text: &[u8]) -> Result<Applied, EndpointError> {
     let specs = parse_file(path, text)?;
     apply(shared, &specs).await
 }
 
 /// Parses an endpoint file's bytes (the router's `--config` format), naming the file on error.
-pub fn parse_file(path: &Path, text: &[u8]) -> Result<Vec<ReplicaSpec>, String> {
-    let text = std::str::from_utf8(text).map_err(|e| format!("{}: {e}", path.display()))?;
-    proxy::config::parse_replicas_json(text).map_err(|e| format!("{}: {e}", path.display()))
+pub fn parse_file(path: &Path, text: &[u8]) -> Result<Vec<ReplicaSpec>, EndpointError> {
+    let file = |reason: String| EndpointError::File {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = std::str::from_utf8(text).map_err(|e| file(e.to_string()))?;
+    proxy::config::parse_replicas_json(text).map_err(file)
 }
 
 #[cfg(test)]
@@ -153,7 +180,9 @@ mod tests {
             endpoint_of("http://10.0.0.5").unwrap().to_string(),
             "10.0.0.5:80"
         );
-        let e = endpoint_of("http://localhost:8000").unwrap_err();
+        let e = endpoint_of("http://localhost:8000")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("must be an IP address"), "{e}");
     }
 }

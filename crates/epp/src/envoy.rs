@@ -48,15 +48,55 @@ pub fn default_bin() -> PathBuf {
 }
 
 /// Fails naming the missing binary and how to get it.
-pub fn check_installed(bin: &Path) -> Result<(), String> {
+pub fn check_installed(bin: &Path) -> Result<(), EnvoyError> {
     if bin.is_file() {
         Ok(())
     } else {
-        Err(format!(
-            "envoy is missing at {}: {INSTALL_HINT}",
-            bin.display()
-        ))
+        Err(EnvoyError::Missing(bin.to_path_buf()))
     }
+}
+
+/// Why the Envoy of `--envoy` did not come up.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvoyError {
+    /// No binary at the path.
+    #[error("envoy is missing at {}: {INSTALL_HINT}", .0.display())]
+    Missing(PathBuf),
+    /// Its bootstrap or log file could not be written.
+    #[error("{}: {source}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The bootstrap did not serialize.
+    #[error("{0}")]
+    Bootstrap(#[from] serde_json::Error),
+    /// The process could not be started.
+    #[error("cannot start {}: {source}", bin.display())]
+    Spawn {
+        /// The binary.
+        bin: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// It exited before it was ready; `log` is its log's tail.
+    #[error("envoy exited ({status}): {log}")]
+    Exited {
+        /// Its exit status.
+        status: std::process::ExitStatus,
+        /// The tail of its log.
+        log: String,
+    },
+    /// It was not ready in time; `log` is its log's tail.
+    #[error("envoy not ready within {within:?}: {log}")]
+    NotReady {
+        /// The wait.
+        within: Duration,
+        /// The tail of its log.
+        log: String,
+    },
 }
 
 /// What the bootstrap wires together.
@@ -222,19 +262,22 @@ impl EnvoyProcess {
         bootstrap: &Bootstrap,
         dir: &Path,
         ready_within: Duration,
-    ) -> Result<EnvoyProcess, String> {
+    ) -> Result<EnvoyProcess, EnvoyError> {
         check_installed(bin)?;
         let config = dir.join("envoy.json");
         let admin_path = dir.join("envoy-admin.txt");
         let log = dir.join("envoy.log");
         let _ = std::fs::remove_file(&admin_path);
-        std::fs::write(
-            &config,
-            serde_json::to_vec_pretty(&bootstrap.to_json()).map_err(|e| e.to_string())?,
-        )
-        .map_err(|e| format!("{}: {e}", config.display()))?;
-        let log_file =
-            std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        std::fs::write(&config, serde_json::to_vec_pretty(&bootstrap.to_json())?).map_err(
+            |source| EnvoyError::File {
+                path: config.clone(),
+                source,
+            },
+        )?;
+        let log_file = std::fs::File::create(&log).map_err(|source| EnvoyError::File {
+            path: log.clone(),
+            source,
+        })?;
         let child = tokio::process::Command::new(bin)
             .arg("-c")
             .arg(&config)
@@ -247,7 +290,10 @@ impl EnvoyProcess {
             .stderr(log_file)
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+            .map_err(|source| EnvoyError::Spawn {
+                bin: bin.to_path_buf(),
+                source,
+            })?;
         let mut p = EnvoyProcess {
             child,
             admin: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -257,13 +303,16 @@ impl EnvoyProcess {
         let deadline = Instant::now() + ready_within;
         loop {
             if let Ok(Some(status)) = p.child.try_wait() {
-                return Err(format!("envoy exited ({status}): {}", p.log_tail()));
+                return Err(EnvoyError::Exited {
+                    status,
+                    log: p.log_tail(),
+                });
             }
             if Instant::now() > deadline {
-                return Err(format!(
-                    "envoy not ready within {ready_within:?}: {}",
-                    p.log_tail()
-                ));
+                return Err(EnvoyError::NotReady {
+                    within: ready_within,
+                    log: p.log_tail(),
+                });
             }
             if p.admin.port() == 0
                 && let Ok(text) = std::fs::read_to_string(&admin_path)

@@ -525,6 +525,7 @@ impl Exchange {
                 keys,
                 tokens_per_block,
                 tokenize_ns: t,
+                ..
             } = route_keys(shared, &parsed, model, body.len()).await;
             if let (Some(ns), Some(row)) = (t, self.row.as_mut()) {
                 row.tokenize_ms = Some(ns as f64 / 1e6);
@@ -641,7 +642,7 @@ impl Exchange {
                     tokens_per_block: p.tokens_per_block,
                     now_us: shared.clock.now_us(),
                 };
-                shared.served(&req, replica.id);
+                shared.served(&req, p.picked, &replica);
             } else {
                 replica.upstream_errors.fetch_add(1, Ordering::Relaxed);
             }

@@ -48,7 +48,10 @@ pub enum EppError {
     Io(#[from] std::io::Error),
     /// The Envoy the binary was asked to start did not come up.
     #[error("envoy: {0}")]
-    Envoy(String),
+    Envoy(#[from] crate::envoy::EnvoyError),
+    /// The replica list is not a valid endpoint set.
+    #[error("configuration: {0}")]
+    Endpoints(#[from] crate::endpoints::EndpointError),
 }
 
 /// How long [`run_blocking`] waits for the Envoy it starts.
@@ -113,10 +116,9 @@ impl Epp {
         if let Some(path) = &cfg.replicas_file {
             loaded = std::fs::read(path)
                 .map_err(|e| EppError::Config(format!("{}: {e}", path.display())))?;
-            cfg.router.replicas =
-                crate::endpoints::parse_file(path, &loaded).map_err(EppError::Config)?;
+            cfg.router.replicas = crate::endpoints::parse_file(path, &loaded)?;
         }
-        crate::endpoints::check_specs(&cfg.router.replicas).map_err(EppError::Config)?;
+        crate::endpoints::check_specs(&cfg.router.replicas)?;
         proxy::config::check_admin_exposure(
             &cfg.router.admin_host,
             cfg.router.admin_token.is_some(),
@@ -289,14 +291,12 @@ pub fn run_blocking(cfg: EppConfig) -> Result<(), EppError> {
                     .replicas()
                     .iter()
                     .map(|r| crate::endpoints::endpoint_of(&r.url))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(EppError::Config)?;
+                    .collect::<Result<Vec<_>, _>>()?;
                 let mut bootstrap = Bootstrap::new(epp.local_addr(), endpoints);
                 bootstrap.listen = l.listen;
                 std::fs::create_dir_all(&l.dir)?;
-                let envoy = EnvoyProcess::start(&l.bin, &bootstrap, &l.dir, ENVOY_READY_WITHIN)
-                    .await
-                    .map_err(EppError::Envoy)?;
+                let envoy =
+                    EnvoyProcess::start(&l.bin, &bootstrap, &l.dir, ENVOY_READY_WITHIN).await?;
                 Some(envoy)
             }
             None => None,

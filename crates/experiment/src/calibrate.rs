@@ -490,7 +490,7 @@ pub fn tokenize_count(
         .map(|m| serde_json::json!({"role": m.role.as_str(), "content": m.content}))
         .collect();
     if engine.tokenize_shape() == TokenizeShape::TemplateThenContent {
-        return fleet::llama::tokenize_messages(url, &messages);
+        return fleet::llama::tokenize_messages(url, &messages).map_err(anyhow::Error::from);
     }
     let body = serde_json::json!({
         "model": model,
@@ -499,7 +499,7 @@ pub fn tokenize_count(
     let endpoint = http::join(url, "/tokenize");
     let needs = "the calibration counts tokens with the fleet's own /tokenize (vLLM: POST /tokenize {model, messages} → {count, tokens}) to fit the floors' prompts and measure bytes per token";
     let response = http::post(&endpoint, Some(&body.to_string()), Duration::from_secs(30))
-        .map_err(|e| anyhow!("{e:#}; {needs}"))?;
+        .map_err(|e| anyhow!("{}; {needs}", e.chain()))?;
     if response.status != 200 {
         bail!(
             "{endpoint} answered {}: {}; {needs}",

@@ -990,7 +990,7 @@ fn stop_gracefully(fleet: &mut Fleet, index: usize, info: &fleet::ReplicaInfo) -
         }
     }
     // Reaps it (and SIGKILLs it if the grace ran out).
-    fleet.kill_one(index)
+    fleet.kill_one(index).map_err(anyhow::Error::from)
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use crate::cell::write_atomic;
 /// A plan written once per point and replayed for every policy and repetition.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanFile {
-    /// The bincode plan the driver reads.
+    /// The plan the driver reads ([`Plan::to_bytes`]: format byte, then MessagePack).
     pub path: PathBuf,
     /// Plan name (content + arrival).
     pub name: String,

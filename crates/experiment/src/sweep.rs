@@ -98,6 +98,7 @@ pub fn ingress_from_flags(
 ) -> Result<Ingress> {
     let base = Ingress::from(flag);
     Ingress::with_routers(base, routers, front, share_decisions, share_loads)
+        .map_err(anyhow::Error::from)
 }
 
 /// What a sweep runs with (defaults already applied); the live and the virtual sweep share it.

@@ -2,26 +2,36 @@
 //! <measurements dir> <out dir> [figure …]` (figures as `1`…`9` or stems; default all).
 
 use std::path::Path;
+use std::process::ExitCode;
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [measurements, out, which @ ..] = args.as_slice() else {
-        anyhow::bail!("usage: render <measurements dir> <out dir> [figure …]");
+        eprintln!("usage: render <measurements dir> <out dir> [figure …]");
+        return ExitCode::FAILURE;
     };
-    let figs = if which.is_empty() {
-        figures::FigureId::ALL.to_vec()
-    } else {
-        which
-            .iter()
-            .map(|w| {
-                figures::FigureId::parse(w)
-                    .ok_or_else(|| anyhow::anyhow!("unknown figure `{w}` (1…9 or a stem)"))
-            })
-            .collect::<anyhow::Result<_>>()?
-    };
-    let src = figures::Sources::discover(Path::new(measurements));
-    for f in figures::render(&src, Path::new(out), &figs)? {
-        println!("{}", f.display());
+    let mut figs = Vec::new();
+    for w in which {
+        let Some(f) = figures::FigureId::parse(w) else {
+            eprintln!("unknown figure `{w}` (1…9 or a stem)");
+            return ExitCode::FAILURE;
+        };
+        figs.push(f);
     }
-    Ok(())
+    if figs.is_empty() {
+        figs = figures::FigureId::ALL.to_vec();
+    }
+    let src = figures::Sources::discover(Path::new(measurements));
+    match figures::render(&src, Path::new(out), &figs) {
+        Ok(files) => {
+            for f in files {
+                println!("{}", f.display());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{}", e.chain());
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -5,10 +5,11 @@
 //! `timeline.csv`). Where a figure needs something the input does not hold, the builder fails
 //! with a message that names the figure, the point, the policy and the missing value.
 
+use crate::error::fail;
+use crate::{Error, Result};
 use analysis::report::{PREFIX_AFFINITY, Point, SESSION_AFFINITY};
 use analysis::stats::Spread;
 use analysis::{Report, Verdict};
-use anyhow::{Context as _, Result, bail};
 
 use schema::ATTAINMENT_TARGET;
 
@@ -46,11 +47,16 @@ impl Table {
         let mut w = csv::WriterBuilder::new()
             .terminator(csv::Terminator::Any(b'\n'))
             .from_writer(Vec::new());
-        w.write_record(&self.header)?;
+        let table = |source| Error::Table { source };
+        w.write_record(&self.header).map_err(table)?;
         for r in &self.rows {
-            w.write_record(r)?;
+            w.write_record(r).map_err(table)?;
         }
-        Ok(String::from_utf8(w.into_inner()?)?)
+        let bytes = w
+            .into_inner()
+            .map_err(|e| table(csv::Error::from(e.into_error())))?;
+        // The fields are `String`s, so the CSV is UTF-8.
+        Ok(String::from_utf8(bytes).expect("CSV of UTF-8 fields is UTF-8"))
     }
 }
 
@@ -64,7 +70,8 @@ fn spread_fields(x: &Spread) -> [String; 3] {
 fn only_point<'r>(report: &'r Report, figure: &str, what: &str) -> Result<&'r Point> {
     match report.points.as_slice() {
         [p] => Ok(p),
-        _ => bail!(
+        _ => fail!(
+            Missing,
             "{figure}: sweep `{}` has {} points; {what}",
             report.sweep,
             report.points.len()
@@ -182,7 +189,8 @@ fn grid_points<'a>(report: &'a Report, figure: &str) -> Result<Vec<(&'a Point, f
         .collect();
     if pts.is_empty() {
         let names: Vec<&str> = report.points.iter().map(|p| p.point.as_str()).collect();
-        bail!(
+        fail!(
+            Missing,
             "{figure}: no point of sweep `{}` is named ws<ratio>-s<skew> (found: {})",
             report.sweep,
             names.join(", ")
@@ -202,7 +210,7 @@ fn missing(figure: &str, what: Vec<String>) -> Result<()> {
     if what.is_empty() {
         Ok(())
     } else {
-        bail!("{figure}: missing data: {}", what.join("; "))
+        fail!(Missing, "{figure}: missing data: {}", what.join("; "))
     }
 }
 
@@ -305,7 +313,8 @@ pub fn pressure(report: &Report) -> Result<PressureData> {
     Ok(PressureData {
         ws_values: sorted_axis(pts.iter().map(|(_, ws, _)| *ws)),
         s_values: sorted_axis(pts.iter().map(|(_, _, s)| *s)),
-        reps: Reps::of(&spreads).with_context(|| format!("{FIG1}: no goodput to draw"))?,
+        reps: Reps::of(&spreads)
+            .ok_or_else(|| Error::Missing(format!("{FIG1}: no goodput to draw")))?,
         cells,
         no_data,
     })
@@ -445,7 +454,8 @@ pub fn winners(report: &Report) -> Result<WinnersData> {
     Ok(WinnersData {
         ws_values: sorted_axis(pts.iter().map(|(_, ws, _)| *ws)),
         s_values: sorted_axis(pts.iter().map(|(_, _, s)| *s)),
-        reps: Reps::of(&spreads).with_context(|| format!("{FIG2}: no goodput to draw"))?,
+        reps: Reps::of(&spreads)
+            .ok_or_else(|| Error::Missing(format!("{FIG2}: no goodput to draw")))?,
         cells,
         no_data,
     })
@@ -550,7 +560,8 @@ pub fn mechanism(report: &Report) -> Result<MechanismData> {
         .filter(|p| has_cell(p, PREFIX_AFFINITY_SPILL_OFF))
         .collect();
     if pts.is_empty() {
-        bail!(
+        fail!(
+            Missing,
             "{FIG3}: missing data: no point of sweep `{}` has a `{PREFIX_AFFINITY_SPILL_OFF}` cell (the spill-off arm); run the sweep with it",
             report.sweep
         );
@@ -607,7 +618,8 @@ pub fn mechanism(report: &Report) -> Result<MechanismData> {
         .flat_map(|m| [m.busiest_share, m.prefix_hit_rate])
         .collect();
     Ok(MechanismData {
-        reps: Reps::of(&spreads).with_context(|| format!("{FIG3}: nothing to draw"))?,
+        reps: Reps::of(&spreads)
+            .ok_or_else(|| Error::Missing(format!("{FIG3}: nothing to draw")))?,
         markers,
         not_drawn,
     })
@@ -695,7 +707,8 @@ pub fn ladder(report: &Report) -> Result<LadderData> {
         .filter(|p| arms.iter().any(|a| has_cell(p, a)))
         .collect();
     if pts.is_empty() {
-        bail!(
+        fail!(
+            Missing,
             "{FIG4}: missing data: no point of sweep `{}` has a `{PREFIX_HASH}`, `{EXACT_RESIDENCY}` or `{EXACT_RESIDENCY_SPEC}` cell",
             report.sweep
         );
@@ -727,7 +740,7 @@ pub fn ladder(report: &Report) -> Result<LadderData> {
     Ok(LadderData {
         points: pts.iter().map(|p| p.point.clone()).collect(),
         reps: Reps::of(bars.iter().map(|b| &b.goodput))
-            .with_context(|| format!("{FIG4}: nothing to draw"))?,
+            .ok_or_else(|| Error::Missing(format!("{FIG4}: nothing to draw")))?,
         bars,
         not_drawn,
     })
@@ -888,7 +901,7 @@ pub fn belief(report: &Report) -> Result<BeliefData> {
         band_edges,
         decay,
         reps: Reps::of(&spreads)
-            .with_context(|| format!("{FIG5}: the compared cells have no goodput"))?,
+            .ok_or_else(|| Error::Missing(format!("{FIG5}: the compared cells have no goodput")))?,
     })
 }
 
@@ -1109,7 +1122,8 @@ pub struct LoadCurveData {
 pub fn load_curve(input: &LoadInput) -> Result<LoadCurveData> {
     let report = &input.report;
     if input.offered.len() < 2 {
-        bail!(
+        fail!(
+            Missing,
             "{FIG7}: missing data: sweep `{}` has {} offered rate(s); a load curve needs at least two",
             report.sweep,
             input.offered.len()
@@ -1183,7 +1197,7 @@ pub fn load_curve(input: &LoadInput) -> Result<LoadCurveData> {
                 .iter()
                 .flat_map(|s| s.points.iter().map(|p| &p.goodput)),
         )
-        .with_context(|| format!("{FIG7}: nothing to draw"))?,
+        .ok_or_else(|| Error::Missing(format!("{FIG7}: nothing to draw")))?,
         series,
         capacity_rps,
         not_drawn,
@@ -1428,7 +1442,8 @@ pub fn routers(report: &Report) -> Result<RoutersData> {
         }
     }
     if series.is_empty() {
-        bail!(
+        fail!(
+            Missing,
             "{FIG8}: missing data: sweep `{}` has no cell with more than one router (cells named r<N>-<front>-<policy>)",
             report.sweep
         );
@@ -1449,7 +1464,7 @@ pub fn routers(report: &Report) -> Result<RoutersData> {
     Ok(RoutersData {
         point: p.point.clone(),
         reps: Reps::of(points.iter().map(|(_, p)| &p.goodput))
-            .with_context(|| format!("{FIG8}: nothing to draw"))?,
+            .ok_or_else(|| Error::Missing(format!("{FIG8}: nothing to draw")))?,
         series,
         not_drawn,
     })
@@ -1563,7 +1578,7 @@ pub fn trace_replay(report: &Report) -> Result<TraceData> {
     Ok(TraceData {
         point: p.point.clone(),
         reps: Reps::of(bars.iter().map(|b| &b.goodput))
-            .with_context(|| format!("{FIG9}: nothing to draw"))?,
+            .ok_or_else(|| Error::Missing(format!("{FIG9}: nothing to draw")))?,
         bars,
         not_drawn,
     })

@@ -5,7 +5,6 @@
 
 use std::path::Path;
 
-use anyhow::{Result, anyhow};
 use plotters::chart::MeshStyle;
 use plotters::coord::Shift;
 use plotters::coord::types::RangedCoordf64;
@@ -20,6 +19,7 @@ use crate::data::{
 };
 use crate::font::{self, FAMILY};
 use crate::input::{Context, num};
+use crate::{Error, Result};
 use analysis::Verdict;
 use schema::ATTAINMENT_TARGET;
 
@@ -31,8 +31,8 @@ pub trait Figure {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()>;
 }
 
-fn de<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) -> anyhow::Error {
-    anyhow!("drawing failed: {e}")
+fn de<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) -> Error {
+    Error::Draw(e.to_string())
 }
 
 /// Draws `fig` into `png` and `svg`.
@@ -41,13 +41,17 @@ pub fn render_files<F: Figure>(fig: &F, png: &Path, svg: &Path) -> Result<()> {
     {
         let root = BitMapBackend::new(png, fig.size()).into_drawing_area();
         fig.draw(&root)?;
-        root.present()
-            .map_err(|e| anyhow!("{}: {e}", png.display()))?;
+        root.present().map_err(|e| Error::Save {
+            path: png.to_path_buf(),
+            message: e.to_string(),
+        })?;
     }
     let root = SVGBackend::new(svg, fig.size()).into_drawing_area();
     fig.draw(&root)?;
-    root.present()
-        .map_err(|e| anyhow!("{}: {e}", svg.display()))?;
+    root.present().map_err(|e| Error::Save {
+        path: svg.to_path_buf(),
+        message: e.to_string(),
+    })?;
     Ok(())
 }
 

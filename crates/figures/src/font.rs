@@ -4,8 +4,9 @@
 
 use std::sync::OnceLock;
 
-use anyhow::{Result, anyhow};
 use plotters::style::FontStyle;
+
+use crate::{Error, Result};
 
 /// DejaVu Sans (Bitstream Vera licence, see `assets/DejaVuSans-LICENSE`).
 static DEJAVU_SANS: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
@@ -14,18 +15,15 @@ static DEJAVU_SANS: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 /// (which name the family instead of embedding glyphs) fall back to the viewer's sans-serif.
 pub const FAMILY: &str = "sans-serif";
 
-static REGISTERED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+/// Whether registering succeeded (the first outcome, for every later call).
+static REGISTERED: OnceLock<bool> = OnceLock::new();
 
 /// Registers the embedded font once per process; later calls return the first outcome.
 pub fn ensure_registered() -> Result<()> {
-    REGISTERED
-        .get_or_init(|| {
-            for style in [FontStyle::Normal, FontStyle::Bold] {
-                plotters::style::register_font(FAMILY, style, DEJAVU_SANS)
-                    .map_err(|_| "the embedded DejaVuSans.ttf is not a valid font".to_string())?;
-            }
-            Ok(())
-        })
-        .clone()
-        .map_err(|e| anyhow!("figures: {e}"))
+    let registered = *REGISTERED.get_or_init(|| {
+        [FontStyle::Normal, FontStyle::Bold]
+            .into_iter()
+            .all(|style| plotters::style::register_font(FAMILY, style, DEJAVU_SANS).is_ok())
+    });
+    if registered { Ok(()) } else { Err(Error::Font) }
 }

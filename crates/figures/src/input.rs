@@ -5,8 +5,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use crate::error::fail;
+use crate::{Error, Result};
 use analysis::{Report, ReportConfig, Slo, SweepData};
-use anyhow::{Context as _, Result, bail};
 
 /// The description every figure's subtitle carries.
 #[derive(Debug, Clone, PartialEq)]
@@ -107,19 +108,24 @@ pub fn load_grid(dir: &Path) -> Result<GridInput> {
 
 /// A sweep loaded, analysed and checked as [`load_grid`] does, with its repetitions.
 fn analysed(dir: &Path) -> Result<(SweepData, Report, Context)> {
-    let sweep = analysis::load_sweep(dir)
-        .with_context(|| format!("figures: cannot load the sweep at {}", dir.display()))?;
+    let sweep = analysis::load_sweep(dir).map_err(|source| Error::Load {
+        what: "sweep",
+        dir: dir.to_path_buf(),
+        source,
+    })?;
     let report = analysis::analyze(&sweep, &ReportConfig::default());
     if !report.refused.is_empty() {
         let why: Vec<String> = report.refused.iter().map(|r| r.to_string()).collect();
-        bail!(
+        fail!(
+            Invalid,
             "figures: {}: mismatched data: {}",
             dir.display(),
             why.join("; ")
         );
     }
     if report.points.is_empty() {
-        bail!(
+        fail!(
+            Invalid,
             "figures: {}: no point has a complete repetition to draw",
             dir.display()
         );
@@ -183,7 +189,8 @@ pub fn load_load_sweep(dir: &Path) -> Result<LoadInput> {
         let (Some(offered_rps), Some(offered_wall_rps)) =
             (field(|r| &r.offered_rps), field(|r| &r.offered_wall_rps))
         else {
-            bail!(
+            fail!(
+                Invalid,
                 "figures: {}: {cell}'s meta.json records no `run.offered_rps` and `run.offered_wall_rps`: not an open-loop point of a load sweep",
                 dir.display()
             );
@@ -195,7 +202,8 @@ pub fn load_load_sweep(dir: &Path) -> Result<LoadInput> {
             capacity_rps: field(|r| &r.capacity_rps),
         };
         match offered.get(&r.point) {
-            Some((first, first_cell)) if *first != o => bail!(
+            Some((first, first_cell)) if *first != o => fail!(
+                Invalid,
                 "figures: {}: mismatched offered load at point `{}`: {first_cell} recorded {first:?}, {cell} recorded {o:?}",
                 dir.display(),
                 r.point
@@ -217,7 +225,8 @@ pub fn load_load_sweep(dir: &Path) -> Result<LoadInput> {
 fn one_slo(dir: &Path, report: &Report) -> Result<Slo> {
     let first = &report.points[0];
     if let Some(other) = report.points.iter().find(|p| p.slo != first.slo) {
-        bail!(
+        fail!(
+            Invalid,
             "figures: {}: mismatched SLOs: point `{}` has TTFT < {} ms / ITL < {} ms, point `{}` has TTFT < {} ms / ITL < {} ms; a figure across points needs one SLO",
             dir.display(),
             first.point,
@@ -259,7 +268,8 @@ fn fleet_text(dir: &Path, sweep: &SweepData) -> Result<String> {
     }
     let mut it = fleets.values();
     let Some((fleet, _)) = it.next() else {
-        bail!(
+        fail!(
+            Invalid,
             "figures: {}: every repetition is set aside; nothing to draw",
             dir.display()
         );
@@ -270,7 +280,8 @@ fn fleet_text(dir: &Path, sweep: &SweepData) -> Result<String> {
             .next()
             .map(|v| v.1.clone())
             .unwrap_or_default();
-        bail!(
+        fail!(
+            Invalid,
             "figures: {}: mismatched fleets: {} recorded {}, {} recorded {}",
             dir.display(),
             first_cell,
@@ -279,11 +290,9 @@ fn fleet_text(dir: &Path, sweep: &SweepData) -> Result<String> {
             other
         );
     }
-    describe_fleet(fleet).with_context(|| {
-        format!(
-            "figures: {}: meta.json `fleet` is missing what a title names",
-            dir.display()
-        )
+    describe_fleet(fleet).map_err(|e| Error::FleetTitle {
+        dir: dir.to_path_buf(),
+        source: Box::new(e),
     })
 }
 
@@ -292,7 +301,7 @@ pub fn describe_fleet(fleet: &serde_json::Value) -> Result<String> {
     let source = fleet
         .get("source")
         .and_then(|v| v.as_str())
-        .context("`fleet.source` is missing")?;
+        .ok_or(Error::MissingField("fleet.source"))?;
     let mut parts = vec![format!("{source} fleet")];
     if let Some(n) = fleet.get("replicas").and_then(|v| v.as_u64()) {
         parts.push(format!("{n} replicas"));
@@ -370,20 +379,33 @@ pub fn read_timeline(path: &Path) -> Result<Vec<(String, TimelineRow)>> {
     let mut rdr = csv::ReaderBuilder::new()
         .has_headers(true)
         .from_path(path)
-        .with_context(|| format!("figures: cannot read the fault timeline {}", path.display()))?;
+        .map_err(|source| Error::TimelineOpen {
+            path: path.to_path_buf(),
+            source,
+        })?;
     let header = rdr
         .headers()
-        .with_context(|| format!("{}: cannot read the header", path.display()))?
+        .map_err(|source| Error::TimelineHeader {
+            path: path.to_path_buf(),
+            source,
+        })?
         .clone();
+    let bad = |line: usize, message: String| Error::Timeline {
+        path: path.to_path_buf(),
+        line: Some(line),
+        message,
+    };
     for (i, want) in TIMELINE_COLUMNS.iter().enumerate() {
         if header.get(i) != Some(*want) {
-            bail!(
-                "{}:1: header must start with `{}`; column {} is `{}`",
-                path.display(),
-                TIMELINE_COLUMNS.join(","),
-                i + 1,
-                header.get(i).unwrap_or("(missing)")
-            );
+            return Err(bad(
+                1,
+                format!(
+                    "header must start with `{}`; column {} is `{}`",
+                    TIMELINE_COLUMNS.join(","),
+                    i + 1,
+                    header.get(i).unwrap_or("(missing)")
+                ),
+            ));
         }
     }
     let optional: Vec<Option<usize>> = TIMELINE_OPTIONAL_COLUMNS
@@ -393,40 +415,45 @@ pub fn read_timeline(path: &Path) -> Result<Vec<(String, TimelineRow)>> {
     let mut out = Vec::new();
     for (i, rec) in rdr.records().enumerate() {
         let line = i + 2;
-        let rec = rec.with_context(|| format!("{}:{line}: malformed row", path.display()))?;
+        let rec = rec.map_err(|source| Error::TimelineRow {
+            path: path.to_path_buf(),
+            line,
+            source,
+        })?;
         let field = |k: usize| rec.get(k).unwrap_or("");
         let policy = field(0).to_string();
         if policy.is_empty() {
-            bail!("{}:{line}: `policy` is empty", path.display());
+            return Err(bad(line, "`policy` is empty".to_string()));
         }
         let number = |k: usize| -> Result<f64> {
             let text = field(k);
             text.parse::<f64>()
                 .ok()
                 .filter(|v| v.is_finite())
-                .with_context(|| {
-                    format!(
-                        "{}:{line}: `{}` is `{text}`, not a number",
-                        path.display(),
-                        TIMELINE_COLUMNS[k]
+                .ok_or_else(|| {
+                    bad(
+                        line,
+                        format!("`{}` is `{text}`, not a number", TIMELINE_COLUMNS[k]),
                     )
                 })
         };
         let t_s = number(1)?;
         let goodput_rps = number(2)?;
         if goodput_rps < 0.0 {
-            bail!(
-                "{}:{line}: `goodput_rps` is negative ({goodput_rps})",
-                path.display()
-            );
+            return Err(bad(
+                line,
+                format!("`goodput_rps` is negative ({goodput_rps})"),
+            ));
         }
         let replica_alive = match field(3) {
             "1" => true,
             "0" => false,
-            other => bail!(
-                "{}:{line}: `replica_alive` must be 0 or 1, got `{other}`",
-                path.display()
-            ),
+            other => {
+                return Err(bad(
+                    line,
+                    format!("`replica_alive` must be 0 or 1, got `{other}`"),
+                ));
+            }
         };
         let extra = |k: usize| -> Result<Option<f64>> {
             let Some(col) = optional[k] else {
@@ -437,11 +464,13 @@ pub fn read_timeline(path: &Path) -> Result<Vec<(String, TimelineRow)>> {
                 .ok()
                 .filter(|v| v.is_finite() && *v >= 0.0)
                 .map(Some)
-                .with_context(|| {
-                    format!(
-                        "{}:{line}: `{}` is `{text}`, not a non-negative number",
-                        path.display(),
-                        TIMELINE_OPTIONAL_COLUMNS[k]
+                .ok_or_else(|| {
+                    bad(
+                        line,
+                        format!(
+                            "`{}` is `{text}`, not a non-negative number",
+                            TIMELINE_OPTIONAL_COLUMNS[k]
+                        ),
                     )
                 })
         };
@@ -461,7 +490,11 @@ pub fn read_timeline(path: &Path) -> Result<Vec<(String, TimelineRow)>> {
         ));
     }
     if out.is_empty() {
-        bail!("{}: no rows", path.display());
+        return Err(Error::Timeline {
+            path: path.to_path_buf(),
+            line: None,
+            message: "no rows".to_string(),
+        });
     }
     Ok(out)
 }
@@ -475,15 +508,19 @@ pub const TIMELINE_FILE: &str = "timeline.csv";
 pub fn load_fault(dir: &Path) -> Result<FaultInput> {
     let path = dir.join(TIMELINE_FILE);
     if !path.is_file() {
-        bail!(
+        fail!(
+            Missing,
             "figures: the fault timeline {} is missing (the fault experiment writes it; columns {})",
             path.display(),
             TIMELINE_COLUMNS.join(",")
         );
     }
     let rows = read_timeline(&path)?;
-    let sweep = analysis::load_sweep(dir)
-        .with_context(|| format!("figures: cannot load the fault sweep at {}", dir.display()))?;
+    let sweep = analysis::load_sweep(dir).map_err(|source| Error::Load {
+        what: "fault sweep",
+        dir: dir.to_path_buf(),
+        source,
+    })?;
     let used: Vec<_> = sweep.reps.iter().filter(|r| r.meta.accepted).collect();
     let mut by_policy: BTreeMap<(usize, String), Vec<TimelineRow>> = BTreeMap::new();
     for (policy, row) in rows {
@@ -496,15 +533,16 @@ pub fn load_fault(dir: &Path) -> Result<FaultInput> {
     for ((_, policy), mut rows) in by_policy {
         rows.sort_by(|a, b| a.t_s.total_cmp(&b.t_s));
         if let Some(w) = rows.windows(2).find(|w| w[0].t_s == w[1].t_s) {
-            bail!(
-                "{}: policy `{policy}` has two rows at t_s = {}",
-                path.display(),
-                num(w[0].t_s)
-            );
+            return Err(Error::Timeline {
+                path: path.clone(),
+                line: None,
+                message: format!("policy `{policy}` has two rows at t_s = {}", num(w[0].t_s)),
+            });
         }
         let reps = used.iter().filter(|r| r.policy == policy).count();
         if reps == 0 {
-            bail!(
+            fail!(
+                Invalid,
                 "figures: mismatched data: {} has a series for `{policy}` but {} holds no accepted `<point>/{policy}/rep-<k>/` with meta.json",
                 path.display(),
                 dir.display()
@@ -519,7 +557,8 @@ pub fn load_fault(dir: &Path) -> Result<FaultInput> {
         .collect();
     missing.dedup();
     if !missing.is_empty() {
-        bail!(
+        fail!(
+            Missing,
             "figures: missing data: {} has no series for {} (measured in {})",
             path.display(),
             missing
@@ -530,11 +569,15 @@ pub fn load_fault(dir: &Path) -> Result<FaultInput> {
             dir.display()
         );
     }
-    let first = used
-        .first()
-        .with_context(|| format!("figures: {}: no accepted repetition", dir.display()))?;
+    let first = used.first().ok_or_else(|| {
+        Error::Invalid(format!(
+            "figures: {}: no accepted repetition",
+            dir.display()
+        ))
+    })?;
     if let Some(other) = used.iter().find(|r| r.meta.slo != first.meta.slo) {
-        bail!(
+        fail!(
+            Invalid,
             "figures: {}: mismatched SLOs: {}/rep-{} vs {}/rep-{}",
             dir.display(),
             first.policy,

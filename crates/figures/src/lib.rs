@@ -9,18 +9,19 @@
 //!
 //! ```no_run
 //! let files = figures::render_all("docs/measurements".as_ref(), "docs/figures".as_ref())?;
-//! # Ok::<(), anyhow::Error>(())
+//! # Ok::<(), figures::Error>(())
 //! ```
 
 pub mod data;
 pub mod draw;
+pub mod error;
 pub mod font;
 pub mod input;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context as _, Result, bail};
+pub use error::{Error, Result};
 
 pub use input::{
     Context, FaultInput, GridInput, LoadInput, load_fault, load_grid, load_load_sweep,
@@ -174,8 +175,10 @@ pub fn render_all(measurements_dir: &Path, out_dir: &Path) -> Result<Vec<PathBuf
 /// Renders `which` from `sources` into `out_dir` (created if needed): for each figure
 /// `<stem>.png`, `<stem>.svg` and `<stem>.csv`. Same error behaviour as [`render_all`].
 pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<Vec<PathBuf>> {
-    std::fs::create_dir_all(out_dir)
-        .with_context(|| format!("figures: cannot create {}", out_dir.display()))?;
+    std::fs::create_dir_all(out_dir).map_err(|source| Error::CreateDir {
+        path: out_dir.to_path_buf(),
+        source,
+    })?;
     let needs_grid = which.iter().any(|f| {
         !matches!(
             f,
@@ -204,43 +207,42 @@ pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<V
                 (FigureId::TraceReplay, _) => trace_input(&sources.trace)
                     .and_then(|t| render_one(fig, Input::Trace(&t), out_dir)),
                 (_, Some(Ok(g))) => render_one(fig, Input::Grid(g), out_dir),
-                (_, Some(Err(e))) => Err(anyhow::anyhow!("{e:#}")),
+                (_, Some(Err(e))) => {
+                    failures.push(format!("{fig}: {}", e.chain()));
+                    continue;
+                }
                 (_, None) => unreachable!("the grid is loaded whenever a grid figure is asked for"),
             };
         match out {
             Ok(mut written) => files.append(&mut written),
-            Err(e) => failures.push(format!("{fig}: {e:#}")),
+            Err(e) => failures.push(format!("{fig}: {}", e.chain())),
         }
     }
     if !failures.is_empty() {
-        bail!(
-            "{} of {} figures not drawn:\n  {}\n(written: {})",
-            failures.len(),
-            which.len(),
-            failures.join("\n  "),
-            if files.is_empty() {
-                "nothing".to_string()
-            } else {
-                files
-                    .iter()
-                    .map(|f| f.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            }
-        );
+        return Err(Error::NotDrawn {
+            failures,
+            total: which.len(),
+            written: files,
+        });
     }
     Ok(files)
 }
 
 /// Fails naming `figure`, the directory and the names looked for (`also` says how to make one)
 /// when the sweep directory `dir` is missing.
-fn require_sweep(dir: &Path, figure: &str, names: &[&str], also: &str) -> Result<()> {
+fn require_sweep(
+    dir: &Path,
+    figure: &'static str,
+    names: &[&'static str],
+    also: &'static str,
+) -> Result<()> {
     if !dir.is_dir() {
-        bail!(
-            "{figure}: {} does not exist (looked for {} beside it{also})",
-            dir.display(),
-            names.join(", ")
-        );
+        return Err(Error::NoSweep {
+            figure,
+            dir: dir.to_path_buf(),
+            looked_for: names.to_vec(),
+            also,
+        });
     }
     Ok(())
 }
@@ -332,7 +334,12 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
             )?;
             d.table()
         }
-        (FigureId::Routers, _) => bail!("{fig} is drawn from an N-router sweep"),
+        (FigureId::Routers, _) => {
+            return Err(Error::WrongInput {
+                fig,
+                needs: "an N-router sweep",
+            });
+        }
         (FigureId::TraceReplay, Input::Trace(g)) => {
             let d = data::trace_replay(&g.report)?;
             draw::render_files(
@@ -345,11 +352,29 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
             )?;
             d.table()
         }
-        (FigureId::TraceReplay, _) => bail!("{fig} is drawn from a trace replay"),
-        (FigureId::FaultTimeline, _) => bail!("{fig} is drawn from a fault sweep"),
-        (FigureId::LoadCurve, _) => bail!("{fig} is drawn from a load sweep"),
+        (FigureId::TraceReplay, _) => {
+            return Err(Error::WrongInput {
+                fig,
+                needs: "a trace replay",
+            });
+        }
+        (FigureId::FaultTimeline, _) => {
+            return Err(Error::WrongInput {
+                fig,
+                needs: "a fault sweep",
+            });
+        }
+        (FigureId::LoadCurve, _) => {
+            return Err(Error::WrongInput {
+                fig,
+                needs: "a load sweep",
+            });
+        }
         (_, Input::Fault(_) | Input::Load(_) | Input::Routers(_) | Input::Trace(_)) => {
-            bail!("{fig} is drawn from a grid sweep")
+            return Err(Error::WrongInput {
+                fig,
+                needs: "a grid sweep",
+            });
         }
         (fig, Input::Grid(g)) => {
             let (r, ctx) = (&g.report, &g.context);
@@ -395,11 +420,14 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
 /// Writes through a synced temp file and a rename (the `atomic-write-file` crate): a figure's data
 /// file is never half written.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = atomic_write_file::AtomicWriteFile::open(path)
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    let write = |source| Error::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut f = atomic_write_file::AtomicWriteFile::open(path).map_err(write)?;
     std::io::Write::write_all(&mut f, bytes)
         .and_then(|()| f.commit())
-        .with_context(|| format!("cannot write {}", path.display()))
+        .map_err(write)
 }
 
 #[cfg(test)]

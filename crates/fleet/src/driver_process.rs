@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use crate::Result;
+use crate::error::fail;
 use serde::Serialize;
 
 use crate::fleet::Fleet;
@@ -100,14 +101,15 @@ pub fn wait_driver(
     let mut shown = TerminalProgress::new(progress_file(driver.log_path()));
     loop {
         if should_stop() {
-            bail!("interrupted");
+            fail!(Interrupted, "interrupted");
         }
         if let Some(status) = driver.try_wait()? {
             shown.clear();
             if status.success() {
                 return Ok(());
             }
-            bail!(
+            fail!(
+                Exited,
                 "the driver failed ({status}); see its log {}",
                 driver.log_path().display()
             );
@@ -115,7 +117,8 @@ pub fn wait_driver(
         fleet.check_alive()?;
         let elapsed = started.elapsed();
         if elapsed > limit {
-            bail!(
+            fail!(
+                Timeout,
                 "the driver did not finish within {:.0} s; see its log {}",
                 limit.as_secs_f64(),
                 driver.log_path().display()

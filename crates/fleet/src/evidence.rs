@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow};
+use crate::error::err;
+use crate::{Error, Result};
 use serde_json::json;
 
 use crate::gpu::{self, FleetGpus, GpuBackend};
@@ -69,7 +70,7 @@ pub struct EvidenceSampler {
 impl EvidenceSampler {
     /// Takes the baseline scrape now and samples every `interval` into `out` until finished.
     pub fn start(config: EvidenceConfig, out: &Path) -> Result<EvidenceSampler> {
-        let file = File::create(out).with_context(|| format!("creating {}", out.display()))?;
+        let file = File::create(out).map_err(Error::io("creating", out))?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
         let mut state = SamplerState::new(config, BufWriter::new(file), gpu::open_nvml);
@@ -91,7 +92,10 @@ impl EvidenceSampler {
                 state.sample()?;
                 state.finish()
             })
-            .context("spawning the evidence thread")?;
+            .map_err(|source| Error::Spawn {
+                what: "spawning the evidence thread".to_string(),
+                source,
+            })?;
         Ok(EvidenceSampler {
             stop,
             handle: Some(handle),
@@ -104,10 +108,10 @@ impl EvidenceSampler {
         let handle = self
             .handle
             .take()
-            .ok_or_else(|| anyhow!("evidence sampler already finished"))?;
+            .ok_or_else(|| err!(State, "evidence sampler already finished"))?;
         handle
             .join()
-            .map_err(|_| anyhow!("the evidence thread panicked"))?
+            .map_err(|_| err!(State, "the evidence thread panicked"))?
     }
 }
 
@@ -253,7 +257,7 @@ impl SamplerState {
     fn new(
         config: EvidenceConfig,
         out: BufWriter<File>,
-        open_nvml: fn() -> Result<Arc<dyn GpuBackend>, String>,
+        open_nvml: fn() -> std::result::Result<Arc<dyn GpuBackend>, String>,
     ) -> SamplerState {
         let n = config.lateness_urls.len();
         let (gpu, gpu_reason) = if !config.gpu {
@@ -293,8 +297,13 @@ impl SamplerState {
     }
 
     fn write(&mut self, value: serde_json::Value) -> Result<()> {
-        serde_json::to_writer(&mut self.out, &value)?;
-        self.out.write_all(b"\n")?;
+        serde_json::to_writer(&mut self.out, &value).map_err(|source| Error::Json {
+            what: "writing evidence.jsonl".to_string(),
+            source,
+        })?;
+        self.out
+            .write_all(b"\n")
+            .map_err(|source| Error::Evidence { source })?;
         Ok(())
     }
 
@@ -311,7 +320,9 @@ impl SamplerState {
         self.sample_host(t_s)?;
         self.sample_lateness(t_s)?;
         self.sample_gpus(t_s)?;
-        self.out.flush()?;
+        self.out
+            .flush()
+            .map_err(|source| Error::Evidence { source })?;
         Ok(())
     }
 
@@ -569,13 +580,18 @@ impl SamplerState {
             foreign_check,
             lateness_kept: None,
         };
-        let mut line = serde_json::to_value(&summary)?;
+        let mut line = serde_json::to_value(&summary).map_err(|source| Error::Json {
+            what: "the evidence summary".to_string(),
+            source,
+        })?;
         if let Some(obj) = line.as_object_mut() {
             obj.insert("kind".into(), json!("summary"));
             obj.insert("t_s".into(), json!(summary.duration_s));
         }
         self.write(line)?;
-        self.out.flush()?;
+        self.out
+            .flush()
+            .map_err(|source| Error::Evidence { source })?;
         Ok(summary)
     }
 }
@@ -697,11 +713,11 @@ mod tests {
         })
     }
 
-    fn no_nvml() -> Result<Arc<dyn GpuBackend>, String> {
+    fn no_nvml() -> std::result::Result<Arc<dyn GpuBackend>, String> {
         Err("NVML unavailable: libnvidia-ml.so: cannot open shared object file".into())
     }
 
-    fn nvml_must_not_open() -> Result<Arc<dyn GpuBackend>, String> {
+    fn nvml_must_not_open() -> std::result::Result<Arc<dyn GpuBackend>, String> {
         panic!("NVML opened")
     }
 
@@ -709,7 +725,7 @@ mod tests {
     fn sample(
         name: &str,
         config: EvidenceConfig,
-        open_nvml: fn() -> Result<Arc<dyn GpuBackend>, String>,
+        open_nvml: fn() -> std::result::Result<Arc<dyn GpuBackend>, String>,
         rounds: u32,
     ) -> (EvidenceSummary, String) {
         let scratch = test_support::temp_dir(&format!("fleet-evidence-{name}"));

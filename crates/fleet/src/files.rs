@@ -3,15 +3,14 @@
 use std::io::Write;
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use crate::{Error, Result};
 use atomic_write_file::AtomicWriteFile;
 
 /// Writes `bytes` to `path` through a temp file in the same directory, synced, and a rename (the
 /// `atomic-write-file` crate), so a reader (or a crash) never sees half a file.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f =
-        AtomicWriteFile::open(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut f = AtomicWriteFile::open(path).map_err(Error::io("creating", path))?;
     f.write_all(bytes)
         .and_then(|()| f.commit())
-        .with_context(|| format!("writing {}", path.display()))
+        .map_err(Error::io("writing", path))
 }

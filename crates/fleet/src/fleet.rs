@@ -6,7 +6,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use crate::error::{err, fail};
+use crate::{Error, Result};
 
 use crate::gpu::{self, FleetGpus, GpuBackend, PidsByDevice, StartedGpus};
 use crate::http;
@@ -242,7 +243,10 @@ impl CommandSpec {
             None => String::new(),
         };
         if self.template.contains("{kv_port}") && self.kv_base_port.is_none() {
-            bail!("the command template uses {{kv_port}} but no KV event base port was given");
+            fail!(
+                Invalid,
+                "the command template uses {{kv_port}} but no KV event base port was given"
+            );
         }
         Ok(self
             .template
@@ -270,7 +274,7 @@ impl CommandSpec {
 
 fn offset_port(base: u16, index: usize) -> Result<u16> {
     u16::try_from(usize::from(base) + index)
-        .map_err(|_| anyhow!("port {base} + {index} is past 65535"))
+        .map_err(|_| err!(Invalid, "port {base} + {index} is past 65535"))
 }
 
 /// Replicas managed elsewhere.
@@ -370,9 +374,9 @@ pub struct Fleet {
     slots: Vec<Slot>,
     /// The GPU reader of a command fleet, opened at its first start (or given); an emulated or
     /// static fleet never opens one.
-    gpu_backend: Option<Result<Arc<dyn GpuBackend>, String>>,
+    gpu_backend: Option<std::result::Result<Arc<dyn GpuBackend>, String>>,
     /// Per replica: its NVML devices (command fleets, while running).
-    replica_devices: Vec<Result<Vec<u32>, String>>,
+    replica_devices: Vec<std::result::Result<Vec<u32>, String>>,
     /// Per device: compute pids that appeared on it while the replicas started.
     started_pids: PidsByDevice,
     /// An emulated fleet's CPU spinners ([`FleetOptions::keep_cpus_awake`]), for its lifetime.
@@ -388,14 +392,15 @@ impl Fleet {
     /// A fleet that has not started yet.
     pub fn new(source: Source, options: FleetOptions) -> Result<Fleet> {
         if source.replicas() == 0 {
-            bail!("a fleet needs at least one replica");
+            fail!(Invalid, "a fleet needs at least one replica");
         }
         if let Source::Llama(spec) = &source {
             llama::check_installed(&spec.server_bin, &spec.model_gguf)?;
         }
         if let Source::Emulated(spec) = &source {
             if !(spec.speed.is_finite() && spec.speed > 0.0) {
-                bail!(
+                fail!(
+                    Invalid,
                     "emulated speed must be a positive number, got {}",
                     spec.speed
                 );
@@ -405,11 +410,11 @@ impl Fleet {
                 .iter()
                 .find(|s| !(s.is_finite() && **s > 0.0))
             {
-                bail!("slowdowns must be positive numbers, got {bad}");
+                fail!(Invalid, "slowdowns must be positive numbers, got {bad}");
             }
         }
         let keep_awake = if options.keep_cpus_awake && matches!(source, Source::Emulated(_)) {
-            Some(rt_sched::KeepAwake::start().context("keeping the CPUs awake (SCHED_IDLE)")?)
+            Some(rt_sched::KeepAwake::start().map_err(|source| Error::KeepAwake { source })?)
         } else {
             None
         };
@@ -458,7 +463,7 @@ impl Fleet {
     }
 
     /// The GPU reader of a command fleet, opened once; `None` for other sources.
-    fn gpu_backend(&mut self) -> Option<Result<Arc<dyn GpuBackend>, String>> {
+    fn gpu_backend(&mut self) -> Option<std::result::Result<Arc<dyn GpuBackend>, String>> {
         if !matches!(self.source, Source::Command(_)) {
             return None;
         }
@@ -487,7 +492,7 @@ impl Fleet {
             return;
         };
         let spec = spec.clone();
-        let backend = self.gpu_backend().and_then(Result::ok);
+        let backend = self.gpu_backend().and_then(std::result::Result::ok);
         self.replica_devices = (0..spec.replicas)
             .map(|i| {
                 gpu::resolve_devices(&spec.gpu(i), backend.as_deref())
@@ -526,7 +531,7 @@ impl Fleet {
     /// All replicas are spawned before any is awaited, so startups overlap.
     pub fn start(&mut self, should_stop: &dyn Fn() -> bool) -> Result<()> {
         if !self.slots.is_empty() {
-            bail!("the fleet is already running");
+            fail!(State, "the fleet is already running");
         }
         let n = self.source.replicas();
         let all: Vec<usize> = (0..n).collect();
@@ -579,8 +584,11 @@ impl Fleet {
                     return self.start(should_stop);
                 }
                 for slot in &self.slots {
-                    reset_prefix_cache(&slot.info.url).with_context(|| {
-                        format!("cycling replica {} ({})", slot.info.index, slot.info.url)
+                    reset_prefix_cache(&slot.info.url).map_err(|e| {
+                        e.context(format!(
+                            "cycling replica {} ({})",
+                            slot.info.index, slot.info.url
+                        ))
                     })?;
                 }
                 Ok(())
@@ -601,7 +609,8 @@ impl Fleet {
                 slot.guard = None;
                 Ok(())
             }
-            None => bail!(
+            None => fail!(
+                State,
                 "replica {index} has no process here to kill (static replicas are managed elsewhere, or it is already down)"
             ),
         }
@@ -713,7 +722,8 @@ impl Fleet {
             if let Some(guard) = slot.guard.as_mut()
                 && let Some(status) = guard.try_wait()?
             {
-                bail!(
+                fail!(
+                    Exited,
                     "replica {} exited unexpectedly ({status}); see its log {}",
                     slot.info.index,
                     guard.log_path().display()
@@ -727,7 +737,7 @@ impl Fleet {
         let len = self.slots.len();
         self.slots
             .get_mut(index)
-            .ok_or_else(|| anyhow!("no replica {index} (the fleet has {len})"))
+            .ok_or_else(|| err!(Invalid, "no replica {index} (the fleet has {len})"))
     }
 
     fn log_path(&self, index: usize) -> PathBuf {
@@ -761,7 +771,10 @@ impl Fleet {
                 cmd.args(spec.cache.args());
                 if spec.kv_events {
                     if let Some(reason) = spec.cache.no_kv_events_reason() {
-                        bail!("KV events were asked of an emulated fleet that has none: {reason}");
+                        fail!(
+                            Invalid,
+                            "KV events were asked of an emulated fleet that has none: {reason}"
+                        );
                     }
                     let kv_port = previous
                         .and_then(|p| p.kv_events.as_deref())
@@ -845,7 +858,7 @@ impl Fleet {
             let guard = slot
                 .guard
                 .as_mut()
-                .ok_or_else(|| anyhow!("replica {index} has no process"))?;
+                .ok_or_else(|| err!(State, "replica {index} has no process"))?;
             let port = guard.wait_for_line(
                 self.options.ready_timeout,
                 llama::parse_listening,
@@ -857,7 +870,7 @@ impl Fleet {
             let guard = slot
                 .guard
                 .as_mut()
-                .ok_or_else(|| anyhow!("replica {index} has no process"))?;
+                .ok_or_else(|| err!(State, "replica {index} has no process"))?;
             let ready = guard.wait_ready(self.options.ready_timeout, should_stop)?;
             slot.info.url = ready.url();
             slot.info.kv_events = ready.kv_events.clone();
@@ -872,12 +885,16 @@ impl Fleet {
         let health = http::join(&slot.info.url, "/health");
         loop {
             if should_stop() {
-                bail!("replica {index}: interrupted while waiting for it to become healthy");
+                fail!(
+                    Interrupted,
+                    "replica {index}: interrupted while waiting for it to become healthy"
+                );
             }
             if let Some(guard) = slot.guard.as_mut()
                 && let Some(status) = guard.try_wait()?
             {
-                bail!(
+                fail!(
+                    Exited,
                     "replica {index} ({}) exited ({status}) before it was healthy{log_hint}",
                     slot.info.url
                 );
@@ -885,10 +902,11 @@ impl Fleet {
             let last_error = match http::get(&health, Duration::from_secs(2)) {
                 Ok(r) if r.status == 200 => return Ok(()),
                 Ok(r) => format!("GET /health answered {}", r.status),
-                Err(e) => format!("{e:#}"),
+                Err(e) => e.chain(),
             };
             if Instant::now() >= deadline {
-                bail!(
+                fail!(
+                    Timeout,
                     "replica {index} ({}) not healthy within {:.0} s (last: {last_error}){log_hint}",
                     slot.info.url,
                     self.options.ready_timeout.as_secs_f64()
@@ -918,7 +936,8 @@ pub fn reset_prefix_cache(url: &str) -> Result<()> {
         Duration::from_secs(30),
     )?;
     if !(200..300).contains(&r.status) {
-        bail!(
+        fail!(
+            Answer,
             "POST /reset_prefix_cache answered {}: {}",
             r.status,
             r.text()
@@ -936,14 +955,13 @@ fn port_of(url: &str) -> Option<u16> {
 fn write_log_header(path: &Path, index: usize, starts: u32, cmd: &Command) -> Result<()> {
     use std::io::Write;
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("creating log directory {}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(Error::io("creating log directory", dir))?;
     }
     let mut f = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)
-        .with_context(|| format!("opening log file {}", path.display()))?;
+        .map_err(Error::io("opening log file", path))?;
     let args: Vec<String> = cmd
         .get_args()
         .map(|a| a.to_string_lossy().into_owned())
@@ -954,8 +972,8 @@ fn write_log_header(path: &Path, index: usize, starts: u32, cmd: &Command) -> Re
         starts + 1,
         cmd.get_program().to_string_lossy(),
         args.join(" ")
-    )?;
-    Ok(())
+    )
+    .map_err(Error::io("writing log file", path))
 }
 
 #[cfg(test)]

@@ -10,7 +10,8 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
+use crate::error::{err, fail};
+use crate::{Error, Result};
 use ureq::http::Uri;
 
 /// A response: status code and body.
@@ -33,14 +34,14 @@ impl Response {
 pub fn split_url(url: &str) -> Result<(String, String)> {
     let uri: Uri = url
         .parse()
-        .map_err(|e| anyhow!("malformed URL `{url}`: {e}"))?;
+        .map_err(|e| err!(Url, "malformed URL `{url}`: {e}"))?;
     if uri.scheme_str() != Some("http") {
-        bail!("unsupported URL `{url}`: only http:// is supported");
+        fail!(Url, "unsupported URL `{url}`: only http:// is supported");
     }
     let host = uri
         .host()
         .filter(|h| !h.is_empty())
-        .ok_or_else(|| anyhow!("URL `{url}` has no host"))?;
+        .ok_or_else(|| err!(Url, "URL `{url}` has no host"))?;
     let port = uri.port_u16().unwrap_or(80);
     let path = uri.path_and_query().map_or("/", |p| p.as_str());
     let path = if path.is_empty() { "/" } else { path };
@@ -90,15 +91,24 @@ pub fn request(
             .post(url)
             .content_type("application/json")
             .send(body.unwrap_or("")),
-        _ => bail!("unsupported request {method} {url} (GET without a body, or POST)"),
+        _ => fail!(
+            Invalid,
+            "unsupported request {method} {url} (GET without a body, or POST)"
+        ),
     };
-    let mut response = sent.with_context(|| format!("{method} {url}"))?;
+    let mut response = sent.map_err(|e| Error::Http {
+        request: format!("{method} {url}"),
+        source: Box::new(e),
+    })?;
     let body = response
         .body_mut()
         .with_config()
         .limit(u64::MAX)
         .read_to_vec()
-        .with_context(|| format!("reading {method} {url}"))?;
+        .map_err(|e| Error::Http {
+            request: format!("reading {method} {url}"),
+            source: Box::new(e),
+        })?;
     Ok(Response {
         status: response.status().as_u16(),
         body,
@@ -209,6 +219,6 @@ mod tests {
             .port();
         let url = format!("http://127.0.0.1:{port}/health");
         let e = get(&url, Duration::from_secs(2)).unwrap_err();
-        assert!(format!("{e:#}").contains(&url), "{e:#}");
+        assert!(e.chain().contains(&url), "{}", e.chain());
     }
 }

@@ -19,10 +19,13 @@
 //! - [`metrics`]: what is read from a replica's `/metrics` (cache shape, histograms and window
 //!   deltas), on the `prom-text` parser.
 //! - [`http`]: blocking HTTP for control-plane calls, on `ureq`.
+//! - [`error`]: [`Error`], the crate's one error type, each message naming the replica,
+//!   process, log, file or URL concerned.
 //! - [`llama`]: llama.cpp's `llama-server` replicas ([`llama::LlamaSpec`]): the pinned command
 //!   line, the listening line, the KV capacity rule, the install cache's paths.
 
 pub mod driver_process;
+pub mod error;
 pub mod evidence;
 mod files;
 pub mod fleet;
@@ -34,6 +37,7 @@ pub mod metrics;
 pub mod process;
 
 pub use driver_process::{DriverSettings, start_driver, wait_driver};
+pub use error::{Error, Result};
 pub use evidence::{CheckStatus, EvidenceBounds, EvidenceConfig, EvidenceSampler, EvidenceSummary};
 pub use fleet::{
     CommandSpec, EmulatedCache, EmulatedSpec, Fleet, FleetOptions, ReplicaInfo, Source, StaticSpec,

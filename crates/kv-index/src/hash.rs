@@ -81,6 +81,17 @@ pub fn byte_block_keys_into(
     }
 }
 
+/// The prompt tokens whose blocks an engine can serve from its prefix cache: all but the last.
+///
+/// vLLM computes at least the prompt's last token (`max_cache_hit_length = num_tokens − 1` in
+/// `KVCacheManager.get_computed_blocks`, `vllm/v1/core/kv_cache_manager.py`, 0.32.0) and rounds
+/// the hit down to whole blocks, so a fully cached prompt whose length is a multiple of the
+/// block size is reported one block short; the emulator follows the same rule. Keying these
+/// tokens makes an exact match predict what the engine will report as cached.
+pub fn cacheable_prompt_tokens(tokens: &[u32]) -> &[u32] {
+    &tokens[..tokens.len().saturating_sub(1)]
+}
+
 /// Keys of the full `block_tokens`-sized blocks of `tokens`, chained from block 0 salted by `salt`.
 ///
 /// Token ids are hashed as little-endian `u32`s. `block_tokens == 0` yields no keys.
@@ -125,6 +136,15 @@ pub fn chain_token_keys(parent: u64, tokens: &[u32], block_tokens: usize, out: &
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cacheable_prompt_leaves_out_the_last_token() {
+        assert_eq!(cacheable_prompt_tokens(&[1, 2, 3]), &[1, 2]);
+        assert!(cacheable_prompt_tokens(&[]).is_empty());
+        // A 32-token prompt has no full cacheable 32-token block (vLLM reports 0 cached).
+        let ids: Vec<u32> = (0..32).collect();
+        assert!(token_block_keys(b"m", cacheable_prompt_tokens(&ids), 32).is_empty());
+    }
 
     #[test]
     fn only_full_blocks_are_keyed() {

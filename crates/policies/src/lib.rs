@@ -25,7 +25,7 @@ pub mod ring;
 pub mod simple;
 pub mod spec;
 
-pub use spec::{POLICY_NAMES, PolicySpec, build};
+pub use spec::{POLICY_NAMES, PolicySpec, SpecError, build, build_typed};
 
 use rand::Rng;
 use rand_pcg::Pcg64Mcg;
@@ -234,6 +234,30 @@ impl fmt::Display for RouteError {
 
 impl std::error::Error for RouteError {}
 
+/// When a policy's [`Policy::on_served`] has an effect ([`Policy::served_needs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServedNeeds {
+    /// Never: the call is a no-op whichever replica served the request.
+    Never,
+    /// Only when the request was served by another replica than `decide` chose (a retry moved
+    /// it): `decide` already recorded its own choice.
+    WhenMoved,
+    /// Always call it.
+    Always,
+}
+
+impl ServedNeeds {
+    /// Whether `on_served` must be called for a request decided on `decided` and served on
+    /// `served`.
+    pub fn call(self, decided: ReplicaId, served: ReplicaId) -> bool {
+        match self {
+            ServedNeeds::Never => false,
+            ServedNeeds::WhenMoved => decided != served,
+            ServedNeeds::Always => true,
+        }
+    }
+}
+
 /// A routing policy. See the crate documentation for the calling protocol.
 pub trait Policy: Send {
     /// The policy's name as in [`POLICY_NAMES`] (e.g. `prefix-affinity-spill-off`).
@@ -252,6 +276,14 @@ pub trait Policy: Send {
     /// The replica that actually got the request (after retries).
     fn on_served(&mut self, req: &RouteRequest<'_>, replica: ReplicaId) {
         let _ = (req, replica);
+    }
+
+    /// When [`Policy::on_served`] can change anything, so a caller that must lock the policy to
+    /// call it (the router) may skip the call and its lock. Fixed for the policy's lifetime. The
+    /// default, [`ServedNeeds::Always`], is right for any policy; a narrower answer is a promise
+    /// that the skipped calls would have changed nothing.
+    fn served_needs(&self) -> ServedNeeds {
+        ServedNeeds::Always
     }
 
     /// A peer router (another router in front of the same fleet) served a request whose block

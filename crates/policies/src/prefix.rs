@@ -20,7 +20,7 @@
 
 use crate::{
     Branch, Chooser, Decision, Keying, Policy, PolicySpec, ReplicaId, ReplicaView, RouteError,
-    RouteRequest, SpillCheck, min_outstanding,
+    RouteRequest, ServedNeeds, SpillCheck, min_outstanding,
 };
 use kv_index::{IndexConfig, IndexStats, KvEvent, Matches, PrefixIndex};
 
@@ -62,7 +62,11 @@ pub struct PrefixPolicy {
 
 impl PrefixPolicy {
     /// Builds the policy; `spill` switches the load branch.
-    pub fn new(spec: &PolicySpec, mode: IndexMode, spill: bool) -> Result<Self, String> {
+    pub fn new(
+        spec: &PolicySpec,
+        mode: IndexMode,
+        spill: bool,
+    ) -> Result<Self, crate::spec::SpecError> {
         let cfg = IndexConfig {
             node_cap: spec.index_node_cap,
             ttl_us: match mode {
@@ -87,7 +91,7 @@ impl PrefixPolicy {
             spill_ratio: spec.spill_ratio,
             residency_branch: spec.residency_branch,
             residency_kv_usage: spec.residency_kv_usage,
-            index: PrefixIndex::new(cfg).map_err(|e| e.to_string())?,
+            index: PrefixIndex::new(cfg)?,
             matches: Matches::new(),
             fleet_blocks: FleetBlocks::default(),
             chooser: Chooser::new(spec.seed),
@@ -329,6 +333,16 @@ impl Policy for PrefixPolicy {
             }
         };
         decision.ok_or(RouteError::NoEligibleReplica)
+    }
+
+    fn served_needs(&self) -> ServedNeeds {
+        match self.mode {
+            // `decide` inserted the keys for its choice (and remembered them in `recent`, so
+            // `on_served` for the same replica returns at once); only a retry's replica is new.
+            IndexMode::Belief | IndexMode::Exact { speculative: true } => ServedNeeds::WhenMoved,
+            // The engines' events are the only truth.
+            IndexMode::Exact { speculative: false } => ServedNeeds::Never,
+        }
     }
 
     fn on_served(&mut self, req: &RouteRequest<'_>, replica: ReplicaId) {

@@ -4,7 +4,7 @@
 use crate::ring::{Ring, bound, session_point};
 use crate::{
     Branch, Chooser, Decision, Keying, Policy, PolicySpec, ReplicaView, RouteError, RouteRequest,
-    plain,
+    ServedNeeds, plain,
 };
 
 /// `round-robin`: the next eligible replica in fleet order after the previous choice.
@@ -26,6 +26,11 @@ impl Policy for RoundRobin {
     }
     fn keying(&self) -> Keying {
         Keying::None
+    }
+
+    fn served_needs(&self) -> ServedNeeds {
+        // No `on_served`: the decision is all this policy keeps.
+        ServedNeeds::Never
     }
     fn decide(
         &mut self,
@@ -65,6 +70,11 @@ impl Policy for LeastOutstanding {
     }
     fn keying(&self) -> Keying {
         Keying::None
+    }
+
+    fn served_needs(&self) -> ServedNeeds {
+        // No `on_served`: the decision is all this policy keeps.
+        ServedNeeds::Never
     }
     fn decide(
         &mut self,
@@ -108,6 +118,11 @@ impl Policy for SessionAffinity {
     }
     fn keying(&self) -> Keying {
         Keying::None
+    }
+
+    fn served_needs(&self) -> ServedNeeds {
+        // No `on_served`: the decision is all this policy keeps.
+        ServedNeeds::Never
     }
     fn decide(
         &mut self,
@@ -186,6 +201,11 @@ impl Policy for PrefixHash {
     }
     fn keying(&self) -> Keying {
         Keying::BeliefBytes
+    }
+
+    fn served_needs(&self) -> ServedNeeds {
+        // No `on_served`: the decision is all this policy keeps.
+        ServedNeeds::Never
     }
     fn decide(
         &mut self,

@@ -94,64 +94,84 @@ impl PolicySpec {
         }
     }
 
-    /// Checks every parameter; the message names the bad one.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks every parameter; the error names the bad one.
+    pub fn validate(&self) -> Result<(), SpecError> {
         if !POLICY_NAMES.contains(&self.name.as_str()) {
-            return Err(format!(
-                "unknown policy {:?}; expected one of {}",
-                self.name,
-                POLICY_NAMES.join(", ")
-            ));
+            return Err(SpecError::UnknownPolicy(self.name.clone()));
         }
         if !(self.load_factor.is_finite() && self.load_factor >= 1.0) {
-            return Err(format!(
-                "load factor c must be ≥ 1, got {}",
-                self.load_factor
-            ));
+            return Err(SpecError::LoadFactor(self.load_factor));
         }
         if self.virtual_nodes == 0 || self.virtual_nodes > 10_000 {
-            return Err(format!(
-                "virtual nodes must be in 1..=10000, got {}",
-                self.virtual_nodes
-            ));
+            return Err(SpecError::VirtualNodes(self.virtual_nodes));
         }
         if self.prefix_hash_blocks == 0 {
-            return Err("prefix-hash blocks must be ≥ 1".to_string());
+            return Err(SpecError::PrefixHashBlocks);
         }
         if !(self.spill_ratio.is_finite() && self.spill_ratio >= 0.0) {
-            return Err(format!("spill ratio must be ≥ 0, got {}", self.spill_ratio));
+            return Err(SpecError::SpillRatio(self.spill_ratio));
         }
         if !(0.0..=1.0).contains(&self.residency_kv_usage) {
-            return Err(format!(
-                "residency KV-usage threshold must be in 0..=1, got {}",
-                self.residency_kv_usage
-            ));
+            return Err(SpecError::ResidencyKvUsage(self.residency_kv_usage));
         }
         if self.index_node_cap == 0 || self.index_node_cap > kv_index::PrefixIndex::MAX_NODE_CAP {
-            return Err(format!(
-                "index node cap must be in 1..={}, got {}",
-                kv_index::PrefixIndex::MAX_NODE_CAP,
-                self.index_node_cap
-            ));
+            return Err(SpecError::IndexNodeCap(self.index_node_cap));
         }
         if self.index_ttl_us == 0 {
-            return Err("index TTL must be > 0".to_string());
+            return Err(SpecError::IndexTtl);
         }
         if self.tokens_per_block == 0
             || self.tokens_per_block > kv_index::PrefixIndex::MAX_TOKENS_PER_BLOCK
         {
-            return Err(format!(
-                "tokens per block must be in 1..={}, got {}",
-                kv_index::PrefixIndex::MAX_TOKENS_PER_BLOCK,
-                self.tokens_per_block
-            ));
+            return Err(SpecError::TokensPerBlock(self.tokens_per_block));
         }
         Ok(())
     }
 }
 
-/// Builds the policy `spec` names.
+/// Why a [`PolicySpec`] cannot build a policy: the parameter out of range, with its value.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SpecError {
+    /// Not one of [`POLICY_NAMES`].
+    #[error("unknown policy {0:?}; expected one of {names}", names = POLICY_NAMES.join(", "))]
+    UnknownPolicy(String),
+    /// `load_factor` below 1 (or not finite).
+    #[error("load factor c must be ≥ 1, got {0}")]
+    LoadFactor(f64),
+    /// `virtual_nodes` outside 1..=10000.
+    #[error("virtual nodes must be in 1..=10000, got {0}")]
+    VirtualNodes(u32),
+    /// `prefix_hash_blocks` 0.
+    #[error("prefix-hash blocks must be ≥ 1")]
+    PrefixHashBlocks,
+    /// `spill_ratio` negative (or not finite).
+    #[error("spill ratio must be ≥ 0, got {0}")]
+    SpillRatio(f64),
+    /// `residency_kv_usage` outside 0..=1.
+    #[error("residency KV-usage threshold must be in 0..=1, got {0}")]
+    ResidencyKvUsage(f32),
+    /// `index_node_cap` outside 1..=[`kv_index::PrefixIndex::MAX_NODE_CAP`].
+    #[error("index node cap must be in 1..={max}, got {0}", max = kv_index::PrefixIndex::MAX_NODE_CAP)]
+    IndexNodeCap(usize),
+    /// `index_ttl_us` 0.
+    #[error("index TTL must be > 0")]
+    IndexTtl,
+    /// `tokens_per_block` outside 1..=[`kv_index::PrefixIndex::MAX_TOKENS_PER_BLOCK`].
+    #[error("tokens per block must be in 1..={max}, got {0}", max = kv_index::PrefixIndex::MAX_TOKENS_PER_BLOCK)]
+    TokensPerBlock(u32),
+    /// The prefix index refused its configuration.
+    #[error(transparent)]
+    Index(#[from] kv_index::IndexError),
+}
+
+/// Builds the policy `spec` names. The error is [`SpecError`]'s message: the router's
+/// `RouterError::Config` (crates/proxy) carries it as text.
 pub fn build(spec: &PolicySpec) -> Result<Box<dyn Policy>, String> {
+    build_typed(spec).map_err(|e| e.to_string())
+}
+
+/// [`build`], with the error as a [`SpecError`].
+pub fn build_typed(spec: &PolicySpec) -> Result<Box<dyn Policy>, SpecError> {
     spec.validate()?;
     Ok(match spec.name.as_str() {
         "round-robin" => Box::new(RoundRobin::new()),
@@ -174,6 +194,6 @@ pub fn build(spec: &PolicySpec) -> Result<Box<dyn Policy>, String> {
             IndexMode::Exact { speculative: true },
             spec.spill,
         )?),
-        other => return Err(format!("unknown policy {other:?}")),
+        other => return Err(SpecError::UnknownPolicy(other.to_string())),
     })
 }

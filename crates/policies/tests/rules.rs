@@ -728,3 +728,61 @@ fn ring_copes_with_replicas_joining_and_ids_out_of_order() {
     assert!(a.iter().zip(&b).all(|(x, y)| x == y || *y == 12));
     assert!(b.contains(&12));
 }
+
+/// `served_needs` is a promise: the router skips `on_served` (and its lock) when it says so.
+/// Differential check per policy: one instance gets every `on_served`, its twin only the calls
+/// `served_needs` asks for; over seeded decisions, some served elsewhere (a retry), events and
+/// load changes, both must decide the same every time.
+#[test]
+fn skipping_the_calls_served_needs_waives_changes_no_decision() {
+    use rand::{Rng, SeedableRng};
+    for name in POLICY_NAMES {
+        let mut all = policy(name);
+        let mut needed = policy(name);
+        let needs = needed.served_needs();
+        let exact = all.keying() == Keying::ExactTokens;
+        let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(11);
+        let mut f = fleet(4);
+        for step in 0..3000u64 {
+            for r in f.iter_mut() {
+                r.outstanding = rng.random_range(0..6);
+            }
+            let session = format!("s{}", rng.random_range(0..40));
+            let keys = if exact {
+                let tokens: Vec<u32> = (0..rng.random_range(16..160u32))
+                    .map(|t| t % 50 + rng.random_range(0..2))
+                    .collect();
+                token_block_keys(b"", &tokens, 16)
+            } else {
+                sharing(rng.random_range(0..4), rng.random_range(0..8), 6)
+            };
+            let now = step * 1_000;
+            let r = req(Some(&session), &keys, now);
+            let a = all.decide(&r, &f).unwrap();
+            let b = needed.decide(&r, &f).unwrap();
+            assert_eq!(a, b, "{name}: step {step}");
+            // One request in eight is served by another replica than decided (a retry).
+            let served = if rng.random_range(0..8) == 0 {
+                (a.replica + 1 + rng.random_range(0..3)) % 4
+            } else {
+                a.replica
+            };
+            all.on_served(&r, served);
+            if needs.call(a.replica, served) {
+                needed.on_served(&r, served);
+            }
+            if exact && step % 5 == 0 {
+                let tokens: Vec<u32> = (0..32).map(|t| t % 50).collect();
+                let ev = KvEvent::Stored {
+                    block_hashes: vec![step, step + 1],
+                    parent_block_hash: None,
+                    token_ids: tokens,
+                    block_size: 16,
+                    cache_salt: None,
+                };
+                all.on_kv_event((step % 4) as u32, &ev, now);
+                needed.on_kv_event((step % 4) as u32, &ev, now);
+            }
+        }
+    }
+}

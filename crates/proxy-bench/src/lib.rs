@@ -40,6 +40,10 @@ pub struct ProxyBenchArgs {
     /// The router binary (build it with `cargo build --release -p router-bin`).
     #[arg(long, default_value = "target/release/router")]
     pub router_bin: PathBuf,
+    /// A second router binary measured in the same rounds (e.g. main's build before a change),
+    /// each target named `… (baseline)`: a before/after comparison under one machine's conditions.
+    #[arg(long)]
+    pub baseline_router_bin: Option<PathBuf>,
     /// Concurrent streams per cell.
     #[arg(long, value_delimiter = ',', default_value = "1,50,200")]
     pub streams: Vec<usize>,
@@ -131,7 +135,17 @@ pub fn run(a: &ProxyBenchArgs) -> Result<()> {
     for p in &a.policies {
         for &w in &a.router_workers {
             let named = a.router_workers.len() > 1;
-            targets.push(targets::start_router(a, p, w, named, &upstreams)?);
+            targets.push(targets::start_router(
+                a,
+                &a.router_bin,
+                p,
+                w,
+                named,
+                &upstreams,
+            )?);
+            if let Some(baseline) = &a.baseline_router_bin {
+                targets.push(targets::start_router(a, baseline, p, w, named, &upstreams)?);
+            }
         }
     }
     let mut skipped = Vec::new();

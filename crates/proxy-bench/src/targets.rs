@@ -129,9 +129,11 @@ fn wait_listening(addr: &str) -> Result<()> {
 
 /// Starts the router binary with `policy` and `workers` threads in front of `upstreams`,
 /// writing its rows into the working directory; its readiness line gives the address. With
-/// `name_workers` the target's name (and rows file) says the worker count.
+/// `name_workers` the target's name (and rows file) says the worker count; a `bin` other than
+/// `--router-bin` (the `--baseline-router-bin`) is named `… (baseline)`.
 pub(crate) fn start_router(
     a: &ProxyBenchArgs,
+    bin: &std::path::Path,
     policy: &str,
     workers: usize,
     name_workers: bool,
@@ -142,8 +144,10 @@ pub(crate) fn start_router(
     } else {
         String::new()
     };
-    let rows = a.dir.join(format!("router-{policy}{suffix}.csv"));
-    let mut cmd = Command::new(&a.router_bin);
+    let baseline = bin != a.router_bin.as_path();
+    let tag = if baseline { "-baseline" } else { "" };
+    let rows = a.dir.join(format!("router-{policy}{suffix}{tag}.csv"));
+    let mut cmd = Command::new(bin);
     cmd.args([
         "--port",
         "0",
@@ -169,7 +173,7 @@ pub(crate) fn start_router(
     let mut child = in_own_group(&mut cmd).spawn().with_context(|| {
         format!(
             "spawning {} (build it: cargo build --release -p router-bin)",
-            a.router_bin.display()
+            bin.display()
         )
     })?;
     let mut line = String::new();
@@ -178,11 +182,15 @@ pub(crate) fn start_router(
         serde_json::from_str(&line).with_context(|| format!("router readiness line: {line:?}"))?;
     let addr = v["listening"].as_str().context("listening")?.to_string();
     Ok(Target {
-        name: if name_workers {
-            format!("router {policy} w{workers}")
-        } else {
-            format!("router {policy}")
-        },
+        name: format!(
+            "router {policy}{}{}",
+            if name_workers {
+                format!(" w{workers}")
+            } else {
+                String::new()
+            },
+            if baseline { " (baseline)" } else { "" }
+        ),
         addr,
         pids: vec![child.id()],
         child: Some(child),

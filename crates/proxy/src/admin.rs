@@ -59,19 +59,8 @@ fn bearer(value: &[u8]) -> Option<&[u8]> {
     Some(rest.trim_ascii())
 }
 
-/// Byte equality whose time does not depend on where the inputs differ (only on their lengths),
-/// so a token cannot be guessed byte by byte from response times. Hand-written rather than a
-/// crate: it is one loop, and `black_box` keeps the compiler from short-circuiting it.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let diff = a
-        .iter()
-        .zip(b)
-        .fold(0u8, |acc, (x, y)| std::hint::black_box(acc | (x ^ y)));
-    diff == 0
-}
+/// The constant-time compare, shared with the API keys ([`crate::keys`]).
+pub use crate::keys::constant_time_eq;
 
 /// Entry point for every request on the admin listener.
 pub async fn handle(
@@ -116,6 +105,9 @@ fn metrics(shared: &Shared) -> Response<RouterBody> {
     let mut out = String::with_capacity(4096);
     shared.metrics.render_into(&mut out, &shared.policy_name);
     shared.sharing.render_into(&mut out);
+    if let Some(keys) = shared.keys() {
+        keys.render_into(&mut out);
+    }
     let reps = shared.replicas();
     let gauge =
         |out: &mut String, name: &str, help: &str, kind: &str, f: &dyn Fn(&Replica) -> u64| {
@@ -229,6 +221,20 @@ fn metrics(shared: &Shared) -> Response<RouterBody> {
         "counter",
         &|r| r.events.other_tier_events.load(Ordering::Relaxed),
     );
+    gauge(
+        &mut out,
+        "kvroute_router_kv_event_restarts_total",
+        "Engine restarts seen on the KV event stream (sequence back, or publisher connection lost): the replica's residency was dropped.",
+        "counter",
+        &|r| r.events.restarts.load(Ordering::Relaxed),
+    );
+    gauge(
+        &mut out,
+        "kvroute_router_kv_event_cleared_total",
+        "AllBlocksCleared events from the engine (each drops the replica's residency).",
+        "counter",
+        &|r| r.events.cleared.load(Ordering::Relaxed),
+    );
     let st = shared.rows.stats();
     let _ = writeln!(
         out,
@@ -336,15 +342,6 @@ async fn replicas_api(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn constant_time_equality() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(constant_time_eq(b"", b""));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"ab"));
-        assert!(!constant_time_eq(b"xbc", b"abc"));
-    }
 
     #[test]
     fn bearer_tokens() {

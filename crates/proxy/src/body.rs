@@ -34,6 +34,13 @@ pub(crate) struct Finish {
     pub upstream_first_ns: u64,
     /// When hyper first asked for body bytes (client head being written), clock ns.
     pub client_first_ns: Option<u64>,
+    /// The prompt's length as the router tokenized it (`service::RouteKeys::prompt_tokens`),
+    /// compared with the engine's `usage.prompt_tokens` when both are known. Kept here, not in
+    /// the row: published `router.csv` files must rebuild byte for byte.
+    pub router_prompt_tokens: Option<u32>,
+    /// The API key the request was admitted with ([`crate::keys::Admission::key`]): the
+    /// response's prompt + completion tokens are charged to it when it ends.
+    pub api_key: Option<usize>,
 }
 
 /// Largest write the router assembles from upstream frames that are already waiting.
@@ -122,6 +129,11 @@ impl ProxyBody {
     /// Appends upstream frames that are already waiting to `first`, so a backlog goes out in one
     /// write instead of one syscall per frame; never waits for more (frames still go out as they
     /// arrive). Whatever stopped the merge (end, error, trailers) is stashed for the next poll.
+    ///
+    /// Kept, although hyper's writer also gathers the frames that are ready into one vectored
+    /// write: with the merge removed, the live-against-virtual cross-check failed at ws3-s0
+    /// (prefix-affinity's live goodput 6.1% below virtual, 3 December 2026), where proxy-bench,
+    /// whose upstream events come 8 ms apart and never queue, could not tell the two apart.
     fn coalesce(&mut self, first: Bytes, cx: &mut Context<'_>) -> Bytes {
         let mut merged: Option<BytesMut> = None;
         while merged.as_ref().map_or(first.len(), BytesMut::len) < COALESCE_MAX_BYTES {
@@ -195,7 +207,16 @@ impl ProxyBody {
         f.shared.metrics.record_overhead(overhead_us);
         f.row.overhead_us = Some(overhead_us);
         if let Some(u) = self.scanner.finish() {
+            if let (Some(key), Some(keys)) = (f.api_key, f.shared.keys()) {
+                let used = u.prompt_tokens.unwrap_or(0) + u.completion_tokens.unwrap_or(0);
+                keys.charge(key, used, now);
+            }
             f.row.prompt_tokens = u.prompt_tokens;
+            if let (Some(router), Some(engine)) = (f.router_prompt_tokens, u.prompt_tokens) {
+                f.shared
+                    .metrics
+                    .record_prompt_tokens(&f.row.request_id, u64::from(router), engine);
+            }
             let reports = &f.guard.replica().reports_cached_tokens;
             f.row.cached_tokens = match u.cached_tokens {
                 Some(c) => {

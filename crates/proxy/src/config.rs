@@ -120,6 +120,10 @@ pub struct RouterConfig {
     /// replica on the sharing socket and add the peers' to its own before every decision
     /// ([`crate::sharing`], "Shared load view"). Needs `share_decisions_bind` or peers.
     pub share_loads: bool,
+    /// API keys and their limits (`--api-keys FILE`, [`crate::keys`]): with them, the LLM
+    /// endpoints and `/v1/models` need `Authorization: Bearer <key>`. `None` (the default): no
+    /// keys, no limits. The endpoint picker (`epp`) does not enforce them.
+    pub api_keys: Option<std::sync::Arc<crate::keys::ApiKeys>>,
 }
 
 /// Default of [`RouterConfig::workers`]: 2, chosen by measurement (docs/proxy-bench.md,
@@ -242,6 +246,7 @@ impl RouterConfig {
             share_decisions_peers: Vec::new(),
             share_decisions_queue: crate::sharing::DEFAULT_QUEUE,
             share_loads: false,
+            api_keys: None,
         }
     }
 }

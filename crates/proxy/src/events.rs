@@ -367,6 +367,12 @@ pub struct EventStats {
     pub unknown_events: AtomicU64,
     /// Events about a storage tier other than the GPU, skipped.
     pub other_tier_events: AtomicU64,
+    /// Engine restarts: the sequence went backwards, or the connection to the publisher was
+    /// lost (a restarting engine closes it). Each dropped the replica's residency.
+    pub restarts: AtomicU64,
+    /// `AllBlocksCleared` events from the engine (a prefix-cache reset), each applied as a
+    /// clear of the replica's residency.
+    pub cleared: AtomicU64,
 }
 
 /// Where the consumer's decisions go: applied events, in order.
@@ -414,6 +420,11 @@ impl SeqTracker {
         }
     }
 
+    /// The last sequence number applied, if any.
+    pub fn last(&self) -> Option<u64> {
+        self.expected.map(|e| e.wrapping_sub(1))
+    }
+
     /// Marks `seq` as applied.
     pub fn accept(&mut self, seq: u64) {
         self.expected = Some(seq.wrapping_add(1));
@@ -442,21 +453,143 @@ pub struct EventEndpoints {
     pub format: EventFormat,
 }
 
+/// How often an idle subscriber looks for a lost publisher connection.
+const MONITOR_POLL: Duration = Duration::from_millis(200);
+
 /// How long a replay request may take before the gap is declared unrepairable.
 const REPLAY_TIMEOUT: Duration = Duration::from_millis(1000);
 
+/// One replica's event stream as the router consumes it: the sequence tracker and what each
+/// message, gap, restart or lost connection does to the replica's residency. Separated from
+/// the socket ([`run_subscriber`] drives it) so that restarts and gaps can be tested message by
+/// message.
+pub struct StreamConsumer {
+    ep: EventEndpoints,
+    sink: Arc<dyn EventSink>,
+    stats: Arc<EventStats>,
+    seq: SeqTracker,
+}
+
+impl StreamConsumer {
+    /// A consumer that has seen nothing yet (it expects sequence 0).
+    pub fn new(ep: EventEndpoints, sink: Arc<dyn EventSink>, stats: Arc<EventStats>) -> Self {
+        StreamConsumer {
+            ep,
+            sink,
+            stats,
+            seq: SeqTracker::default(),
+        }
+    }
+
+    /// The connection to the publisher was lost. An engine that restarts closes it, and its
+    /// successor starts again from sequence 0 with an empty cache; a sequence that resumes above
+    /// the last one seen would not reveal that. So the replica's residency is dropped now and
+    /// the tracker starts over: the next batch is in order at sequence 0, and anything later is
+    /// repaired from replay as a late join (or, unrepaired, leaves the replica cleared). Counted
+    /// in [`EventStats::restarts`] and logged.
+    pub fn publisher_lost(&mut self) {
+        self.restarted(&format!(
+            "lost the connection to the publisher after sequence {}",
+            self.seq
+                .last()
+                .map_or("(none)".to_string(), |s| s.to_string())
+        ));
+        self.seq = SeqTracker::default();
+    }
+
+    fn restarted(&self, why: &str) {
+        let n = self.stats.restarts.fetch_add(1, Ordering::Relaxed) + 1;
+        eprintln!(
+            "kvroute: KV events from {}: {why}: engine restart assumed, dropping its residency (restart {n})",
+            self.ep.publisher
+        );
+        self.sink.apply(&[KvEvent::AllCleared]);
+    }
+
+    /// Consumes one message, `seq` and its msgpack `payload`: a gap is repaired from replay
+    /// first (else the replica is cleared), a sequence that goes backwards is an engine restart
+    /// (residency dropped, the new engine's earlier batches replayed), then the batch is applied.
+    pub async fn message(&mut self, seq: u64, payload: &[u8]) {
+        let (ep, sink, stats) = (&self.ep, &*self.sink, &*self.stats);
+        match self.seq.check(seq) {
+            SeqVerdict::InOrder => {}
+            SeqVerdict::Restarted { to } => {
+                stats.gaps.fetch_add(1, Ordering::Relaxed);
+                self.restarted(&format!(
+                    "sequence went back from {} to {seq}",
+                    self.seq.last().unwrap_or(0)
+                ));
+                if to > 0 {
+                    let repaired = match &ep.replay {
+                        Some(replay) => replay_range(replay, 0, to, ep.format, sink, stats).await,
+                        None => false,
+                    };
+                    if !repaired {
+                        stats.gaps_unrepaired.fetch_add(1, Ordering::Relaxed);
+                        sink.apply(&[KvEvent::AllCleared]);
+                    }
+                }
+            }
+            SeqVerdict::Gap { from, to } => {
+                stats.gaps.fetch_add(1, Ordering::Relaxed);
+                let repaired = match &ep.replay {
+                    Some(replay) => replay_range(replay, from, to, ep.format, sink, stats).await,
+                    None => false,
+                };
+                if !repaired {
+                    stats.gaps_unrepaired.fetch_add(1, Ordering::Relaxed);
+                    sink.apply(&[KvEvent::AllCleared]);
+                }
+            }
+        }
+        match decode_batch(payload, ep.format) {
+            Ok(batch) => apply_batch(&batch, sink, stats),
+            Err(_) => {
+                // A batch we cannot read is a batch we missed.
+                stats.decode_errors.fetch_add(1, Ordering::Relaxed);
+                stats.gaps_unrepaired.fetch_add(1, Ordering::Relaxed);
+                sink.apply(&[KvEvent::AllCleared]);
+            }
+        }
+        self.seq.accept(seq);
+    }
+}
+
+/// Applies one decoded batch and counts it (its skipped events, its `AllBlocksCleared`).
+fn apply_batch(batch: &EventBatch, sink: &dyn EventSink, stats: &EventStats) {
+    stats
+        .unknown_events
+        .fetch_add(u64::from(batch.unknown_events), Ordering::Relaxed);
+    stats
+        .other_tier_events
+        .fetch_add(u64::from(batch.other_tier_events), Ordering::Relaxed);
+    let cleared = batch
+        .events
+        .iter()
+        .filter(|e| matches!(e, KvEvent::AllCleared))
+        .count();
+    if cleared > 0 {
+        stats.cleared.fetch_add(cleared as u64, Ordering::Relaxed);
+    }
+    sink.apply(&batch.events);
+    stats.batches.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Subscribes and consumes one replica's event stream forever (abort the task to stop it).
-/// `connected` fires once the SUB socket is connected and subscribed.
+/// `connected` fires once the SUB socket is connected and subscribed. The socket reconnects on
+/// its own when the publisher goes away; each lost connection goes to
+/// [`StreamConsumer::publisher_lost`] before any message of the next connection is read.
 pub async fn run_subscriber(
     ep: EventEndpoints,
     sink: Arc<dyn EventSink>,
     stats: Arc<EventStats>,
     connected: Option<tokio::sync::oneshot::Sender<()>>,
 ) {
-    use zeromq::{Socket, SocketRecv};
+    use zeromq::{Socket, SocketEvent, SocketRecv};
     let mut connected = connected;
     loop {
         let mut sub = zeromq::SubSocket::new();
+        let mut monitor = sub.monitor();
         if sub.connect(&ep.publisher).await.is_err() || sub.subscribe("").await.is_err() {
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
@@ -464,9 +597,28 @@ pub async fn run_subscriber(
         if let Some(tx) = connected.take() {
             let _ = tx.send(());
         }
-        let mut seq_tracker = SeqTracker::default();
+        let mut consumer = StreamConsumer::new(ep.clone(), sink.clone(), stats.clone());
+        let mut tick = tokio::time::interval(MONITOR_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let msg = match sub.recv().await {
+            // A lost connection is reported (from inside `recv`, before the socket reconnects)
+            // on the monitor channel: drained on a timer, so an idle replica is cleared soon
+            // after its engine goes away, and before every message, so the clear always comes
+            // before the next connection's first batch. (`recv` loses nothing when the timer
+            // wins: it returns a message only from the poll that took it.)
+            let msg = tokio::select! {
+                m = sub.recv() => Some(m),
+                _ = tick.tick() => None,
+            };
+            while let Ok(ev) = monitor.try_recv() {
+                if let SocketEvent::Disconnected(_) = ev {
+                    consumer.publisher_lost();
+                }
+            }
+            let Some(msg) = msg else {
+                continue;
+            };
+            let msg = match msg {
                 Ok(m) => m,
                 Err(_) => {
                     // The socket reconnects on its own; pause so a dead peer cannot spin us.
@@ -479,57 +631,7 @@ pub async fn run_subscriber(
                 stats.decode_errors.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
-            match seq_tracker.check(seq) {
-                SeqVerdict::InOrder => {}
-                SeqVerdict::Restarted { to } => {
-                    stats.gaps.fetch_add(1, Ordering::Relaxed);
-                    sink.apply(&[KvEvent::AllCleared]);
-                    if to > 0 {
-                        let repaired = match &ep.replay {
-                            Some(replay) => {
-                                replay_range(replay, 0, to, ep.format, &*sink, &stats).await
-                            }
-                            None => false,
-                        };
-                        if !repaired {
-                            stats.gaps_unrepaired.fetch_add(1, Ordering::Relaxed);
-                            sink.apply(&[KvEvent::AllCleared]);
-                        }
-                    }
-                }
-                SeqVerdict::Gap { from, to } => {
-                    stats.gaps.fetch_add(1, Ordering::Relaxed);
-                    let repaired = match &ep.replay {
-                        Some(replay) => {
-                            replay_range(replay, from, to, ep.format, &*sink, &stats).await
-                        }
-                        None => false,
-                    };
-                    if !repaired {
-                        stats.gaps_unrepaired.fetch_add(1, Ordering::Relaxed);
-                        sink.apply(&[KvEvent::AllCleared]);
-                    }
-                }
-            }
-            match decode_batch(payload, ep.format) {
-                Ok(batch) => {
-                    stats
-                        .unknown_events
-                        .fetch_add(u64::from(batch.unknown_events), Ordering::Relaxed);
-                    stats
-                        .other_tier_events
-                        .fetch_add(u64::from(batch.other_tier_events), Ordering::Relaxed);
-                    sink.apply(&batch.events);
-                    stats.batches.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(_) => {
-                    // A batch we cannot read is a batch we missed.
-                    stats.decode_errors.fetch_add(1, Ordering::Relaxed);
-                    stats.gaps_unrepaired.fetch_add(1, Ordering::Relaxed);
-                    sink.apply(&[KvEvent::AllCleared]);
-                }
-            }
-            seq_tracker.accept(seq);
+            consumer.message(seq, payload).await;
         }
     }
 }
@@ -887,8 +989,10 @@ mod tests {
     #[test]
     fn sequence_tracking() {
         let mut t = SeqTracker::default();
+        assert_eq!(t.last(), None);
         assert_eq!(t.check(0), SeqVerdict::InOrder);
         t.accept(0);
+        assert_eq!(t.last(), Some(0));
         assert_eq!(t.check(1), SeqVerdict::InOrder);
         t.accept(1);
         assert_eq!(t.check(4), SeqVerdict::Gap { from: 2, to: 4 });

@@ -14,6 +14,7 @@
 //! - [`service`]: the serving port's handler — LLM endpoints, safe retries, upstream timeouts,
 //!   hop-by-hop headers, `/v1/models`, `/health`, OpenAI-style errors.
 //! - [`admin`]: the admin listener's handler — replica API, `/metrics`, bearer token.
+//! - [`keys`]: API keys (hashed key file) and per-key request and token limits (token buckets).
 //! - [`state`]: replica table, policy lock, RAII load guards.
 //! - [`body`]: the streaming response body (usage scan, mid-stream failure, row completion).
 //! - [`request`]: body parsing, canonical rendering, `/tokenize` bodies.
@@ -25,13 +26,16 @@
 //! - [`metrics`]: Prometheus counters and the overhead histogram.
 //! - [`upstream`]: the pooled client, the router clock, the self-timing request body.
 //! - [`config`]: [`RouterConfig`], [`ReplicaSpec`], config-file parsing.
+//! - [`cli`]: the clap flags the router and `epp` binaries share ([`cli::RoutingArgs`]).
 
 #![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod body;
+pub mod cli;
 pub mod config;
 pub mod events;
+pub mod keys;
 pub mod metrics;
 pub mod request;
 pub mod rows;

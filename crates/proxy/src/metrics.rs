@@ -25,6 +25,12 @@ pub const OVERHEAD_BUCKETS_US: [u64; 14] = [
     5, 10, 20, 30, 50, 75, 100, 150, 250, 500, 1_000, 2_500, 5_000, 10_000,
 ];
 
+/// Prompt-token mismatches logged one by one before only every [`MISMATCH_LOG_EVERY`]th is.
+pub const MISMATCH_LOG_FIRST: u64 = 5;
+
+/// Past the first [`MISMATCH_LOG_FIRST`], one prompt-token mismatch in this many is logged.
+pub const MISMATCH_LOG_EVERY: u64 = 100;
+
 /// Router-wide counters. Per-replica counters live on the replica.
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -61,6 +67,12 @@ pub struct Metrics {
     pub upstream_timeouts: AtomicU64,
     /// Admin requests refused with 401 (missing or wrong bearer token).
     pub admin_unauthorized: AtomicU64,
+    /// Requests whose prompt length the router knew (it tokenized them, or they came
+    /// pre-tokenised) and whose engine reported `usage.prompt_tokens`: compared.
+    pub prompt_tokens_compared: AtomicU64,
+    /// Of those, the ones where the two counts differ: the router's `/tokenize` body does not
+    /// tokenize as the engine's request does, so its exact keys cannot match the engine's blocks.
+    pub prompt_token_mismatches: AtomicU64,
     decisions: [AtomicU64; BRANCHES.len() + 1],
     overhead_buckets: [AtomicU64; OVERHEAD_BUCKETS_US.len() + 1],
     overhead_sum_us: AtomicU64,
@@ -87,6 +99,25 @@ impl Metrics {
         self.overhead_buckets[i].fetch_add(1, Ordering::Relaxed);
         self.overhead_sum_us
             .fetch_add(overhead_us, Ordering::Relaxed);
+    }
+
+    /// Compares the router's prompt length for a request (`router`: the token ids it keyed, in
+    /// full) with the engine's `usage.prompt_tokens` (`engine`), counting the comparison and any
+    /// mismatch. Mismatches are logged to stderr with the request id — the first
+    /// [`MISMATCH_LOG_FIRST`], then every [`MISMATCH_LOG_EVERY`]th — so a tokenization drift is
+    /// loud without flooding the log. True when they differ.
+    pub fn record_prompt_tokens(&self, request_id: &str, router: u64, engine: u64) -> bool {
+        self.prompt_tokens_compared.fetch_add(1, Ordering::Relaxed);
+        if router == engine {
+            return false;
+        }
+        let n = self.prompt_token_mismatches.fetch_add(1, Ordering::Relaxed) + 1;
+        if n <= MISMATCH_LOG_FIRST || n.is_multiple_of(MISMATCH_LOG_EVERY) {
+            eprintln!(
+                "kvroute: prompt token mismatch #{n}: request {request_id}: router tokenized {router} tokens, engine reported prompt_tokens {engine}"
+            );
+        }
+        true
     }
 
     /// Decisions counted for `branch`.
@@ -195,6 +226,18 @@ impl Metrics {
             "Admin requests refused with 401.",
             &self.admin_unauthorized,
         );
+        c(
+            out,
+            "kvroute_router_prompt_tokens_compared_total",
+            "Requests whose router-side prompt length was compared with the engine's usage.prompt_tokens.",
+            &self.prompt_tokens_compared,
+        );
+        c(
+            out,
+            "kvroute_router_prompt_token_mismatches_total",
+            "Compared requests whose router-side prompt length differs from the engine's usage.prompt_tokens.",
+            &self.prompt_token_mismatches,
+        );
 
         out.push_str("# HELP kvroute_router_decisions_total Routing decisions by policy branch.\n# TYPE kvroute_router_decisions_total counter\n");
         for (i, b) in BRANCHES.iter().chain(std::iter::once(&"other")).enumerate() {
@@ -294,5 +337,16 @@ mod tests {
             Some(1.0)
         );
         assert_eq!(value("kvroute_router_decide_count", None), Some(1.0));
+    }
+
+    #[test]
+    fn prompt_token_parity_counts_comparisons_and_mismatches() {
+        let m = Metrics::default();
+        assert!(!m.record_prompt_tokens("kvr-a", 1100, 1100));
+        assert!(m.record_prompt_tokens("kvr-b", 1100, 1101));
+        let mut s = String::new();
+        m.render_into(&mut s, "exact-residency");
+        assert!(s.contains("kvroute_router_prompt_tokens_compared_total 2\n"));
+        assert!(s.contains("kvroute_router_prompt_token_mismatches_total 1\n"));
     }
 }

@@ -12,7 +12,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 
 use crate::admin::AdminAuth;
 use crate::config::{RouterConfig, check_admin_exposure};
@@ -82,30 +82,44 @@ impl ConnCount {
     }
 }
 
-/// One connection task: counted for graceful shutdown, and (`slot`) in the counter its
-/// listener's cap is checked against.
+/// One connection task: counted for graceful shutdown, holding a permit of its listener's
+/// connection cap (the serving port's `--max-connections`, its refusals' bound, or the admin
+/// listener's) for its life, and, on the serving port within the cap, counted in the
+/// open-connections gauge (`kvroute_router_connections_open`).
 struct ConnGuard {
     conns: Arc<ConnCount>,
-    slot: Option<Arc<dyn Fn(isize) + Send + Sync>>,
+    _permit: OwnedSemaphorePermit,
+    gauge: Option<Arc<Shared>>,
 }
 
 impl ConnGuard {
-    fn new(conns: &Arc<ConnCount>, slot: Option<Arc<dyn Fn(isize) + Send + Sync>>) -> Self {
+    fn new(
+        conns: &Arc<ConnCount>,
+        permit: OwnedSemaphorePermit,
+        gauge: Option<Arc<Shared>>,
+    ) -> Self {
         conns.open.fetch_add(1, Ordering::AcqRel);
-        if let Some(s) = &slot {
-            s(1);
+        if let Some(shared) = &gauge {
+            shared
+                .metrics
+                .connections_open
+                .fetch_add(1, Ordering::Relaxed);
         }
         ConnGuard {
             conns: conns.clone(),
-            slot,
+            _permit: permit,
+            gauge,
         }
     }
 }
 
 impl Drop for ConnGuard {
     fn drop(&mut self) {
-        if let Some(s) = &self.slot {
-            s(-1);
+        if let Some(shared) = &self.gauge {
+            shared
+                .metrics
+                .connections_open
+                .fetch_sub(1, Ordering::Relaxed);
         }
         if self.conns.open.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.conns.idle.notify_waiters();
@@ -144,6 +158,9 @@ impl Router {
             }
         }
         let shared = shared_from_config(&cfg, policy)?;
+        if let Some(keys) = &cfg.api_keys {
+            shared.install_keys(keys.clone());
+        }
 
         // Subscribe before taking traffic, so exact residency sees every event from the start.
         for r in shared.replicas() {
@@ -285,46 +302,26 @@ async fn accept_loop(
     conns: Arc<ConnCount>,
     limits: ConnLimits,
 ) {
-    let refusing = Arc::new(AtomicUsize::new(0));
+    // The cap, as permits: a connection holds one for its life (its task's `ConnGuard`).
+    let serving = Arc::new(Semaphore::new(limits.max_connections));
+    let refusing = Arc::new(Semaphore::new(limits.max_refusing));
     while let Some((stream, peer)) = accept(&listener, &mut watch.stop).await {
         let _ = stream.set_nodelay(true);
-        let open = shared.metrics.connections_open.load(Ordering::Relaxed) as usize;
-        let (over_cap, slot): (Option<usize>, Arc<dyn Fn(isize) + Send + Sync>) =
-            if open < limits.max_connections {
-                let s = shared.clone();
-                (
-                    None,
-                    Arc::new(move |d: isize| {
-                        if d > 0 {
-                            s.metrics.connections_open.fetch_add(1, Ordering::Relaxed);
-                        } else {
-                            s.metrics.connections_open.fetch_sub(1, Ordering::Relaxed);
-                        }
-                    }),
-                )
-            } else {
+        let (over_cap, permit, gauge) = match serving.clone().try_acquire_owned() {
+            Ok(permit) => (None, permit, Some(shared.clone())),
+            Err(_) => {
                 shared
                     .metrics
                     .connections_refused
                     .fetch_add(1, Ordering::Relaxed);
-                if refusing.load(Ordering::Relaxed) >= limits.max_refusing {
+                match refusing.clone().try_acquire_owned() {
+                    Ok(permit) => (Some(limits.max_connections), permit, None),
                     // Even the refusals are at their bound: close without a word.
-                    drop(stream);
-                    continue;
+                    Err(_) => continue,
                 }
-                let r = refusing.clone();
-                (
-                    Some(limits.max_connections),
-                    Arc::new(move |d: isize| {
-                        if d > 0 {
-                            r.fetch_add(1, Ordering::Relaxed);
-                        } else {
-                            r.fetch_sub(1, Ordering::Relaxed);
-                        }
-                    }),
-                )
-            };
-        let guard = ConnGuard::new(&conns, Some(slot));
+            }
+        };
+        let guard = ConnGuard::new(&conns, permit, gauge);
         let ctx = Arc::new(ConnCtx::new(Some(peer.ip()), over_cap));
         let shared = shared.clone();
         let watch = watch.clone();
@@ -372,6 +369,11 @@ async fn accept_loop(
 /// Runs a connection until it ends, or, once shutdown begins, until its response in flight is
 /// done; `None` when the grace period's end cut it. Returns the result with the connection
 /// (whose IO a lingering close still needs).
+///
+/// Why not `hyper_util::server::graceful::GracefulShutdown`: its `watch` consumes the connection
+/// and yields only its result, so the IO a lingering close or a late 408 needs
+/// (`Connection::into_parts`) is gone, and it has no grace-period cut (its `shutdown` waits for
+/// every connection; the router's `kill` drops them and writes their rows as cut).
 async fn drive<S>(
     mut conn: http1::Connection<TokioIo<TcpStream>, S>,
     mut watch: Watches,
@@ -459,22 +461,12 @@ async fn admin_accept_loop(
     conns: Arc<ConnCount>,
     header_read_timeout: Duration,
 ) {
-    let open = Arc::new(AtomicUsize::new(0));
+    let open = Arc::new(Semaphore::new(ADMIN_MAX_CONNECTIONS));
     while let Some((stream, _)) = accept(&listener, &mut watch.stop).await {
-        if open.load(Ordering::Relaxed) >= ADMIN_MAX_CONNECTIONS {
+        let Ok(permit) = open.clone().try_acquire_owned() else {
             continue;
-        }
-        let slot: Arc<dyn Fn(isize) + Send + Sync> = {
-            let open = open.clone();
-            Arc::new(move |d: isize| {
-                if d > 0 {
-                    open.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    open.fetch_sub(1, Ordering::Relaxed);
-                }
-            })
         };
-        let guard = ConnGuard::new(&conns, Some(slot));
+        let guard = ConnGuard::new(&conns, permit, None);
         let (shared, auth, watch) = (shared.clone(), auth.clone(), watch.clone());
         tokio::spawn(async move {
             let _guard = guard;

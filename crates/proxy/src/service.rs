@@ -15,6 +15,7 @@ use hyper::body::Incoming;
 use policies::{Keying, ReplicaId, RouteRequest};
 
 use crate::body::{Finish, ProxyBody, RouterBody};
+use crate::keys::{Admission, KeyRefusal, Need, RejectReason};
 use crate::request::{Endpoint, ParsedRequest, parse, parse_tokenize_reply};
 use crate::rows::RouterRow;
 use crate::state::{NoRoute, Replica, Shared};
@@ -61,6 +62,21 @@ pub fn error_response(
     };
     let body = serde_json::json!({
         "error": {"message": message, "type": kind, "param": param, "code": status.as_u16()}
+    });
+    json_response(status, body.to_string())
+}
+
+/// An OpenAI error with OpenAI's own `type` and `code` strings (what its API answers for a bad
+/// key, `invalid_request_error` / `invalid_api_key`, or a rate limit, `requests` or `tokens` /
+/// `rate_limit_exceeded`), for clients that branch on them.
+pub fn openai_error(
+    status: StatusCode,
+    message: &str,
+    kind: &str,
+    code: &str,
+) -> Response<RouterBody> {
+    let body = serde_json::json!({
+        "error": {"message": message, "type": kind, "param": null, "code": code}
     });
     json_response(status, body.to_string())
 }
@@ -151,11 +167,12 @@ fn refuse_over_cap(
     pending: Option<PendingRow>,
 ) -> Response<RouterBody> {
     let r = Refusal {
-        status: Some(StatusCode::SERVICE_UNAVAILABLE),
-        message: format!("the router is at its connection limit ({cap}); retry later"),
-        param: None,
-        kind: "overload",
         unread_body: true,
+        ..Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overload",
+            format!("the router is at its connection limit ({cap}); retry later"),
+        )
     };
     match pending {
         Some(row) => refuse(shared, conn, row, r),
@@ -174,7 +191,10 @@ fn refuse_over_cap(
 async fn not_llm(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<RouterBody> {
     let path = req.uri().path();
     match (req.method(), path) {
-        (&Method::GET, "/v1/models") => models(shared).await,
+        (&Method::GET, "/v1/models") => match admit(shared, req.headers(), Need::RequestOnly) {
+            Err(r) => key_refusal_response(r),
+            Ok(_) => models(shared).await,
+        },
         (&Method::GET, "/health") => health(shared),
         (_, "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health") => {
             error_response(
@@ -321,6 +341,11 @@ struct Refusal {
     kind: &'static str,
     /// The request body was not read to its end: answer with `Connection: close` and linger.
     unread_body: bool,
+    /// OpenAI's own error `type` and `code` for the body, instead of the router's defaults
+    /// (the status's name and number).
+    openai: Option<(&'static str, &'static str)>,
+    /// Headers of the answer (replacing the router's own `Retry-After`).
+    headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl Refusal {
@@ -331,8 +356,45 @@ impl Refusal {
             param: None,
             kind,
             unread_body: false,
+            openai: None,
+            headers: Vec::new(),
         }
     }
+
+    /// An API-key refusal (401, 400 or 429), made before the body was read.
+    fn key(r: KeyRefusal) -> Self {
+        let kind = match r.reason {
+            RejectReason::Auth => "auth",
+            RejectReason::Requests | RejectReason::Tokens => "rate_limit",
+        };
+        Refusal {
+            unread_body: true,
+            openai: Some((r.error_type, r.error_code)),
+            headers: r.headers,
+            ..Refusal::new(r.status, kind, r.message)
+        }
+    }
+}
+
+/// Applies the API keys (when the router has them) to a request on an API endpoint.
+fn admit(
+    shared: &Shared,
+    headers: &HeaderMap,
+    need: Need,
+) -> Result<Option<Admission>, KeyRefusal> {
+    match shared.keys() {
+        None => Ok(None),
+        Some(keys) => keys.admit(headers, shared.clock.now_ns(), need).map(Some),
+    }
+}
+
+/// The answer to a refused request that has no row (`/v1/models`).
+fn key_refusal_response(r: KeyRefusal) -> Response<RouterBody> {
+    let mut resp = openai_error(r.status, &r.message, r.error_type, r.error_code);
+    for (k, v) in r.headers {
+        resp.headers_mut().insert(k, v);
+    }
+    resp
 }
 
 async fn llm(
@@ -344,6 +406,15 @@ async fn llm(
 ) -> Response<RouterBody> {
     let (parts, body) = req.into_parts();
     let arrival_ns = pending.arrival_ns;
+    // Keys and limits before the body is read: a request without a key, or past its key's
+    // limit, costs no body read (its connection closes with a lingering drain).
+    let admission = match shared.keys() {
+        None => None,
+        Some(keys) => match keys.admit(&parts.headers, arrival_ns, Need::Generate) {
+            Ok(a) => Some(a),
+            Err(r) => return refuse(shared, conn, pending, Refusal::key(r)),
+        },
+    };
     match proxy_llm(
         shared,
         conn,
@@ -352,6 +423,7 @@ async fn llm(
         endpoint,
         arrival_ns,
         &mut pending,
+        admission,
     )
     .await
     {
@@ -370,6 +442,8 @@ fn refuse(
     let mut row = pending.take();
     let m = &shared.metrics;
     let counter = match r.status {
+        // Counted per key (`kvroute_router_key_rejected_total`).
+        _ if matches!(r.kind, "auth" | "rate_limit") => None,
         None => Some(&m.client_disconnects),
         Some(StatusCode::BAD_REQUEST) => Some(&m.bad_requests),
         Some(StatusCode::REQUEST_TIMEOUT) => Some(&m.body_timeouts),
@@ -384,7 +458,10 @@ fn refuse(
     row.upstream_status = r.status.map(|s| s.as_u16());
     row.error = Some(format!("{}: {}", r.kind, r.message));
     let status = r.status.unwrap_or(StatusCode::BAD_REQUEST);
-    let mut resp = error_response(status, &r.message, r.param);
+    let mut resp = match r.openai {
+        Some((kind, code)) => openai_error(status, &r.message, kind, code),
+        None => error_response(status, &r.message, r.param),
+    };
     let headers = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&row.request_id) {
         headers.insert(REQUEST_ID_HEADER, v);
@@ -394,6 +471,9 @@ fn refuse(
             header::RETRY_AFTER,
             HeaderValue::from(OVERLOAD_RETRY_AFTER_S),
         );
+    }
+    for (k, v) in r.headers {
+        headers.insert(k, v);
     }
     if r.unread_body {
         // The rest of the body will not be read: say so, and drain it after the answer.
@@ -486,6 +566,7 @@ fn client_went_away(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn proxy_llm(
     shared: &Arc<Shared>,
     conn: &ConnCtx,
@@ -494,6 +575,7 @@ async fn proxy_llm(
     endpoint: Endpoint,
     arrival_ns: u64,
     pending: &mut PendingRow,
+    admission: Option<Admission>,
 ) -> Result<Response<RouterBody>, Refusal> {
     let row = &mut pending.row;
     let body = read_body(shared, &parts, body).await?;
@@ -510,6 +592,7 @@ async fn proxy_llm(
         keys,
         tokens_per_block,
         tokenize_ns,
+        prompt_tokens: router_prompt_tokens,
     } = route_keys(shared, &parsed, model, body.len()).await;
     if let Some(ns) = tokenize_ns {
         row.tokenize_ms = Some(ns as f64 / 1e6);
@@ -601,7 +684,7 @@ async fn proxy_llm(
                 shared
                     .metrics
                     .record_decision(d.branch.as_str(), routed.decide_ns);
-                shared.served(&route_req, d.replica);
+                shared.served(&route_req, d.replica, &replica);
                 let written_ns = match written.load(Ordering::Acquire) {
                     0 => upstream_first_ns,
                     w => w,
@@ -616,8 +699,12 @@ async fn proxy_llm(
                     resp,
                     pending.take(),
                     routed.guard,
-                    pre_us,
-                    upstream_first_ns,
+                    Timing {
+                        pre_us,
+                        upstream_first_ns,
+                    },
+                    router_prompt_tokens,
+                    admission,
                 ));
             }
             Ok(Err(e)) => AttemptFailure {
@@ -682,6 +769,11 @@ pub struct RouteKeys {
     pub tokens_per_block: f64,
     /// The `/tokenize` round trip, nanoseconds, when one was made.
     pub tokenize_ns: Option<u64>,
+    /// The prompt's whole length in tokens, when exact keys were made (from `/tokenize` or a
+    /// pre-tokenised prompt): every token, not only the cacheable ones that were keyed. Compared
+    /// with the engine's `usage.prompt_tokens` when the response ends
+    /// ([`crate::metrics::Metrics::record_prompt_tokens`]).
+    pub prompt_tokens: Option<u32>,
 }
 
 /// The model name that salts a request's belief keys: the router's `--model`, else the body's
@@ -709,9 +801,13 @@ pub async fn route_keys(
 ) -> RouteKeys {
     let mut keys = Vec::new();
     let mut tokenize_ns = None;
+    let mut prompt_tokens = None;
     let tokens_per_block = match shared.keying {
         Keying::None => f64::from(shared.settings.block_tokens),
         Keying::BeliefBytes => {
+            // Rendered into a buffer, then hashed: hashing the rendered pieces in passing saved
+            // no time (`examples/decide_cost.rs`, docs/proxy-bench.md), the copy being far
+            // cheaper than the hash.
             let mut rendered = Vec::with_capacity(body_len);
             parsed.render_into(&mut rendered);
             kv_index::hash::byte_block_keys_into(
@@ -727,13 +823,13 @@ pub async fn route_keys(
         Keying::ExactTokens => {
             let block_tokens = shared.settings.block_tokens;
             let tokens = match parsed.given_tokens() {
-                Some(t) => Some(t.to_vec()),
+                Some(t) => Some(std::borrow::Cow::Borrowed(t)),
                 None => {
                     let t0 = shared.clock.now_ns();
                     let r = tokenize(shared, parsed, model).await;
                     tokenize_ns = Some(shared.clock.now_ns() - t0);
                     match r {
-                        Ok(t) => Some(t),
+                        Ok(t) => Some(std::borrow::Cow::Owned(t)),
                         Err(_) => {
                             shared
                                 .metrics
@@ -745,9 +841,12 @@ pub async fn route_keys(
                 }
             };
             if let Some(t) = tokens {
+                prompt_tokens = Some(u32::try_from(t.len()).unwrap_or(u32::MAX));
+                // Only the blocks the engine can serve from cache: it always computes the last
+                // prompt token, so a prompt of whole blocks never has its last block hit.
                 kv_index::hash::token_block_keys_into(
                     &parsed.key_salt(shared.settings.exact_salt.as_bytes()),
-                    &t,
+                    kv_index::hash::cacheable_prompt_tokens(&t),
                     block_tokens as usize,
                     &mut keys,
                 );
@@ -759,6 +858,7 @@ pub async fn route_keys(
         keys,
         tokens_per_block,
         tokenize_ns,
+        prompt_tokens,
     }
 }
 
@@ -834,13 +934,23 @@ fn via(headers: &HeaderMap) -> HeaderValue {
         .unwrap_or_else(|| HeaderValue::from_static(VIA))
 }
 
+/// A proxied response's timing so far (see [`Finish`]).
+struct Timing {
+    pre_us: u64,
+    upstream_first_ns: u64,
+}
+
 fn response(
     shared: &Arc<Shared>,
     resp: Response<Incoming>,
     row: RouterRow,
     guard: crate::state::LoadGuard,
-    pre_us: u64,
-    upstream_first_ns: u64,
+    Timing {
+        pre_us,
+        upstream_first_ns,
+    }: Timing,
+    router_prompt_tokens: Option<u32>,
+    admission: Option<Admission>,
 ) -> Response<RouterBody> {
     let (mut parts, incoming) = resp.into_parts();
     let kind = BodyKind::from_content_type(
@@ -865,6 +975,13 @@ fn response(
     parts
         .headers
         .insert(REPLICA_HEADER, HeaderValue::from(guard.replica().id));
+    // The key's `x-ratelimit-*` headers, as OpenAI sends them on every response.
+    let api_key = admission.map(|a| {
+        for (k, v) in a.headers {
+            parts.headers.insert(k, v);
+        }
+        a.key
+    });
     let finish = Finish {
         shared: shared.clone(),
         row,
@@ -872,6 +989,8 @@ fn response(
         pre_us,
         upstream_first_ns,
         client_first_ns: None,
+        router_prompt_tokens,
+        api_key,
     };
     Response::from_parts(
         parts,

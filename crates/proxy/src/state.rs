@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use http::uri::{Authority, Scheme};
 use parking_lot::Mutex;
-use policies::{Decision, Keying, Policy, ReplicaId, ReplicaView, RouteError, RouteRequest};
+use policies::{
+    Decision, Keying, Policy, ReplicaId, ReplicaView, RouteError, RouteRequest, ServedNeeds,
+};
 
 use crate::config::ReplicaSpec;
 use crate::events::{EventEndpoints, EventSink, EventStats, run_subscriber};
@@ -242,6 +244,8 @@ pub struct Shared {
     pub policy_name: String,
     /// What block keys the policy needs.
     pub keying: Keying,
+    /// When the policy's `on_served` has an effect (the lock it takes is skipped otherwise).
+    served_needs: ServedNeeds,
     /// Router-wide counters.
     pub metrics: Metrics,
     /// Row writer.
@@ -256,6 +260,8 @@ pub struct Shared {
     pub sharing: Arc<SharingStats>,
     /// Where served decisions are published, once [`crate::sharing::start`] installed it.
     publisher: OnceLock<Publisher>,
+    /// API keys and limits, once [`Shared::install_keys`] installed them (the router only).
+    keys: OnceLock<Arc<crate::keys::ApiKeys>>,
     /// Set once shutdown's grace period has passed: requests dropped from then on were cut by
     /// the router, not abandoned by their clients.
     cutting: AtomicBool,
@@ -316,6 +322,7 @@ impl Shared {
             .collect::<Result<Vec<_>, _>>()?;
         let policy_name = policy.name().to_string();
         let keying = policy.keying();
+        let served_needs = policy.served_needs();
         Ok(Shared {
             core: Mutex::new(Core {
                 policy,
@@ -324,6 +331,7 @@ impl Shared {
             }),
             policy_name,
             keying,
+            served_needs,
             metrics: Metrics::default(),
             rows,
             client: crate::upstream::client(settings.upstream_keep_alive),
@@ -331,12 +339,24 @@ impl Shared {
             settings,
             sharing: Arc::default(),
             publisher: OnceLock::new(),
+            keys: OnceLock::new(),
             cutting: AtomicBool::new(false),
             next_id: AtomicU32::new(specs.len() as u32),
             request_seq: AtomicU64::new(0),
             request_salt,
             tokenize_cursor: AtomicU32::new(0),
         })
+    }
+
+    /// Makes the serving port require these API keys and apply their limits (once; a second
+    /// call changes nothing).
+    pub fn install_keys(&self, keys: Arc<crate::keys::ApiKeys>) {
+        let _ = self.keys.set(keys);
+    }
+
+    /// The API keys, when the router requires them.
+    pub fn keys(&self) -> Option<&Arc<crate::keys::ApiKeys>> {
+        self.keys.get()
     }
 
     /// Marks the requests still in flight as cut by the router (shutdown past its grace period).
@@ -430,22 +450,19 @@ impl Shared {
         }
     }
 
-    /// Tells the policy which replica actually got the request, and, when sharing decisions,
-    /// queues it for the peers (never waiting: see [`Publisher::offer`]).
-    pub fn served(&self, req: &RouteRequest<'_>, replica: ReplicaId) {
-        let mut core = self.core.lock();
-        core.policy.on_served(req, replica);
-        let publish = match self.publisher.get() {
-            Some(p) if !req.block_keys.is_empty() => core
-                .replicas
-                .iter()
-                .find(|r| r.id == replica)
-                .map(|r| (p, r.clone())),
-            _ => None,
-        };
-        drop(core);
-        if let Some((p, r)) = publish {
-            p.offer(r, req.block_keys);
+    /// Tells the policy which replica actually got the request (`decided` is the one its
+    /// decision chose; a retry may have moved it), and, when sharing decisions, queues it for
+    /// the peers (never waiting: see [`Publisher::offer`]). Takes the policy's lock only when
+    /// the policy's `on_served` can change something ([`policies::Policy::served_needs`]):
+    /// for every policy but a retried belief request, a request costs one lock, its decision's.
+    pub fn served(&self, req: &RouteRequest<'_>, decided: ReplicaId, replica: &Arc<Replica>) {
+        if self.served_needs.call(decided, replica.id) {
+            self.core.lock().policy.on_served(req, replica.id);
+        }
+        if let Some(p) = self.publisher.get()
+            && !req.block_keys.is_empty()
+        {
+            p.offer(replica.clone(), req.block_keys);
         }
     }
 
@@ -524,7 +541,9 @@ impl Shared {
     /// The replica to ask for `/tokenize`: the next eligible one in turn (all replicas serve the
     /// same model, so any tokenizer will do; rotating spreads the round trips).
     pub fn tokenizer_replica(&self) -> Option<Arc<Replica>> {
-        let reps = self.replicas();
+        // Under the lock without copying the table: one `Arc` clone per request.
+        let core = self.core.lock();
+        let reps = &core.replicas;
         if reps.is_empty() {
             return None;
         }

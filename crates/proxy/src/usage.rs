@@ -1,5 +1,6 @@
-//! Usage parsing in passing: the router reads `prompt_tokens` and `cached_tokens` from the
-//! response as it streams through, without holding back or buffering the stream.
+//! Usage parsing in passing: the router reads `prompt_tokens`, `completion_tokens` (charged to
+//! an API key's token limit, [`crate::keys`]) and `cached_tokens` from the response as it
+//! streams through, without holding back or buffering the stream.
 //!
 //! For SSE, only the trailing partial event of a chunk is copied (so an event split across chunks
 //! can still be read); complete events are scanned in place, and only an event that mentions
@@ -18,6 +19,8 @@ pub struct Usage {
     pub prompt_tokens: Option<u64>,
     /// `usage.prompt_tokens_details.cached_tokens`; `None` when the engine did not report it.
     pub cached_tokens: Option<u64>,
+    /// `usage.completion_tokens`.
+    pub completion_tokens: Option<u64>,
 }
 
 /// How the response body is framed.
@@ -75,6 +78,8 @@ struct Timings {
 struct UsageJson {
     #[serde(default)]
     prompt_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
     #[serde(default)]
     prompt_tokens_details: Option<Details>,
 }
@@ -231,6 +236,7 @@ impl UsageScanner {
                         .map(|d| d.cached_tokens.unwrap_or(0)),
                     timings.and_then(|t| t.cache_n),
                 ),
+                completion_tokens: u.completion_tokens,
             });
         }
     }
@@ -281,6 +287,7 @@ mod tests {
         let want = Some(Usage {
             prompt_tokens: Some(1024),
             cached_tokens: Some(1008),
+            completion_tokens: Some(6),
         });
         for cut in 0..=body.len() {
             assert_eq!(scan_split(body, &[cut]), want, "cut at {cut}");
@@ -302,6 +309,7 @@ mod tests {
         let want = Some(Usage {
             prompt_tokens: Some(1024),
             cached_tokens: Some(1008),
+            completion_tokens: Some(6),
         });
         for cut in 0..=body.len() {
             assert_eq!(scan_split(body, &[cut]), want, "cut at {cut}");
@@ -318,7 +326,8 @@ mod tests {
             s.finish(),
             Some(Usage {
                 prompt_tokens: Some(7),
-                cached_tokens: None
+                cached_tokens: None,
+                completion_tokens: None,
             })
         );
         let mut s = UsageScanner::new(BodyKind::Sse);
@@ -327,7 +336,8 @@ mod tests {
             s.finish(),
             Some(Usage {
                 prompt_tokens: Some(7),
-                cached_tokens: Some(0)
+                cached_tokens: Some(0),
+                completion_tokens: None,
             })
         );
     }
@@ -345,7 +355,8 @@ mod tests {
             s.finish(),
             Some(Usage {
                 prompt_tokens: Some(10),
-                cached_tokens: Some(6)
+                cached_tokens: Some(6),
+                completion_tokens: None,
             })
         );
     }
@@ -359,7 +370,8 @@ mod tests {
             s.finish(),
             Some(Usage {
                 prompt_tokens: Some(3),
-                cached_tokens: Some(0)
+                cached_tokens: Some(0),
+                completion_tokens: None,
             })
         );
     }

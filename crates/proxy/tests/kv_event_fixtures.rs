@@ -11,7 +11,7 @@ use kv_index::hash::{cache_salted, token_block_keys};
 use parking_lot::Mutex;
 use policies::{Branch, PolicySpec, ReplicaView, RouteRequest, build};
 use proxy::events::{
-    EventBatch, EventEndpoints, EventFormat, EventSink, EventStats, decode_batch,
+    EventBatch, EventEndpoints, EventFormat, EventSink, EventStats, StreamConsumer, decode_batch,
     parse_replay_frames, run_subscriber,
 };
 use proxy::request::{Endpoint, parse};
@@ -458,6 +458,138 @@ async fn a_lost_batch_is_replayed_from_a_router_without_the_topic() {
         0
     );
     assert_eq!(events, whole_stream());
+}
+
+// ----- an engine restart: its residency goes, the new engine's counts ------------------------
+
+/// An exact-residency policy fed by one replica's event stream (replica 1 of two).
+struct PolicySink(Mutex<Box<dyn policies::Policy>>);
+
+impl PolicySink {
+    fn new() -> Arc<Self> {
+        let p = build(&PolicySpec {
+            salt: MODEL.into(),
+            ..PolicySpec::named("exact-residency")
+        })
+        .unwrap();
+        Arc::new(PolicySink(Mutex::new(p)))
+    }
+
+    /// Blocks of `tokens` the policy predicts replica 1 holds (0 on a miss).
+    fn predicted_blocks(&self, tokens: &[u32]) -> u32 {
+        let keys = token_block_keys(MODEL.as_bytes(), tokens, 16);
+        let fleet: Vec<ReplicaView> = (0..2).map(ReplicaView::idle).collect();
+        let req = RouteRequest {
+            session_id: None,
+            block_keys: &keys,
+            tokens_per_block: 16.0,
+            now_us: 2,
+        };
+        let d = self.0.lock().decide(&req, &fleet).unwrap();
+        match d.branch {
+            Branch::Miss => 0,
+            _ => {
+                assert_eq!(d.replica, 1);
+                d.predicted_match_blocks
+            }
+        }
+    }
+}
+
+impl EventSink for PolicySink {
+    fn apply(&self, events: &[KvEvent]) {
+        let mut p = self.0.lock();
+        for e in events {
+            p.on_kv_event(1, e, 1);
+        }
+    }
+}
+
+/// A second prompt, sharing no block with [`prompt`].
+fn other_prompt() -> Vec<u32> {
+    (500..532).collect()
+}
+
+fn other_stored() -> KvEvent {
+    KvEvent::Stored {
+        block_hashes: vec![0xB0, 0xB1],
+        parent_block_hash: None,
+        token_ids: other_prompt(),
+        block_size: 16,
+        cache_salt: None,
+    }
+}
+
+fn consumer(sink: &Arc<PolicySink>) -> (StreamConsumer, Arc<EventStats>) {
+    let stats = Arc::new(EventStats::default());
+    let ep = EventEndpoints {
+        publisher: "tcp://127.0.0.1:1".into(),
+        replay: None,
+        format: EventFormat::Vllm,
+    };
+    (StreamConsumer::new(ep, sink.clone(), stats.clone()), stats)
+}
+
+fn payload(events: &[KvEvent]) -> Vec<u8> {
+    proxy::events::encode::batch(0.0, events, proxy::events::encode::Encoding::Map)
+}
+
+fn load(stats: &EventStats) -> [u64; 3] {
+    use std::sync::atomic::Ordering::Relaxed;
+    [
+        stats.restarts.load(Relaxed),
+        stats.cleared.load(Relaxed),
+        stats.gaps_unrepaired.load(Relaxed),
+    ]
+}
+
+#[tokio::test]
+async fn a_restarted_engines_sequence_going_back_drops_the_old_residency() {
+    let sink = PolicySink::new();
+    let (mut c, stats) = consumer(&sink);
+    // The first engine stores the whole prompt over three batches (seq 0..=2).
+    c.message(0, &payload(&[stored(&H[..2], None, 0, 32)]))
+        .await;
+    c.message(1, &payload(&[])).await;
+    c.message(2, &payload(&[stored(&H[2..], Some(H[1]), 32, 48)]))
+        .await;
+    assert_eq!(sink.predicted_blocks(&prompt()), 3);
+    // It restarts: sequence 0 again, an empty cache, then the other prompt and the first block
+    // of this one again (vLLM's sha256 block hashes are the same across restarts).
+    c.message(0, &payload(&[other_stored(), stored(&H[..1], None, 0, 16)]))
+        .await;
+    assert_eq!(
+        sink.predicted_blocks(&prompt()),
+        1,
+        "only what the new engine stored"
+    );
+    assert_eq!(sink.predicted_blocks(&other_prompt()), 2);
+    assert_eq!(load(&stats), [1, 0, 0]);
+    // An AllBlocksCleared (a prefix-cache reset) drops it all again, counted as a clear.
+    c.message(1, &payload(&[KvEvent::AllCleared])).await;
+    assert_eq!(sink.predicted_blocks(&other_prompt()), 0);
+    assert_eq!(sink.predicted_blocks(&prompt()), 0);
+    assert_eq!(load(&stats), [1, 1, 0]);
+}
+
+#[tokio::test]
+async fn a_lost_publisher_connection_drops_the_residency_even_when_the_sequence_goes_on() {
+    let sink = PolicySink::new();
+    let (mut c, stats) = consumer(&sink);
+    c.message(0, &payload(&[stored(&H[..2], None, 0, 32)]))
+        .await;
+    c.message(1, &payload(&[])).await;
+    assert_eq!(sink.predicted_blocks(&prompt()), 2);
+    // The engine went away; by the time the socket reconnects, its successor has published
+    // batches 0..=2 and sends 3: above the old engine's last, so the sequence alone would call
+    // it in order and keep the old residency.
+    c.publisher_lost();
+    assert_eq!(sink.predicted_blocks(&prompt()), 0);
+    c.message(3, &payload(&[other_stored()])).await;
+    assert_eq!(sink.predicted_blocks(&other_prompt()), 2);
+    assert_eq!(sink.predicted_blocks(&prompt()), 0);
+    // One restart; batches 0..3 of the new engine were a late join with no replay: unrepaired.
+    assert_eq!(load(&stats), [1, 0, 1]);
 }
 
 #[test]

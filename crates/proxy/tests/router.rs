@@ -413,6 +413,189 @@ async fn exact_residency_follows_kv_events_and_distrusts_gaps() {
     assert_eq!(rows[3]["predicted_match_tokens"], "0");
 }
 
+/// Publishes empty batches from `seq` on until replica `replica`'s applied batches pass
+/// `applied` (PUB drops what it sends before a subscription reaches it); returns the next seq.
+async fn probe_until_applied(
+    publisher: &mut MockPublisher,
+    metrics_url: &str,
+    replica: u32,
+    applied: f64,
+    mut seq: u64,
+) -> u64 {
+    use proxy::events::encode::{Encoding, batch};
+    let series = format!("kvroute_router_kv_event_batches_total{{replica=\"{replica}\"}}");
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        publisher.publish(seq, batch(0.0, &[], Encoding::Map)).await;
+        seq += 1;
+        if metric(&get(metrics_url).await.1, &series).unwrap_or(0.0) > applied {
+            return seq;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "replica {replica}'s KV-event subscription not live within {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restarted_at_the_same_endpoint_loses_its_residency() {
+    use kv_index::KvEvent;
+    use proxy::events::encode::{Encoding, batch};
+    let a = MockReplica::start(Script::default()).await;
+    let b = MockReplica::start(Script::default()).await;
+    let mut pub_b = MockPublisher::bind().await;
+    let endpoint = pub_b.endpoint.clone();
+    let dir = temp_dir("restart");
+    let mut cfg = router_config(&[&a, &b], "exact-residency");
+    cfg.replicas[1].kv_events = Some(endpoint.clone());
+    cfg.rows = Some(dir.path().join("router.csv"));
+    cfg.model = Some("mock-model".into());
+    cfg.policy.salt = "mock-model".into();
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let admin_url = format!("http://{}", router.admin_addr());
+    let metrics_url = format!("{admin_url}/metrics");
+    let batches = "kvroute_router_kv_event_batches_total{replica=\"1\"}";
+    let restarts = "kvroute_router_kv_event_restarts_total{replica=\"1\"}";
+    let stored = |prompt: &str, first_hash: u64| KvEvent::Stored {
+        block_hashes: vec![first_hash, first_hash + 1],
+        parent_block_hash: None,
+        token_ids: prompt.bytes().map(u32::from).take(32).collect(),
+        block_size: 16,
+        cache_salt: None,
+    };
+    let old = "The first engine's prompt, long enough for two blocks and a bit more of it.";
+    let new = "After the restart another prompt arrives, also long enough for two blocks.";
+
+    // The first engine stores two blocks of `old`; the router follows them.
+    let mut seq = wait_subscribed(&mut pub_b, &metrics_url, 1).await;
+    let applied = metric(&get(&metrics_url).await.1, batches).unwrap();
+    pub_b
+        .publish(seq, batch(1.0, &[stored(old, 10)], Encoding::Map))
+        .await;
+    seq += 1;
+    assert!(seq > 1);
+    eventually("the first engine's blocks applied", WAIT, || {
+        let u = metrics_url.clone();
+        async move { metric(&get(&u).await.1, batches).unwrap() > applied }
+    })
+    .await;
+    assert_eq!(run(&url, completion(old), &[]).await.replica(), 1);
+    assert_eq!(metric(&get(&metrics_url).await.1, restarts), Some(0.0));
+
+    // The engine restarts at the same endpoint: its connection closes, and the new one
+    // publishes from sequence 0 with an empty cache.
+    drop(pub_b);
+    let mut pub_b = MockPublisher::bind_at(&endpoint).await;
+    eventually("the restart counted", WAIT, || {
+        let u = metrics_url.clone();
+        async move { metric(&get(&u).await.1, restarts).unwrap() >= 1.0 }
+    })
+    .await;
+    let r = run(&url, completion(old), &[]).await;
+    assert_eq!(r.status, 200);
+    let applied = metric(&get(&metrics_url).await.1, batches).unwrap();
+    let seq = probe_until_applied(&mut pub_b, &metrics_url, 1, applied, 0).await;
+    let applied = metric(&get(&metrics_url).await.1, batches).unwrap();
+    pub_b
+        .publish(seq, batch(2.0, &[stored(new, 20)], Encoding::Map))
+        .await;
+    eventually("the new engine's blocks applied", WAIT, || {
+        let u = metrics_url.clone();
+        async move { metric(&get(&u).await.1, batches).unwrap() > applied }
+    })
+    .await;
+    assert_eq!(run(&url, completion(new), &[]).await.replica(), 1);
+    let r = run(&url, completion(old), &[]).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(metric(&get(&metrics_url).await.1, restarts), Some(1.0));
+    router.shutdown(Duration::from_secs(5)).await;
+    let rows = read_rows(&dir.path().join("router.csv"));
+    let branches: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| (r["branch"].as_str(), r["predicted_match_tokens"].as_str()))
+        .collect();
+    assert_eq!(
+        branches,
+        [
+            ("match", "32"),
+            ("miss", "0"),
+            ("match", "32"),
+            ("miss", "0")
+        ],
+        "old blocks predicted before the restart only; the new engine's after it"
+    );
+}
+
+/// Runs four requests through an exact-residency router over one replica whose
+/// `usage.prompt_tokens` is its tokenizer's count plus `offset`: a streamed completion, a
+/// streamed chat, a non-streamed completion (all with usage) and a stream without usage.
+/// Returns (compared, mismatches) from `/metrics` and the rows.
+async fn prompt_token_parity(
+    offset: i64,
+) -> (f64, f64, Vec<std::collections::HashMap<String, String>>) {
+    let a = MockReplica::start(Script {
+        prompt_tokens_offset: Some(offset),
+        ..Script::default()
+    })
+    .await;
+    let dir = temp_dir("parity");
+    let mut cfg = router_config(&[&a], "exact-residency");
+    cfg.rows = Some(dir.path().join("router.csv"));
+    cfg.model = Some("mock-model".into());
+    cfg.policy.salt = "mock-model".into();
+    let router = start_router(cfg).await;
+    let url = format!("http://{}", router.local_addr());
+    let admin_url = format!("http://{}", router.admin_addr());
+    let prompt = "Twenty-nine bytes of a prompt";
+    assert_eq!(run(&url, completion(prompt), &[]).await.status, 200);
+    let r = post(&url, "/v1/chat/completions", chat(&[("user", prompt)]), &[])
+        .await
+        .finish()
+        .await;
+    assert_eq!(r.status, 200);
+    let mut plain = completion(prompt);
+    plain["stream"] = serde_json::json!(false);
+    plain.as_object_mut().unwrap().remove("stream_options");
+    let (status, v) = read_json(post(&url, "/v1/completions", plain, &[]).await).await;
+    assert_eq!(status, 200);
+    assert!(v["usage"]["prompt_tokens"].as_u64().is_some());
+    let mut no_usage = completion(prompt);
+    no_usage.as_object_mut().unwrap().remove("stream_options");
+    assert_eq!(run(&url, no_usage, &[]).await.status, 200);
+    wait_idle(&admin_url).await;
+    assert_eq!(a.state.tokenize_calls.load(Ordering::SeqCst), 4);
+    let m = get(&format!("{admin_url}/metrics")).await.1;
+    let compared = metric(&m, "kvroute_router_prompt_tokens_compared_total").unwrap();
+    let mismatches = metric(&m, "kvroute_router_prompt_token_mismatches_total").unwrap();
+    router.shutdown(Duration::from_secs(5)).await;
+    (
+        compared,
+        mismatches,
+        read_rows(&dir.path().join("router.csv")),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_tokens_that_agree_with_the_engine_are_compared_and_not_flagged() {
+    let (compared, mismatches, rows) = prompt_token_parity(0).await;
+    assert_eq!((compared, mismatches), (3.0, 0.0));
+    let with_usage: Vec<&str> = rows.iter().map(|r| r["prompt_tokens"].as_str()).collect();
+    assert_eq!(with_usage.iter().filter(|p| **p == "29").count(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_tokens_that_differ_from_the_engine_are_counted_as_mismatches() {
+    let (compared, mismatches, rows) = prompt_token_parity(2).await;
+    assert_eq!((compared, mismatches), (3.0, 3.0));
+    assert_eq!(
+        rows.iter().filter(|r| r["prompt_tokens"] == "31").count(),
+        3
+    );
+}
+
 async fn admin(url: &str, method: &str, path: &str, body: &str) -> (u16, serde_json::Value) {
     let (status, text) = send(method, &format!("{url}{path}"), body).await;
     (
@@ -1036,22 +1219,7 @@ async fn admin_add_remove_models_health_metrics() {
 /// at the next seq); returns the next free seq. Fails when the subscription is not live within
 /// [`WAIT`].
 async fn wait_subscribed(publisher: &mut MockPublisher, metrics_url: &str, replica: u32) -> u64 {
-    use proxy::events::encode::{Encoding, batch};
-    let series = format!("kvroute_router_kv_event_batches_total{{replica=\"{replica}\"}}");
-    let deadline = std::time::Instant::now() + WAIT;
-    let mut seq = 0;
-    loop {
-        publisher.publish(seq, batch(0.0, &[], Encoding::Map)).await;
-        seq += 1;
-        if metric(&get(metrics_url).await.1, &series).unwrap_or(0.0) >= 1.0 {
-            return seq;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "replica {replica}'s KV-event subscription not live within {WAIT:?} ({seq} probes)"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    probe_until_applied(publisher, metrics_url, replica, 0.0, 0).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,3 +28,40 @@ pub use engine::EngineKind;
 pub use evidence::{Evidence, EvidenceSummary};
 pub use meta::{ATTAINMENT_TARGET, Meta, Recorded, Run, Slo, Window, WindowClock, WindowError};
 pub use rows::{CLIENT_COLUMNS, ClientRow, ROUTER_COLUMNS, RouterRow};
+
+/// An error and its causes, `: `-separated (what `anyhow`'s `{:#}` prints): the one text every
+/// library's typed error gives where a message with its causes is kept (a report, a log line).
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(e) = next {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        next = e.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod error_chain_tests {
+    #[derive(Debug)]
+    struct Outer(std::io::Error);
+
+    impl std::fmt::Display for Outer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("reading plan.bin")
+        }
+    }
+
+    impl std::error::Error for Outer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn an_error_is_printed_with_its_causes() {
+        let e = Outer(std::io::Error::other("disk full"));
+        assert_eq!(super::error_chain(&e), "reading plan.bin: disk full");
+    }
+}

@@ -47,9 +47,11 @@ enum Routing {
 
 impl Routing {
     fn build(spec: &PolicySpec) -> Result<Self, SimError> {
-        spec.validate().map_err(SimError::Config)?;
+        spec.validate()
+            .map_err(|e| SimError::Config(e.to_string()))?;
         let prefix = |mode, spill| -> Result<Self, SimError> {
-            let p = PrefixPolicy::new(spec, mode, spill).map_err(SimError::Config)?;
+            let p = PrefixPolicy::new(spec, mode, spill)
+                .map_err(|e| SimError::Config(e.to_string()))?;
             Ok(Routing::Prefix(Box::new(p)))
         };
         // The same arms as `policies::build`, kept concrete for their index statistics (a test
@@ -788,9 +790,10 @@ impl Sim<'_> {
             }
             Keying::ExactTokens => {
                 tokens_per_block = f64::from(self.cfg.engine.block_size);
+                // As the router keys it (`proxy::service::route_keys`).
                 kv_index::hash::token_block_keys_into(
                     self.cfg.model.as_bytes(),
-                    &prompt,
+                    kv_index::hash::cacheable_prompt_tokens(&prompt),
                     self.cfg.engine.block_size as usize,
                     &mut self.keys_buf,
                 );

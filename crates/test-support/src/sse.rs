@@ -46,6 +46,11 @@ pub struct Script {
     pub fail_status: Option<u16>,
     /// Extra headers on every LLM response.
     pub response_headers: Vec<(String, String)>,
+    /// What `usage.prompt_tokens` says: `None` (the default), the request body's length in
+    /// bytes; `Some(d)`, the mock tokenizer's count of the prompt (what `/tokenize` answers for
+    /// it) plus `d` — 0 agrees with a router that tokenized through `/tokenize`, anything else
+    /// is a tokenization drift.
+    pub prompt_tokens_offset: Option<i64>,
 }
 
 impl Default for Script {
@@ -59,6 +64,7 @@ impl Default for Script {
             pad_bytes: 0,
             fail_status: None,
             response_headers: Vec::new(),
+            prompt_tokens_offset: None,
         }
     }
 }
@@ -328,7 +334,10 @@ async fn handle(
                 .unwrap_or("")
                 .to_string();
             let script = st.script.lock().clone();
-            let prompt_tokens = body.len() as u64;
+            let prompt_tokens = match script.prompt_tokens_offset {
+                None => body.len() as u64,
+                Some(d) => (mock_tokens(&v).len() as i64 + d).max(0) as u64,
+            };
             st.reported
                 .lock()
                 .insert(rid, (prompt_tokens, script.cached_tokens));

@@ -3,7 +3,7 @@
 //! the workload before prefix groups, each skew of the grid, closed and open loop.
 //!
 //! `cargo run --release -p workload --example plan_build [-- REPEATS]` prints one row per plan:
-//! the fastest of REPEATS (default 3) builds, the bincode encoding, and the plan's size.
+//! the fastest of REPEATS (default 3) builds, the encoding (`Plan::to_bytes`), and the plan's size.
 
 use std::time::Instant;
 

@@ -3,7 +3,7 @@
 //! A [`Plan`] holds conversations (a context prefix — optionally a prefix group's shared prefix
 //! then a private context — scripted user turns and scripted assistant replies, so no turn
 //! depends on what an engine generated), sized against the fleet's KV capacity, plus an arrival schedule (closed loop or open loop) drawn with a bounded
-//! [`Zipf`] over conversations. Plans serialize with bincode so the identical plan is replayed
+//! [`Zipf`] over conversations. Plans serialize (a format byte, then MessagePack) so the identical plan is replayed
 //! for every policy; [`Plan::name`] is derived from the parameters and
 //! [`Plan::fingerprint`] hashes the plan's bytes.
 //!

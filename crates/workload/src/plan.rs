@@ -13,14 +13,16 @@ use crate::text::english_like;
 use crate::walk::SKIP_WINDOW_DRAWS;
 use crate::zipf::Zipf;
 
-/// Version of the serialized plan layout; bumped whenever [`Plan`]'s fields change (3: prefix
-/// groups and conversation sharing in the spec, each conversation's group; 4: the open loop's
-/// start).
-pub const PLAN_FORMAT: u32 = 4;
+/// Version of the serialized plan layout, written as the plan's first byte and hashed with the
+/// rest, so fingerprints of plans of different formats never coincide. Bumped whenever [`Plan`]'s
+/// fields or their encoding change (3: prefix groups and conversation sharing in the spec, each
+/// conversation's group; 4: the open loop's start; 5: MessagePack (`rmp-serde`) after the
+/// format byte, in place of bincode 2 — formats 1–4 were bincode, whose first byte was the
+/// format number too, so [`Plan::from_bytes`] names an old plan's format).
+pub const PLAN_FORMAT: u8 = 5;
 
-/// Decoding refuses inputs that claim more than this many bytes, so a corrupt file fails
-/// with an error instead of a huge allocation.
-const DECODE_LIMIT_BYTES: usize = 1 << 30;
+/// The last plan format written with bincode (`=2.0.1`, `config::standard()`).
+const LAST_BINCODE_FORMAT: u8 = 4;
 
 /// One conversation's scripted text. Turn `k` (1-based) sends the system message (its group's
 /// shared prefix, if any, then `system`), then for each earlier turn `j` the pair
@@ -116,8 +118,6 @@ pub enum Schedule {
 /// A complete, replayable workload: parameters, texts and schedule.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
-    /// [`PLAN_FORMAT`] at the time of writing.
-    pub format: u32,
     /// The content parameters.
     pub spec: WorkloadSpec,
     /// The arrival parameters.
@@ -129,6 +129,14 @@ pub struct Plan {
     pub conversations: Vec<Conversation>,
     /// The schedule drawn from `arrival` and the Zipf law.
     pub schedule: Schedule,
+}
+
+/// [`PLAN_FORMAT`] then `value` as MessagePack: the plan's bytes, and what the fingerprints hash.
+fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, WorkloadError> {
+    let mut bytes = vec![PLAN_FORMAT];
+    rmp_serde::encode::write(&mut bytes, value)
+        .map_err(|e| WorkloadError::Encode(e.to_string()))?;
+    Ok(bytes)
 }
 
 /// Stream tags for [`derive_seed`], so texts and draws never share a random stream.
@@ -424,7 +432,6 @@ impl Plan {
             },
         };
         Ok(Plan {
-            format: PLAN_FORMAT,
             spec: *spec,
             arrival: *arrival,
             group_prefixes,
@@ -439,39 +446,48 @@ impl Plan {
         format!("{}-{}", self.spec.name(), self.arrival.name())
     }
 
-    /// Serializes with bincode 2 (`config::standard()`).
+    /// Serializes: the byte [`PLAN_FORMAT`], then the plan as MessagePack (`rmp-serde`, structs
+    /// as arrays, enum variants by name). Deterministic: the same plan gives the same bytes.
     pub fn to_bytes(&self) -> Result<Vec<u8>, WorkloadError> {
-        bincode::serde::encode_to_vec(self, bincode::config::standard())
-            .map_err(|e| WorkloadError::Encode(e.to_string()))
+        encode(self)
     }
 
-    /// Decodes and checks a plan written by [`Plan::to_bytes`]. The format number is read
-    /// first, so a plan of another format is refused as such (its layout differs, so decoding
-    /// it whole would fail with a less useful message).
+    /// Decodes and checks a plan written by [`Plan::to_bytes`]. The format byte is read first,
+    /// so a plan of another format is refused as such (its layout differs, so decoding it whole
+    /// would fail with a less useful message); plans of formats 1–4 (bincode) are named as
+    /// written by an older kvroute.
     pub fn from_bytes(bytes: &[u8]) -> Result<Plan, WorkloadError> {
-        let config = bincode::config::standard().with_limit::<DECODE_LIMIT_BYTES>();
-        let (format, _): (u32, usize) = bincode::serde::decode_from_slice(bytes, config)
-            .map_err(|e| WorkloadError::Decode(e.to_string()))?;
+        let Some((&format, body)) = bytes.split_first() else {
+            return Err(WorkloadError::Decode("the plan is empty".into()));
+        };
         if format != PLAN_FORMAT {
+            let origin = if (1..=LAST_BINCODE_FORMAT).contains(&format) {
+                "the plan was written by an older version of kvroute (bincode plan formats \
+                 1-4, before the MessagePack format)"
+            } else {
+                "the plan was written by another version of kvroute, or is not a plan"
+            };
             return Err(WorkloadError::Decode(format!(
-                "plan format {format} is not the supported format {PLAN_FORMAT}: the plan was \
-                 written by another version of kvroute; build it again (`driver plan`, or rerun \
-                 the sweep with --fresh)"
+                "plan format {format} is not the supported format {PLAN_FORMAT}: {origin}; build \
+                 it again (`driver plan`, or rerun the sweep with --fresh)"
             )));
         }
-        let (plan, used): (Plan, usize) = bincode::serde::decode_from_slice(bytes, config)
-            .map_err(|e| WorkloadError::Decode(e.to_string()))?;
-        if used != bytes.len() {
+        let mut cursor = std::io::Cursor::new(body);
+        let mut de = rmp_serde::Deserializer::new(&mut cursor);
+        let plan = Plan::deserialize(&mut de).map_err(|e| WorkloadError::Decode(e.to_string()))?;
+        let used = usize::try_from(cursor.position()).unwrap_or(usize::MAX);
+        if used != body.len() {
             return Err(WorkloadError::Decode(format!(
                 "{} trailing bytes after the plan",
-                bytes.len() - used
+                body.len().saturating_sub(used)
             )));
         }
         plan.check()?;
         Ok(plan)
     }
 
-    /// Fingerprint of the whole plan: xxh3-64 of its bytes.
+    /// Fingerprint of the whole plan: xxh3-64 of its bytes ([`Plan::to_bytes`], format byte
+    /// included).
     pub fn fingerprint(&self) -> Result<u64, WorkloadError> {
         Ok(xxh3_64(&self.to_bytes()?))
     }
@@ -484,11 +500,7 @@ impl Plan {
     /// Fingerprint of the content only (spec and texts, not the schedule), as 16 hex digits:
     /// equal across arrival plans that send the same conversations.
     pub fn workload_fingerprint_hex(&self) -> Result<String, WorkloadError> {
-        let bytes = bincode::serde::encode_to_vec(
-            (&self.spec, &self.group_prefixes, &self.conversations),
-            bincode::config::standard(),
-        )
-        .map_err(|e| WorkloadError::Encode(e.to_string()))?;
+        let bytes = encode(&(&self.spec, &self.group_prefixes, &self.conversations))?;
         Ok(format!("{:016x}", xxh3_64(&bytes)))
     }
 

@@ -176,15 +176,37 @@ fn shared_closed_plans_keep_the_scripts_and_need_no_spares() {
 }
 
 #[test]
-fn a_plan_of_the_previous_format_is_refused_by_its_format() {
-    // Written by `driver plan` of format 2 (before prefix groups and sharing).
-    let old = include_bytes!("fixtures/plan-format2.bin");
-    let e = Plan::from_bytes(old).unwrap_err().to_string();
+fn a_plan_of_an_older_format_is_refused_by_its_format() {
+    // Written by `driver plan` of format 2 (before prefix groups and sharing) and of format 4
+    // (the last bincode format): both refused as written by an older kvroute, naming the format.
+    for (old, format) in [
+        (&include_bytes!("fixtures/plan-format2.bin")[..], 2),
+        (&include_bytes!("fixtures/plan-format4.bin")[..], 4),
+    ] {
+        let e = Plan::from_bytes(old).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("plan format {format} "))
+                && e.contains(&format!("supported format {PLAN_FORMAT}")),
+            "{e}"
+        );
+        assert!(e.contains("older version of kvroute"), "{e}");
+        assert!(e.contains("build it again"), "{e}");
+    }
+}
+
+#[test]
+fn the_plan_bytes_lead_with_the_format_and_refuse_unknown_ones() {
+    let plan = Plan::build(&WorkloadSpec::default(), &closed()).unwrap();
+    let mut bytes = plan.to_bytes().unwrap();
+    assert_eq!(bytes[0], PLAN_FORMAT);
+    bytes[0] = PLAN_FORMAT + 1;
+    let e = Plan::from_bytes(&bytes).unwrap_err().to_string();
     assert!(
-        e.contains("plan format 2") && e.contains(&format!("supported format {PLAN_FORMAT}")),
+        e.contains(&format!("plan format {}", PLAN_FORMAT + 1)),
         "{e}"
     );
-    assert!(e.contains("build it again"), "{e}");
+    assert!(e.contains("another version of kvroute"), "{e}");
+    assert!(Plan::from_bytes(&[]).is_err());
 }
 
 #[test]

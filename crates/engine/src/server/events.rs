@@ -50,9 +50,8 @@ struct VllmKvEventsJson {
 
 impl KvEventsConfig {
     /// Parses vLLM's `--kv-events-config` JSON. `Ok(None)` when events are disabled.
-    pub fn from_vllm_json(json: &str, encoding: Encoding) -> Result<Option<Self>, String> {
-        let v: VllmKvEventsJson =
-            serde_json::from_str(json).map_err(|e| format!("invalid --kv-events-config: {e}"))?;
+    pub fn from_vllm_json(json: &str, encoding: Encoding) -> Result<Option<Self>, EventsError> {
+        let v: VllmKvEventsJson = serde_json::from_str(json).map_err(EventsError::ConfigJson)?;
         let _ = (v.hwm, v.max_queue_size);
         if !v.enable_kv_cache_events {
             return Ok(None);
@@ -60,7 +59,7 @@ impl KvEventsConfig {
         match v.publisher.as_deref() {
             None | Some("zmq") => {}
             Some("null") => return Ok(None),
-            Some(other) => return Err(format!("unsupported kv events publisher {other:?}")),
+            Some(other) => return Err(EventsError::Publisher(other.to_string())),
         }
         let endpoint = v.endpoint.unwrap_or_else(|| "tcp://*:5557".to_owned());
         Ok(Some(Self {
@@ -83,11 +82,9 @@ pub fn should_bind(endpoint: &str) -> bool {
 }
 
 /// The zeromq crate resolves hosts, so a `*` host is spelled as the IPv4 wildcard.
-fn bindable(endpoint: &str) -> Result<String, String> {
+fn bindable(endpoint: &str) -> Result<String, EventsError> {
     if !endpoint.starts_with("tcp://") {
-        return Err(format!(
-            "only tcp:// KV event endpoints are supported, got {endpoint:?}"
-        ));
+        return Err(EventsError::NotTcp(endpoint.to_string()));
     }
     Ok(endpoint.replace("tcp://*:", "tcp://0.0.0.0:"))
 }
@@ -95,6 +92,30 @@ fn bindable(endpoint: &str) -> Result<String, String> {
 /// A bound endpoint as a client should dial it (the wildcard becomes loopback).
 fn dialable(endpoint: &str) -> String {
     endpoint.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
+}
+
+/// Why the KV event sockets could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum EventsError {
+    /// `--kv-events-config` is not vLLM's JSON.
+    #[error("invalid --kv-events-config: {0}")]
+    ConfigJson(serde_json::Error),
+    /// A publisher other than `zmq` or `null`.
+    #[error("unsupported kv events publisher {0:?}")]
+    Publisher(String),
+    /// An endpoint of another transport than `tcp://`.
+    #[error("only tcp:// KV event endpoints are supported, got {0:?}")]
+    NotTcp(String),
+    /// A socket could not bind.
+    #[error("cannot bind KV {what} endpoint {endpoint}: {source}")]
+    Bind {
+        /// `events` (the PUB socket) or `replay` (the ROUTER socket).
+        what: &'static str,
+        /// The endpoint as configured.
+        endpoint: String,
+        /// zeromq's error.
+        source: zeromq::ZmqError,
+    },
 }
 
 /// Running publisher: the endpoints to announce and the task handles.
@@ -113,14 +134,18 @@ type ReplayBuffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 pub async fn start(
     cfg: &KvEventsConfig,
     mut rx: mpsc::UnboundedReceiver<Vec<KvEvent>>,
-) -> Result<Publisher, String> {
+) -> Result<Publisher, EventsError> {
     let mut pub_sock = PubSocket::new();
     let mut tasks = Vec::new();
     let endpoint = if cfg.bind {
         let ep = pub_sock
             .bind(&bindable(&cfg.endpoint)?)
             .await
-            .map_err(|e| format!("cannot bind KV events endpoint {}: {e}", cfg.endpoint))?;
+            .map_err(|source| EventsError::Bind {
+                what: "events",
+                endpoint: cfg.endpoint.clone(),
+                source,
+            })?;
         dialable(&ep.to_string())
     } else {
         bindable(&cfg.endpoint)?;
@@ -135,7 +160,11 @@ pub async fn start(
             let ep = router
                 .bind(&bindable(r)?)
                 .await
-                .map_err(|e| format!("cannot bind KV replay endpoint {r}: {e}"))?;
+                .map_err(|source| EventsError::Bind {
+                    what: "replay",
+                    endpoint: r.clone(),
+                    source,
+                })?;
             tasks.push(tokio::spawn(serve_replay(router, buffer.clone())));
             Some(dialable(&ep.to_string()))
         }
@@ -243,8 +272,9 @@ mod tests {
         assert!(should_bind("tcp://[::]:5557"));
         assert!(!should_bind("tcp://10.0.0.1:5557"));
         assert_eq!(
-            KvEventsConfig::from_vllm_json(r#"{"enable_kv_cache_events":false}"#, Encoding::Array),
-            Ok(None)
+            KvEventsConfig::from_vllm_json(r#"{"enable_kv_cache_events":false}"#, Encoding::Array)
+                .unwrap(),
+            None
         );
         assert!(KvEventsConfig::from_vllm_json("{", Encoding::Array).is_err());
         assert!(KvEventsConfig::from_vllm_json(r#"{"bogus":1}"#, Encoding::Array).is_err());

@@ -108,9 +108,20 @@ pub struct Server {
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    /// Invalid configuration.
+    /// Invalid engine configuration.
     #[error("invalid configuration: {0}")]
-    Config(String),
+    Config(#[from] engine_core::ConfigError),
+    /// No `--served-model-name` (nor `--model`).
+    #[error("invalid configuration: at least one served model name is needed")]
+    NoServedModel,
+    /// KV events asked of the llama-slots cache model.
+    #[error(
+        "invalid configuration: the llama-slots cache model records no KV events (llama.cpp's llama-server publishes none): drop --kv-events-config/--kv-events-port"
+    )]
+    EventsWithoutPagedCache,
+    /// The engine thread could not be spawned.
+    #[error("invalid configuration: cannot spawn the engine thread: {0}")]
+    Thread(std::io::Error),
     /// The HTTP listener could not bind.
     #[error("cannot listen on {addr}: {source}")]
     Listen {
@@ -120,8 +131,8 @@ pub enum StartError {
         source: std::io::Error,
     },
     /// A KV event socket could not be set up.
-    #[error("{0}")]
-    Events(String),
+    #[error(transparent)]
+    Events(#[from] events::EventsError),
 }
 
 impl Server {
@@ -190,18 +201,14 @@ impl Drop for Server {
 /// Starts a replica: binds, spawns the engine thread and the accept loop.
 pub async fn start(cfg: ServerConfig) -> Result<Server, StartError> {
     if cfg.served_model_names.is_empty() {
-        return Err(StartError::Config(
-            "at least one served model name is needed".into(),
-        ));
+        return Err(StartError::NoServedModel);
     }
     if cfg.kv_events.is_some() && cfg.engine.cache_model != CacheModel::Paged {
-        return Err(StartError::Config(
-            "the llama-slots cache model records no KV events (llama.cpp's llama-server publishes none): drop --kv-events-config/--kv-events-port".into(),
-        ));
+        return Err(StartError::EventsWithoutPagedCache);
     }
     let mut engine_cfg = cfg.engine.clone();
     engine_cfg.enable_kv_events = cfg.kv_events.is_some();
-    let engine = Engine::new(engine_cfg.clone()).map_err(StartError::Config)?;
+    let engine = Engine::new(engine_cfg.clone())?;
     let addr = format!("{}:{}", cfg.host, cfg.port);
     let listener = TcpListener::bind(&addr)
         .await
@@ -218,7 +225,7 @@ pub async fn start(cfg: ServerConfig) -> Result<Server, StartError> {
         None => (None, None, None),
         Some(ec) => {
             let (tx, rx) = mpsc::unbounded_channel();
-            let p = events::start(ec, rx).await.map_err(StartError::Events)?;
+            let p = events::start(ec, rx).await?;
             tasks.extend(p.tasks);
             (Some(tx), Some(p.endpoint), p.replay_endpoint)
         }
@@ -241,7 +248,7 @@ pub async fn start(cfg: ServerConfig) -> Result<Server, StartError> {
             }
             engine_loop::run(engine, cmd_rx, clock, thread_metrics, events_tx)
         })
-        .map_err(|e| StartError::Config(format!("cannot spawn the engine thread: {e}")))?;
+        .map_err(StartError::Thread)?;
 
     let state = Arc::new(AppState {
         served: cfg.served_model_names.clone(),

@@ -9,7 +9,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use crate::Result;
+use crate::error::{err, fail};
 
 use super::router::{RouterSettings, check_kv_events, router_command};
 use crate::fleet::Fleet;
@@ -37,7 +38,8 @@ pub fn picker_policy(cell: &str) -> &str {
 /// binaries every sweep builds: `--ingress envoy-epp` only).
 pub fn check_bin(epp_bin: &Path) -> Result<()> {
     if !epp_bin.is_file() {
-        bail!(
+        fail!(
+            NotInstalled,
             "{} is missing; build it with `cargo build --release -p epp-bin` (--ingress envoy-epp needs it; Envoy itself: {INSTALL_HINT})",
             epp_bin.display()
         );
@@ -78,7 +80,8 @@ pub fn start_envoy_epp(
             ))
         })?;
     let admin = ready.admin_url().ok_or_else(|| {
-        anyhow::anyhow!(
+        err!(
+            Answer,
             "the endpoint picker's readiness line names no admin listener; see its log {}",
             log.display()
         )

@@ -22,7 +22,8 @@ use std::process::{Command, ExitStatus};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use crate::error::{err, fail};
+use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::files::write_atomic;
@@ -89,7 +90,8 @@ impl HaproxySettings {
     pub fn hash_balance_factor(&self) -> Result<u32> {
         let f = (self.balance_factor * 100.0).round();
         if !(self.balance_factor.is_finite() && (100.0..=100_000.0).contains(&f)) {
-            bail!(
+            fail!(
+                Invalid,
                 "the load bound must be at least 1 (HAProxy's hash-balance-factor is bound × 100 ≥ 100), got {}",
                 self.balance_factor
             );
@@ -132,13 +134,14 @@ pub fn render_config(
     s: &HaproxySettings,
 ) -> Result<String> {
     if backends.is_empty() {
-        bail!("HAProxy needs at least one backend");
+        fail!(Invalid, "HAProxy needs at least one backend");
     }
     if s.threads == 0 {
-        bail!("HAProxy needs at least one thread");
+        fail!(Invalid, "HAProxy needs at least one thread");
     }
     if !(s.stream_timeout_s.is_finite() && s.stream_timeout_s >= 1.0) {
-        bail!(
+        fail!(
+            Invalid,
             "the stream timeout must be at least 1 s, got {}",
             s.stream_timeout_s
         );
@@ -150,14 +153,18 @@ pub fn render_config(
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '-')
     {
-        bail!(
+        fail!(
+            Invalid,
             "the backend name must be letters, digits and dashes: {:?}",
             s.backend
         );
     }
     let socket = stats_socket.to_string_lossy();
     if socket.contains(char::is_whitespace) {
-        bail!("the stats socket path may not contain spaces: {socket}");
+        fail!(
+            Invalid,
+            "the stats socket path may not contain spaces: {socket}"
+        );
     }
     let timeout_ms = (s.stream_timeout_s * 1000.0).round() as u64;
     let mut cfg = format!(
@@ -209,7 +216,11 @@ pub fn haproxy_bin() -> Result<PathBuf> {
         if p.is_file() {
             return Ok(p);
         }
-        bail!("KVROUTE_HAPROXY names {}, which is not a file", p.display());
+        fail!(
+            NotInstalled,
+            "KVROUTE_HAPROXY names {}, which is not a file",
+            p.display()
+        );
     }
     let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).collect())
@@ -219,7 +230,8 @@ pub fn haproxy_bin() -> Result<PathBuf> {
         .map(|d| d.join("haproxy"))
         .find(|p| p.is_file())
         .ok_or_else(|| {
-            anyhow!(
+            err!(
+                NotInstalled,
                 "HAProxy is not installed (no `haproxy` on PATH or in /usr/sbin); {INSTALL_HINT}"
             )
         })
@@ -244,12 +256,17 @@ pub fn parse_show_stat(text: &str, backend: &str) -> Result<Vec<ServerStat>> {
     let header = lines
         .next()
         .and_then(|h| h.strip_prefix("# "))
-        .ok_or_else(|| anyhow!("`show stat` answered without its CSV header: {text:.200}"))?;
+        .ok_or_else(|| {
+            err!(
+                Answer,
+                "`show stat` answered without its CSV header: {text:.200}"
+            )
+        })?;
     let cols: Vec<&str> = header.split(',').collect();
     let col = |name: &str| {
         cols.iter()
             .position(|c| *c == name)
-            .ok_or_else(|| anyhow!("`show stat` has no `{name}` column"))
+            .ok_or_else(|| err!(Answer, "`show stat` has no `{name}` column"))
     };
     let (px, sv, scur, stot, status) = (
         col("pxname")?,
@@ -289,8 +306,12 @@ static SOCKETS: AtomicU32 = AtomicU32::new(0);
 /// A loopback port the kernel just handed out (free when picked, not reserved).
 pub(crate) fn free_port() -> Result<u16> {
     // HAProxy cannot announce an ephemeral port, so pick one the kernel just handed out.
-    let l = TcpListener::bind("127.0.0.1:0").context("finding a free loopback port")?;
-    Ok(l.local_addr()?.port())
+    let socket = |source| Error::Socket {
+        what: "finding a free loopback port".to_string(),
+        source,
+    };
+    let l = TcpListener::bind("127.0.0.1:0").map_err(socket)?;
+    Ok(l.local_addr().map_err(socket)?.port())
 }
 
 impl Haproxy {
@@ -304,7 +325,7 @@ impl Haproxy {
         should_stop: &dyn Fn() -> bool,
     ) -> Result<Haproxy> {
         let bin = haproxy_bin()?;
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(Error::io("creating", dir))?;
         // Unix socket paths are short (108 bytes): keep it in the temp dir, not the cell.
         let stats_socket = std::env::temp_dir().join(format!(
             "kvroute-haproxy-{}-{}.sock",
@@ -324,9 +345,13 @@ impl Haproxy {
                 .arg("-f")
                 .arg(&config)
                 .output()
-                .with_context(|| format!("running {} -c", bin.display()))?;
+                .map_err(|source| Error::Spawn {
+                    what: format!("running {} -c", bin.display()),
+                    source,
+                })?;
             if !check.status.success() {
-                bail!(
+                fail!(
+                    Answer,
                     "HAProxy rejected {}: {}{}",
                     config.display(),
                     String::from_utf8_lossy(&check.stdout),
@@ -359,7 +384,7 @@ impl Haproxy {
                 }
             }
         }
-        Err(last_error.unwrap_or_else(|| anyhow!("HAProxy did not start")))
+        Err(last_error.unwrap_or_else(|| err!(Exited, "HAProxy did not start")))
     }
 
     fn wait_ready(&mut self, timeout: Duration, should_stop: &dyn Fn() -> bool) -> Result<()> {
@@ -367,10 +392,11 @@ impl Haproxy {
         let (authority, _) = http::split_url(&self.url)?;
         loop {
             if should_stop() {
-                bail!("interrupted while waiting for HAProxy");
+                fail!(Interrupted, "interrupted while waiting for HAProxy");
             }
             if let Some(status) = self.guard.try_wait()? {
-                bail!(
+                fail!(
+                    Exited,
                     "HAProxy exited ({status}) before it was ready; see its log {}",
                     self.guard.log_path().display()
                 );
@@ -379,7 +405,8 @@ impl Haproxy {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                bail!(
+                fail!(
+                    Timeout,
                     "HAProxy did not accept connections on {} within {:.0} s; see its log {}",
                     self.url,
                     timeout.as_secs_f64(),
@@ -402,12 +429,20 @@ impl Haproxy {
 
     /// A raw command on the stats socket (`show stat`, `show info`, …).
     fn command(&self, command: &str) -> Result<String> {
-        let mut s = UnixStream::connect(&self.stats_socket)
-            .with_context(|| format!("connecting to {}", self.stats_socket.display()))?;
-        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        s.write_all(format!("{command}\n").as_bytes())?;
+        let mut s = UnixStream::connect(&self.stats_socket).map_err(|source| Error::Socket {
+            what: format!("connecting to {}", self.stats_socket.display()),
+            source,
+        })?;
+        let on_socket = |source| Error::Socket {
+            what: format!("`{command}` on {}", self.stats_socket.display()),
+            source,
+        };
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(on_socket)?;
+        s.write_all(format!("{command}\n").as_bytes())
+            .map_err(on_socket)?;
         let mut out = String::new();
-        s.read_to_string(&mut out)?;
+        s.read_to_string(&mut out).map_err(on_socket)?;
         Ok(out)
     }
 
@@ -439,7 +474,11 @@ impl Haproxy {
     /// router rows keeps as its load-share evidence). Call it before [`Haproxy::terminate`].
     pub fn write_stats(&self, path: &Path) -> Result<Vec<ServerStat>> {
         let stats = self.show_stat()?;
-        write_atomic(path, serde_json::to_string_pretty(&stats)?.as_bytes())?;
+        let text = serde_json::to_string_pretty(&stats).map_err(|source| Error::Json {
+            what: format!("writing {}", path.display()),
+            source,
+        })?;
+        write_atomic(path, text.as_bytes())?;
         Ok(stats)
     }
 }

@@ -14,7 +14,8 @@ pub mod routers;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use crate::Result;
+use crate::error::fail;
 use serde::{Deserialize, Serialize};
 
 use crate::fleet::Fleet;
@@ -185,7 +186,8 @@ impl IngressProcess {
         match self {
             IngressProcess::Router(guard) | IngressProcess::EnvoyEpp(guard) => {
                 if let Some(status) = guard.try_wait()? {
-                    bail!(
+                    fail!(
+                        Exited,
                         "the {} exited during the run ({status}); see its log {}",
                         guard.name(),
                         guard.log_path().display()

@@ -4,7 +4,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{Result, anyhow, bail};
+use crate::Result;
+use crate::error::{err, fail};
 use serde::Serialize;
 
 use crate::fleet::{Fleet, ReplicaInfo};
@@ -56,7 +57,8 @@ pub fn router_command(
             .enumerate()
             .map(|(i, r)| {
                 r.kv_events.clone().ok_or_else(|| {
-                    anyhow!(
+                    err!(
+                        Invalid,
                         "replica {i} publishes no KV events, which policy {} needs",
                         settings.policy
                     )
@@ -107,7 +109,8 @@ fn refuse_without_kv_events(
     if settings.kv_events
         && let Some(reason) = reason
     {
-        bail!(
+        fail!(
+            Invalid,
             "policy {} needs the engines' KV events and cannot run on a {fleet} fleet: {reason}. Use a policy that keeps its own belief of residency (prefix-affinity, prefix-hash) or the session policies",
             settings.policy
         );
@@ -151,7 +154,7 @@ pub fn spawn_router(
     let mut guard = ChildGuard::spawn(name, cmd, log)?;
     let ready = guard.wait_ready(Duration::from_secs(30), should_stop)?;
     let admin = ready.admin_url().ok_or_else(|| {
-        anyhow!(
+        err!(Answer,
             "the router's readiness line names no admin listener (an older router binary?); see its log {}",
             log.display()
         )

@@ -23,7 +23,8 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use crate::error::{err, fail};
+use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 use super::Ingress;
@@ -73,14 +74,15 @@ impl Front {
 }
 
 impl std::str::FromStr for Front {
-    type Err = String;
+    type Err = Error;
 
     /// `rr` or `session-hash` (the flag's spellings).
-    fn from_str(s: &str) -> std::result::Result<Front, String> {
+    fn from_str(s: &str) -> Result<Front> {
         match s {
             "rr" => Ok(Front::RoundRobin),
             "session-hash" => Ok(Front::SessionHash),
-            other => Err(format!(
+            other => Err(err!(
+                Invalid,
                 "unknown front {other:?}: `rr` (round robin) or `session-hash` (consistent hashing on x-session-id)"
             )),
         }
@@ -161,15 +163,17 @@ impl Ingress {
         share_loads: bool,
     ) -> Result<Ingress> {
         if count == 0 {
-            bail!("--routers must be at least 1");
+            fail!(Invalid, "--routers must be at least 1");
         }
         if share_loads && !share {
-            bail!(
+            fail!(
+                Invalid,
                 "--share-loads shares the routers' load view over their decision-sharing sockets; it needs --share-decisions"
             );
         }
         if count == 1 && share {
-            bail!(
+            fail!(
+                Invalid,
                 "--share-decisions shares routing decisions between routers; it needs --routers 2 or more"
             );
         }
@@ -183,7 +187,8 @@ impl Ingress {
                 share,
                 share_loads,
             })),
-            Ingress::Haproxy | Ingress::EnvoyEpp | Ingress::Routers(_) => bail!(
+            Ingress::Haproxy | Ingress::EnvoyEpp | Ingress::Routers(_) => fail!(
+                Invalid,
                 "--routers and --front run kvroute routers behind HAProxy; they cannot be combined with --ingress {} (which replaces the router)",
                 match base {
                     Ingress::EnvoyEpp => "envoy-epp",
@@ -221,12 +226,16 @@ pub fn share_args(k: usize, ports: &[u16], loads: bool) -> Vec<String> {
 /// `count` distinct loopback ports the kernel just handed out (all bound at once, so distinct;
 /// free when picked, not reserved).
 fn free_ports(count: usize) -> Result<Vec<u16>> {
+    let socket = |source| Error::Socket {
+        what: "finding a free loopback port".to_string(),
+        source,
+    };
     let listeners: Vec<TcpListener> = (0..count)
-        .map(|_| TcpListener::bind("127.0.0.1:0").context("finding a free loopback port"))
+        .map(|_| TcpListener::bind("127.0.0.1:0").map_err(socket))
         .collect::<Result<_>>()?;
     listeners
         .iter()
-        .map(|l| Ok(l.local_addr()?.port()))
+        .map(|l| Ok(l.local_addr().map_err(socket)?.port()))
         .collect()
 }
 
@@ -282,13 +291,19 @@ pub fn shared_decision_counters(metrics: &str) -> Result<BTreeMap<String, f64>> 
         .iter()
         .find(|c| !out.contains_key(**c))
     {
-        bail!("no kvroute_shared_decisions_{missing}_total (a router without decision sharing?)");
+        fail!(
+            Answer,
+            "no kvroute_shared_decisions_{missing}_total (a router without decision sharing?)"
+        );
     }
     if let Some(missing) = SHARED_LOAD_COUNTERS
         .iter()
         .find(|c| !out.contains_key(&format!("loads_{c}")))
     {
-        bail!("no kvroute_shared_loads_{missing}_total (a router from before --share-loads?)");
+        fail!(
+            Answer,
+            "no kvroute_shared_loads_{missing}_total (a router from before --share-loads?)"
+        );
     }
     Ok(out)
 }
@@ -312,8 +327,8 @@ pub fn parse_stat_cpu_ticks(text: &str) -> Option<u64> {
 /// CPU seconds (user + system, all threads) of process `pid` so far.
 fn cpu_s(pid: u32) -> Result<f64> {
     let path = format!("/proc/{pid}/stat");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    let ticks = parse_stat_cpu_ticks(&text).ok_or_else(|| anyhow!("cannot parse {path}"))?;
+    let text = std::fs::read_to_string(&path).map_err(Error::io("reading", &path))?;
+    let ticks = parse_stat_cpu_ticks(&text).ok_or_else(|| err!(Answer, "cannot parse {path}"))?;
     Ok(ticks as f64 / clock_ticks_per_s() as f64)
 }
 
@@ -329,7 +344,10 @@ fn wait_peers_connected(
     for r in routers {
         loop {
             if should_stop() {
-                bail!("interrupted while waiting for the routers to subscribe to each other");
+                fail!(
+                    Interrupted,
+                    "interrupted while waiting for the routers to subscribe to each other"
+                );
             }
             let url = http::join(&r.admin_url, "/metrics");
             let last = match http::get(&url, Duration::from_secs(2)) {
@@ -343,10 +361,11 @@ fn wait_peers_connected(
                     format!("{connected} of {peers} peers connected")
                 }
                 Ok(resp) => format!("GET /metrics answered {}", resp.status),
-                Err(e) => format!("{e:#}"),
+                Err(e) => e.chain(),
             };
             if Instant::now() >= deadline {
-                bail!(
+                fail!(
+                    Timeout,
                     "router {} did not subscribe to its peers' decisions within {:.0} s ({last}); see its log {}",
                     r.id,
                     timeout.as_secs_f64(),
@@ -437,7 +456,7 @@ impl Routers {
         should_stop: &dyn Fn() -> bool,
     ) -> Result<Routers> {
         if settings.count == 0 {
-            bail!("routers behind HAProxy means at least 1");
+            fail!(Invalid, "routers behind HAProxy means at least 1");
         }
         // Fails with the install hint before any router starts.
         super::haproxy::haproxy_bin()?;
@@ -517,7 +536,8 @@ impl Routers {
     pub fn check_running(&mut self) -> Result<()> {
         for r in &mut self.routers {
             if let Some(status) = r.guard.try_wait()? {
-                bail!(
+                fail!(
+                    Exited,
                     "router {} exited during the run ({status}); see its log {}",
                     r.id,
                     r.guard.log_path().display()
@@ -525,7 +545,8 @@ impl Routers {
             }
         }
         if let Some(status) = self.front.try_wait()? {
-            bail!(
+            fail!(
+                Exited,
                 "HAProxy in front of the routers exited during the run ({status}); see its log {}",
                 self.front.log_path().display()
             );
@@ -548,7 +569,7 @@ impl Routers {
         let front_servers = match front.show_stat() {
             Ok(s) => s,
             Err(e) => {
-                warnings.push(format!("HAProxy's per-server counts: {e:#}"));
+                warnings.push(format!("HAProxy's per-server counts: {}", e.chain()));
                 Vec::new()
             }
         };
@@ -557,7 +578,7 @@ impl Routers {
             let cpu = match r.guard.pid().map(cpu_s) {
                 Some(Ok(s)) => Some(s),
                 Some(Err(e)) => {
-                    warnings.push(format!("router {}'s CPU time: {e:#}", r.id));
+                    warnings.push(format!("router {}'s CPU time: {}", r.id, e.chain()));
                     None
                 }
                 None => None,
@@ -569,14 +590,18 @@ impl Routers {
                 )
                 .and_then(|resp| {
                     if resp.status != 200 {
-                        bail!("GET /metrics answered {}", resp.status);
+                        fail!(Answer, "GET /metrics answered {}", resp.status);
                     }
                     shared_decision_counters(&resp.text())
                 });
                 match scraped {
                     Ok(c) => Some(c),
                     Err(e) => {
-                        warnings.push(format!("router {}'s shared-decision counters: {e:#}", r.id));
+                        warnings.push(format!(
+                            "router {}'s shared-decision counters: {}",
+                            r.id,
+                            e.chain()
+                        ));
                         None
                     }
                 }
@@ -636,10 +661,12 @@ impl Routers {
                 .collect(),
             front_servers,
         };
-        write_atomic(
-            &dir.join("routers.json"),
-            serde_json::to_string_pretty(&record)?.as_bytes(),
-        )?;
+        let path = dir.join("routers.json");
+        let text = serde_json::to_string_pretty(&record).map_err(|source| Error::Json {
+            what: format!("writing {}", path.display()),
+            source,
+        })?;
+        write_atomic(&path, text.as_bytes())?;
         Ok(warnings)
     }
 }
@@ -654,27 +681,38 @@ pub fn merge_router_rows(parts: &[(PathBuf, f64)], out: &Path) -> Result<Vec<u64
         .terminator(csv::Terminator::Any(b'\n'))
         .from_writer(Vec::new());
     let mut counts = Vec::with_capacity(parts.len());
+    let writing = |source| Error::Csv {
+        what: format!("writing {}", out.display()),
+        source,
+    };
     for (path, offset_s) in parts {
-        let mut r = csv::ReaderBuilder::new().from_path(path).with_context(|| {
-            format!(
-                "reading {} (the router wrote no rows file?)",
-                path.display()
-            )
-        })?;
+        let mut r = csv::ReaderBuilder::new()
+            .from_path(path)
+            .map_err(|source| Error::Csv {
+                what: format!(
+                    "reading {} (the router wrote no rows file?)",
+                    path.display()
+                ),
+                source,
+            })?;
         let h = r
             .headers()
-            .with_context(|| format!("reading {}'s header", path.display()))?
+            .map_err(|source| Error::Csv {
+                what: format!("reading {}'s header", path.display()),
+                source,
+            })?
             .clone();
         match &header {
             None => {
                 arrival = h
                     .iter()
                     .position(|c| c == "arrival_s")
-                    .ok_or_else(|| anyhow!("{} has no arrival_s column", path.display()))?;
-                w.write_record(&h)?;
+                    .ok_or_else(|| err!(Invalid, "{} has no arrival_s column", path.display()))?;
+                w.write_record(&h).map_err(writing)?;
                 header = Some(h);
             }
-            Some(first) if *first != h => bail!(
+            Some(first) if *first != h => fail!(
+                Invalid,
                 "{} has other columns than {} (routers of different versions?)",
                 path.display(),
                 parts[0].0.display()
@@ -683,12 +721,16 @@ pub fn merge_router_rows(parts: &[(PathBuf, f64)], out: &Path) -> Result<Vec<u64
         }
         let mut n = 0u64;
         for (i, rec) in r.records().enumerate() {
-            let rec = rec.with_context(|| format!("{} row {}", path.display(), i + 1))?;
+            let rec = rec.map_err(|source| Error::Csv {
+                what: format!("{} row {}", path.display(), i + 1),
+                source,
+            })?;
             let t: f64 = rec
                 .get(arrival)
                 .and_then(|v| v.parse().ok())
                 .ok_or_else(|| {
-                    anyhow!(
+                    err!(
+                        Invalid,
                         "{} row {}: arrival_s is not a number",
                         path.display(),
                         i + 1
@@ -700,17 +742,17 @@ pub fn merge_router_rows(parts: &[(PathBuf, f64)], out: &Path) -> Result<Vec<u64
                 .enumerate()
                 .map(|(j, v)| if j == arrival { shifted.as_str() } else { v })
                 .collect();
-            w.write_record(&fields)?;
+            w.write_record(&fields).map_err(writing)?;
             n += 1;
         }
         counts.push(n);
     }
     if header.is_none() {
-        bail!("no router rows to merge");
+        fail!(Invalid, "no router rows to merge");
     }
     let bytes = w
         .into_inner()
-        .map_err(|e| anyhow!("writing {}: {e}", out.display()))?;
+        .map_err(|e| writing(csv::Error::from(e.into_error())))?;
     write_atomic(out, &bytes)?;
     Ok(counts)
 }
@@ -774,12 +816,13 @@ mod tests {
         }
         assert_eq!(Front::SessionHash.as_str(), "session-hash");
         for f in [Front::RoundRobin, Front::SessionHash] {
-            assert_eq!(f.as_str().parse::<Front>(), Ok(f));
+            assert_eq!(f.as_str().parse::<Front>().ok(), Some(f));
         }
         assert!(
             "hash"
                 .parse::<Front>()
                 .unwrap_err()
+                .to_string()
                 .contains("session-hash")
         );
         assert_eq!(serde_json::to_value(Front::RoundRobin).unwrap(), "rr");

@@ -50,6 +50,32 @@ impl MockPublisher {
         }
     }
 
+    /// Binds on `endpoint` (a restarted engine publishing where its predecessor did), retrying
+    /// for up to [`WAIT`] while the old socket's port is still being released.
+    pub async fn bind_at(endpoint: &str) -> MockPublisher {
+        use zeromq::Socket;
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let mut sock = zeromq::PubSocket::new();
+            match sock.bind(endpoint).await {
+                Ok(ep) => {
+                    return MockPublisher {
+                        sock,
+                        endpoint: ep.to_string(),
+                        replay: None,
+                        buffer: Arc::default(),
+                        replay_task: None,
+                    };
+                }
+                Err(e) => assert!(
+                    std::time::Instant::now() < deadline,
+                    "cannot bind {endpoint} again: {e}"
+                ),
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
     /// Binds a publisher and a replay socket.
     pub async fn bind_with_replay() -> MockPublisher {
         use zeromq::{Socket, SocketRecv, SocketSend};
