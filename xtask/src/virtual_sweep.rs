@@ -64,6 +64,7 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
     let errors: Mutex<Vec<String>> = Mutex::new(Vec::new());
     let set_aside = AtomicUsize::new(0);
     let overloaded = AtomicUsize::new(0);
+    let worsening = AtomicUsize::new(0);
     std::thread::scope(|s| {
         for _ in 0..threads.min(total.max(1)) {
             s.spawn(|| {
@@ -79,6 +80,9 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
                         }
                         Ok(DriftClass::Overloaded) => {
                             overloaded.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(DriftClass::Worsening) => {
+                            worsening.fetch_add(1, Ordering::Relaxed);
                         }
                         Ok(_) => {}
                         Err(e) => errors
@@ -105,11 +109,12 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
         );
     }
     eprintln!(
-        "xtask sweep {} --virtual: {total} cells in {:.1} s on {threads} threads ({} set aside by the drift check as warming; {} overloaded: a growing backlog, counted and marked)",
+        "xtask sweep {} --virtual: {total} cells in {:.1} s on {threads} threads ({} set aside by the drift check as warming; {} overloaded: a growing backlog, and {} worsening: a trend for the worse with no queue growing, both counted and marked)",
         args.name.as_str(),
         started.elapsed().as_secs_f64(),
         set_aside.load(Ordering::Relaxed),
-        overloaded.load(Ordering::Relaxed)
+        overloaded.load(Ordering::Relaxed),
+        worsening.load(Ordering::Relaxed)
     );
     if !args.no_report {
         report::write(&dir)?;

@@ -38,8 +38,13 @@
 //! later stretch of the plan, not a settled version of this one. It is a
 //! result, recorded with its goodput and attainment and marked so, not set aside. A drifting rep
 //! with a flat or falling backlog, or a drifting closed loop (its users wait for replies, so it
-//! has no backlog to grow), is [`DriftClass::Warming`]: re-run with a longer warm-up, or set
-//! aside. The rule is
+//! has no backlog to grow), is [`DriftClass::Warming`] only when every trend it shows improves the
+//! SLO's outcome (attainment or goodput rising, TTFT falling), as caches filling do: re-run with
+//! a longer warm-up, or set aside. A trend for the worse (attainment or goodput falling, TTFT
+//! rising) is [`DriftClass::Worsening`]: the fleet drifting (a queue the backlog test cannot yet
+//! resolve, another process taking the cores), which a longer warm-up would not settle and a
+//! re-run would only measure again. It is a result, recorded and marked like an overloaded one.
+//! The rule is
 //! [`CLASSIFICATION_RULE`]. Below `min_requests` measured requests the check is not run
 //! (reported as skipped): a slope over a handful of requests says nothing.
 
@@ -53,9 +58,9 @@ use crate::stats::ols;
 
 pub use schema::drift::{DriftClass, DriftConfig, DriftVerdict, TrendTest};
 
-/// The rule that tells a warming repetition from an overloaded one, as `meta.json`'s `drift`
+/// The rule that tells a warming repetition from a worsening or an overloaded one, as `meta.json`'s `drift`
 /// records it beside the evidence.
-pub const CLASSIFICATION_RULE: &str = "drifting = the SLO outcome per bucket (closed loop: goodput; open loop: SLO attainment, as its arrivals are the plan's) or the TTFT the SLO judges trends across the measured window (OLS slope, |t| > t_threshold and fitted change > min_relative_change of the series mean; for TTFT, of the larger of its mean and the TTFT bound); overloaded = open loop and the backlog (requests scheduled and not yet finished: queued in the driver or in flight; its mean over each bucket) or the driver's queue alone (scheduled, not yet sent) rises by the same test, drifting or not, or the TTFT trend rises and more than half of its slope is the wait in the driver (OLS of the wait on the same times); warming = drifting with neither queue rising (flat or falling ones, or a closed loop, which has no backlog to grow); an overloaded rep is a result, recorded with its goodput and attainment and marked, a warming one is re-run with a longer warm-up or set aside";
+pub const CLASSIFICATION_RULE: &str = "drifting = the SLO outcome per bucket (closed loop: goodput; open loop: SLO attainment, as its arrivals are the plan's) or the TTFT the SLO judges trends across the measured window (OLS slope, |t| > t_threshold and fitted change > min_relative_change of the series mean; for TTFT, of the larger of its mean and the TTFT bound); overloaded = open loop and the backlog (requests scheduled and not yet finished: queued in the driver or in flight; its mean over each bucket) or the driver's queue alone (scheduled, not yet sent) rises by the same test, drifting or not, or the TTFT trend rises and more than half of its slope is the wait in the driver (OLS of the wait on the same times); warming = drifting with neither queue rising (flat or falling ones, or a closed loop, which has no backlog to grow) and every flagged trend improving the SLO's outcome (attainment or goodput up, TTFT down); worsening = drifting with neither queue rising and some flagged trend for the worse (attainment or goodput down, TTFT up); an overloaded or worsening rep is a result, recorded with its goodput and attainment and marked, a warming one is re-run with a longer warm-up or set aside";
 
 /// Above this share of a rising TTFT trend's slope being the wait in the driver, the drift is
 /// the driver's queue growing, not the engines warming: more of the trend is the queue than the
@@ -310,12 +315,20 @@ pub fn check_rows(
         reasons.push(describe("TTFT", t));
     }
     let drifting = !reasons.is_empty();
+    // Only a trend that improves the SLO's outcome is warming; one flagged the other way is the
+    // fleet getting worse, which a longer warm-up does not fix.
+    let worse = |t: &Option<TrendTest>, up_is_good: bool| {
+        t.as_ref()
+            .is_some_and(|t| t.flagged && (t.slope_per_s > 0.0) != up_is_good)
+    };
+    let for_the_worse = worse(&goodput, true) || worse(&attainment, true) || worse(&ttft, false);
     let backlog_rising = backlog.as_ref().filter(rises);
     let unsent_rising = unsent.as_ref().filter(rises);
     let queue_drift = wait_share.filter(|&share| share > WAIT_SHARE_OF_DRIFT);
     let grows = backlog_rising.is_some() || unsent_rising.is_some() || queue_drift.is_some();
     let class = match (drifting, grows) {
         (_, true) => DriftClass::Overloaded,
+        (true, false) if for_the_worse => DriftClass::Worsening,
         (true, false) => DriftClass::Warming,
         (false, false) => DriftClass::Settled,
     };
@@ -349,6 +362,10 @@ pub fn check_rows(
             ))
         }
         DriftClass::Warming => Some(format!("warming: {}", reasons.join("; "))),
+        DriftClass::Worsening => Some(format!(
+            "worsening (no queue grows): {}",
+            reasons.join("; ")
+        )),
         _ => None,
     };
     DriftVerdict {

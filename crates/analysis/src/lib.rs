@@ -36,6 +36,6 @@ pub use report::{Report, ReportConfig, analyze, analyze_dir};
 /// lines. Bump it whenever a change makes any published report, summary or timeline read
 /// differently; `cargo xtask rebuild` then shows which published files must be rebuilt and
 /// refuses to overwrite a published file whose bytes change under an unchanged version.
-pub const RULES_VERSION: &str = "2026-12-03.1";
+pub const RULES_VERSION: &str = "2026-12-04.1";
 
 pub use rows::{ClientRow, RouterRow, read_client_csv, read_router_csv, rows_file};

@@ -188,6 +188,16 @@ fn notes(out: &mut String, c: &Cell) {
         );
     }
     let mut noted = !c.set_aside.is_empty() || !c.overloaded.is_empty();
+    for d in c.drift.iter().filter(|d| d.verdict.worsening()) {
+        noted = true;
+        let _ = writeln!(
+            out,
+            "- {}: rep-{} drifts for the worse by this report's drift check ({}); it is counted — a longer warm-up would not settle it — and marked.",
+            c.policy,
+            d.rep,
+            d.verdict.reason.as_deref().unwrap_or("")
+        );
+    }
     for d in c.drift.iter().filter(|d| d.verdict.warming) {
         noted = true;
         let _ = writeln!(

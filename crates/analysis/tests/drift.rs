@@ -136,12 +136,49 @@ fn a_real_but_small_trend_is_not_flagged() {
     assert!(t.t_stat.unwrap() > 3.0, "{t:?}");
     assert!(t.relative_change.unwrap() < 0.10);
     assert!(!v.warming);
-    // a stricter threshold catches it (the 20-ms change is 2% of the 990-ms bound, TTFT's scale)
+    // a stricter threshold catches it (the 20-ms change is 2% of the 990-ms bound, TTFT's scale):
+    // a rising TTFT is a trend for the worse, never warming
     let strict = DriftConfig {
         min_relative_change: 0.015,
         ..DriftConfig::default()
     };
-    assert!(check_rows(&rows, &SLO, &WINDOW, &strict).warming);
+    let v = check_rows(&rows, &SLO, &WINDOW, &strict);
+    assert_eq!(v.class, DriftClass::Worsening, "{v:?}");
+    assert!(v.drifting() && !v.warming && !v.overloaded);
+}
+
+#[test]
+fn only_an_improving_trend_is_warming() {
+    // The warming cell's mirror, closed loop: TTFT rises from 0.4 s to 1.6 s across the window
+    // and goodput falls: the fleet is getting worse, which a longer warm-up would not settle.
+    // (Open loop, the same rows grow the backlog, so they are overloaded; the engines' own TTFT
+    // rising with no queue growing is worsening too, in
+    // `a_ttft_trend_is_split_into_the_drivers_wait_and_the_engines_side`.)
+    let rows = cell(|t| (400.0 + 24.0 * t).min(1600.0), 7, 80.0);
+    assert_eq!(
+        check_rows(&rows, &SLO, &OPEN, &DriftConfig::default()).class,
+        DriftClass::Overloaded
+    );
+    {
+        let v = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
+        assert_eq!(v.class, DriftClass::Worsening, "{v:?}");
+        assert!(!v.warming && !v.overloaded && v.worsening() && v.trending());
+        let reason = v.reason.as_deref().unwrap();
+        assert!(
+            reason.starts_with("worsening (no queue grows): ") && reason.contains("TTFT trends up"),
+            "{reason}"
+        );
+    }
+    // The falling mirror is warming, by either clock.
+    let falling = cell(|t| (1600.0 - 24.0 * t).max(400.0), 7, 80.0);
+    for window in [WINDOW, OPEN] {
+        let v = check_rows(&falling, &SLO, &window, &DriftConfig::default());
+        assert_eq!(v.class, DriftClass::Warming, "{v:?}");
+    }
+    assert!(
+        analysis::drift::CLASSIFICATION_RULE
+            .contains("worsening = drifting with neither queue rising")
+    );
 }
 
 #[test]
@@ -369,7 +406,8 @@ fn a_ttft_trend_is_split_into_the_drivers_wait_and_the_engines_side() {
     let v = check_rows(&engines, &SLO, &OPEN, &DriftConfig::default());
     assert!(v.ttft.as_ref().unwrap().flagged, "{v:?}");
     assert!(v.wait_share.unwrap().abs() < 0.05, "{v:?}");
-    assert_eq!(v.class, DriftClass::Warming, "{v:?}");
+    // Rising, it is a trend for the worse: worsening, not warming (only an improving trend is).
+    assert_eq!(v.class, DriftClass::Worsening, "{v:?}");
     // A closed loop has no schedule to wait behind: no share.
     assert!(
         check_rows(&queued, &SLO, &WINDOW, &DriftConfig::default())
@@ -401,9 +439,9 @@ fn an_open_loops_outcome_is_judged_by_attainment_not_by_its_plans_arrivals() {
     let a = v.attainment.as_ref().unwrap();
     assert!(!a.flagged && a.slope_per_s == 0.0, "{a:?}");
     // A closed loop's users send as fast as they are served, so there the same fall in goodput
-    // is the system's own.
+    // is the system's own: a trend for the worse.
     let closed = check_rows(&rows, &SLO, &WINDOW, &DriftConfig::default());
-    assert_eq!(closed.class, DriftClass::Warming, "{closed:?}");
+    assert_eq!(closed.class, DriftClass::Worsening, "{closed:?}");
     assert!(closed.goodput.as_ref().unwrap().flagged && closed.attainment.is_none());
     assert!(closed.reason.unwrap().contains("goodput trends down"));
     // An open loop whose later requests miss the SLO is drifting by its attainment.

@@ -17,7 +17,9 @@
 //!   measured"): a turn that queued in the driver behind its conversation's previous turn —
 //!   the backlog of overload — is measured, and misses by its wait. A step the drift check calls
 //!   overloaded (its backlog, or the driver's queue alone, grows through the window) does not
-//!   meet and is not re-run: a longer warm-up would not settle it. A step the drift check calls warming is re-run with its warm-up
+//!   meet and is not re-run: a longer warm-up would not settle it. Neither does a worsening
+//!   step (attainment falling or TTFT rising with no queue growing: only an improving trend is
+//!   warming). A step the drift check calls warming is re-run with its warm-up
 //!   doubled; one still unsettled after [`SearchConfig::max_lengthenings`] re-runs counts as not
 //!   meeting the SLO (the fleet did not hold that rate steady), and is recorded so — never
 //!   silently used.
@@ -191,6 +193,11 @@ pub struct StepMeasurement {
     /// not re-run.
     #[serde(default)]
     pub overloaded: bool,
+    /// The drift check found the step worsening (a trend for the worse — attainment falling,
+    /// TTFT rising — with no queue growing): only an improving trend is warming, so it does not
+    /// meet and is not re-run, like an overloaded step.
+    #[serde(default)]
+    pub worsening: bool,
     /// Unsettled only by a warming trend that improves the SLO's outcome (TTFT falling,
     /// attainment or goodput rising), with clean evidence and no growing backlog: if its
     /// attainment already meets the target, the settled fleet would meet it too, so the step
@@ -352,8 +359,9 @@ impl Searcher<'_> {
                     self.last_meeting = Some(policy.clone());
                     return Ok(Some(policy));
                 }
-                // An overloaded step is a result (it does not meet); only a warming one is re-run.
-                if m.settled || m.overloaded {
+                // An overloaded or worsening step is a result (it does not meet); only a
+                // warming one is re-run.
+                if m.settled || m.overloaded || m.worsening {
                     break;
                 }
             }
@@ -530,7 +538,7 @@ pub fn search(
         }
     }
     let rule = format!(
-        "capacity = the highest offered open-loop rate (req/s of model time) at which the best of [{}] met the SLO on ≥ {:.0}% of its measured requests (the requests scheduled in the window, each TTFT counted from its scheduled time, so turns queued in the driver count), in a settled step (drift check passed, evidence clean) or one whose only drift is a warming trend that improves the SLO's outcome (settling would only raise its attainment); coarse steps of ×{} from {start} req/s ({}), then geometric bisection until the lowest failing rate ({hi}) was within {:.0}% of it; a step the drift check called overloaded (its backlog, or the driver's queue alone, growing through the window) does not meet and was not re-run; a warming step was re-run with its warm-up doubled up to {} time(s), and a step still unsettled counts as not meeting the SLO",
+        "capacity = the highest offered open-loop rate (req/s of model time) at which the best of [{}] met the SLO on ≥ {:.0}% of its measured requests (the requests scheduled in the window, each TTFT counted from its scheduled time, so turns queued in the driver count), in a settled step (drift check passed, evidence clean) or one whose only drift is a warming trend that improves the SLO's outcome (settling would only raise its attainment); coarse steps of ×{} from {start} req/s ({}), then geometric bisection until the lowest failing rate ({hi}) was within {:.0}% of it; a step the drift check called overloaded (its backlog, or the driver's queue alone, growing through the window) or worsening (attainment falling or TTFT rising with no queue growing: only an improving trend is warming) does not meet and was not re-run; a warming step was re-run with its warm-up doubled up to {} time(s), and a step still unsettled counts as not meeting the SLO",
         cfg.policies.join(", "),
         ATTAINMENT_TARGET * 100.0,
         cfg.step_factor,
@@ -700,19 +708,10 @@ pub fn step_from_rep(
         &window,
         &analysis::DriftConfig::default(),
     );
-    // Warming in the good direction only: every flagged trend improves the SLO's outcome (TTFT
-    // down, attainment or goodput up), with clean evidence and no growing backlog.
-    let improves = |t: &Option<analysis::drift::TrendTest>, up_is_good: bool| {
-        t.as_ref()
-            .is_none_or(|t| !t.flagged || (t.slope_per_s > 0.0) == up_is_good)
-    };
-    let improving = evidence_failed.is_none()
-        && drift.skipped.is_none()
-        && drift.warming
-        && !drift.overloaded
-        && improves(&drift.ttft, false)
-        && improves(&drift.attainment, true)
-        && improves(&drift.goodput, true);
+    // Warming is in the good direction only: every flagged trend improves the SLO's outcome
+    // (TTFT down, attainment or goodput up) with no growing backlog (`analysis::drift`); a trend
+    // for the worse is `worsening`.
+    let improving = evidence_failed.is_none() && drift.skipped.is_none() && drift.warming;
     let unsettled_reason = evidence_failed
         .map(|e| format!("evidence: {e}"))
         .or(drift.skipped.clone())
@@ -724,6 +723,7 @@ pub fn step_from_rep(
         measured_requests: latency.requests,
         settled: unsettled_reason.is_none(),
         overloaded: drift.overloaded,
+        worsening: drift.worsening(),
         improving,
         unsettled_reason,
         warmup_s,
@@ -1093,6 +1093,7 @@ mod tests {
                     unsettled.then(|| "warming: TTFT trends up".to_string())
                 },
                 overloaded,
+                worsening: false,
                 improving: false,
                 warmup_s: step_warmup_s(5.0, step.lengthening),
                 measure_s: 8.0,
@@ -1275,6 +1276,46 @@ mod tests {
     }
 
     #[test]
+    fn a_worsening_step_does_not_meet_and_is_not_re_run_as_warming() {
+        // Above 3 req/s every step meets 97% but its TTFT rises through the window with no queue
+        // growing: worsening. It does not meet, and each policy runs it once (a warming step
+        // would run 1 + max_lengthenings times).
+        let mut measure = |step: &StepRequest| -> Result<StepMeasurement> {
+            let worsening = step.rate_rps > 3.0;
+            Ok(StepMeasurement {
+                attainment: Some(0.97),
+                goodput_rps: 0.97 * step.rate_rps,
+                measured_requests: 100,
+                settled: !worsening,
+                unsettled_reason: worsening
+                    .then(|| "worsening (no queue grows): TTFT trends up".to_string()),
+                overloaded: false,
+                worsening,
+                improving: false,
+                warmup_s: step_warmup_s(5.0, step.lengthening),
+                measure_s: 8.0,
+                inflow_tokens_per_s: None,
+                dir: None,
+            })
+        };
+        let cap = search(&config(1.0), &mut measure).unwrap();
+        assert!(cap.rate_rps <= 3.0 && cap.failing_rps > 3.0, "{cap:?}");
+        let worsening: Vec<&CurvePoint> = cap.curve.iter().filter(|p| p.step.worsening).collect();
+        assert!(!worsening.is_empty());
+        assert!(
+            worsening
+                .iter()
+                .all(|p| p.lengthening == 0 && !p.meets_target),
+            "{worsening:?}"
+        );
+        assert!(
+            cap.rule.contains("only an improving trend is warming"),
+            "{}",
+            cap.rule
+        );
+    }
+
+    #[test]
     fn a_noisy_curve_still_ends_bracketed() {
         // Attainment wobbles ±3 points around a falling curve (seeded by the rate itself), so
         // the curve is not monotone near the knee; the search still returns a meeting rate with
@@ -1310,6 +1351,7 @@ mod tests {
                     settled: false,
                     unsettled_reason: Some("warming: TTFT trends down".into()),
                     overloaded: false,
+                    worsening: false,
                     improving,
                     warmup_s: step_warmup_s(5.0, step.lengthening),
                     measure_s: 8.0,
@@ -1419,6 +1461,7 @@ mod tests {
                         settled,
                         unsettled_reason: None,
                         overloaded: false,
+                        worsening: false,
                         improving: false,
                         warmup_s,
                         measure_s: 8.0,

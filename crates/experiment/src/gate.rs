@@ -5,8 +5,10 @@
 //! reason. An overloaded repetition (docs/ARCHITECTURE.md, "Calibration": it drifts because its
 //! open-loop backlog grows through the window — the policy cannot sustain the offered load, and a
 //! longer warm-up would not settle it) is a result: recorded at once, accepted, its verdict in
-//! `meta.json`'s `drift` marking it. The caller runs the attempts, discards the ones re-run, and
-//! writes `meta.json`.
+//! `meta.json`'s `drift` marking it. So is a worsening one (a trend for the worse with no queue
+//! growing: only an improving trend is warming, `analysis::drift`). The caller runs the attempts,
+//! moves the ones re-run aside with their reason (`cell::discard`: `_discarded/`, kept for
+//! inspection), and writes `meta.json`.
 
 use analysis::{ClientRow, DriftVerdict, Slo, Window};
 use fleet::evidence::{EvidenceBounds, EvidenceSummary};
@@ -140,8 +142,9 @@ impl Gates {
                 )),
             };
         }
-        if drift.overloaded {
-            // Not set aside and not re-run: the growing backlog is the measurement.
+        if drift.overloaded || drift.worsening() {
+            // Not set aside and not re-run: the growing backlog, or the trend for the worse, is
+            // the measurement; a longer warm-up would measure a later stretch, not a settled one.
             return GateDecision::Record { set_aside: None };
         }
         if drift.warming {
@@ -339,6 +342,26 @@ mod tests {
         // Evidence still comes first: a dirty overloaded attempt is re-run.
         let mut g = Gates::new(1);
         assert!(rerun(&g.judge(Err("lateness".into()), &overloaded())).starts_with("evidence"));
+    }
+
+    #[test]
+    fn a_worsening_repetition_is_a_result_never_re_run_as_warming() {
+        let worsening = DriftVerdict {
+            class: DriftClass::Worsening,
+            reason: Some(
+                "worsening (no queue grows): TTFT trends up by 40% across the window (t = 6.0)"
+                    .into(),
+            ),
+            ..drift(false)
+        };
+        assert!(worsening.drifting() && !worsening.warming);
+        let mut g = Gates::new(2);
+        assert_eq!(
+            g.judge(Ok(()), &worsening),
+            GateDecision::Record { set_aside: None }
+        );
+        // A warming one after it is still re-run once: the worsening attempt used no re-run.
+        assert!(rerun(&g.judge(Ok(()), &drift(true))).starts_with("drift: warming"));
     }
 
     fn rerun(d: &GateDecision) -> &str {

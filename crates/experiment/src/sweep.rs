@@ -991,6 +991,7 @@ mod tests {
                     settled: true,
                     unsettled_reason: None,
                     overloaded: false,
+                    worsening: false,
                     improving: false,
                     warmup_s: step_warmup_s(5.0, step.lengthening),
                     measure_s: 8.0,

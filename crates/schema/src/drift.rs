@@ -53,8 +53,13 @@ pub enum DriftClass {
     /// No series trends: the repetition says something about its cell.
     #[default]
     Settled,
-    /// A series trends and no backlog grows: not yet settled; re-run longer or set aside.
+    /// Every series that trends improves the SLO's outcome (attainment or goodput rising, TTFT
+    /// falling) and no backlog grows: not yet settled; re-run longer or set aside.
     Warming,
+    /// A series trends for the worse (attainment or goodput falling, TTFT rising) and no backlog
+    /// grows: the fleet is drifting, not warming, and a longer warm-up would not settle it. A
+    /// result, recorded with its goodput and attainment and marked, never re-run as warming.
+    Worsening,
     /// The open-loop backlog, or the driver's queue alone, grows through the window (whether or
     /// not a series trends): the offered load is not sustained. A result, marked, not set aside.
     Overloaded,
@@ -68,6 +73,7 @@ impl DriftClass {
         match self {
             DriftClass::Settled => "settled",
             DriftClass::Warming => "warming",
+            DriftClass::Worsening => "worsening",
             DriftClass::Overloaded => "overloaded",
             DriftClass::Skipped => "skipped",
         }
@@ -80,7 +86,9 @@ impl DriftClass {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct DriftVerdict {
-    /// Still warming: a series flagged and no growing backlog ([`DriftClass::Warming`]).
+    /// Still warming: every flagged series improves and no backlog grows
+    /// ([`DriftClass::Warming`]). False for a trend for the worse ([`DriftClass::Worsening`],
+    /// told by `class`).
     pub warming: bool,
     /// Goodput per bucket vs time, for a closed loop; `None` for an open loop (judged by
     /// `attainment` instead) or with fewer than 3 buckets.
@@ -100,7 +108,7 @@ pub struct DriftVerdict {
     pub config: DriftConfig,
     /// A growing open-loop backlog ([`DriftClass::Overloaded`]).
     pub overloaded: bool,
-    /// The verdict: settled, warming, overloaded or skipped.
+    /// The verdict: settled, warming, worsening, overloaded or skipped.
     pub class: DriftClass,
     /// Mean backlog per bucket (requests scheduled and not yet finished) vs time, in requests
     /// per s of window; `None` for a closed loop (no backlog to measure) or with fewer than 3
@@ -122,8 +130,19 @@ pub struct DriftVerdict {
 }
 
 impl DriftVerdict {
-    /// Not settled: warming or overloaded.
+    /// Not settled: warming, worsening or overloaded.
     pub fn drifting(&self) -> bool {
-        self.warming || self.overloaded
+        self.warming || self.overloaded || self.worsening()
+    }
+
+    /// A trend for the worse with no growing backlog ([`DriftClass::Worsening`]).
+    pub fn worsening(&self) -> bool {
+        self.class == DriftClass::Worsening
+    }
+
+    /// A series trends and no backlog grows: warming or worsening, the verdicts a drift gate
+    /// that wants a settled window fails.
+    pub fn trending(&self) -> bool {
+        self.warming || self.worsening()
     }
 }

@@ -63,7 +63,7 @@ impl GateStatus {
     pub fn of_drift(v: &DriftVerdict) -> GateStatus {
         if let Some(why) = &v.skipped {
             GateStatus::NotRun(why.clone())
-        } else if v.warming {
+        } else if v.trending() {
             GateStatus::Failed(v.reason.clone().unwrap_or_else(|| "warming".into()))
         } else {
             GateStatus::Passed

@@ -12,7 +12,10 @@ fn spread_text(s: &Spread, digits: usize) -> String {
 fn gates(md: &mut String, s: &Summary) {
     let unrecorded: Vec<_> = s.gates.iter().filter(|g| !g.recorded()).collect();
     if !unrecorded.is_empty() {
-        let trending = unrecorded.iter().filter(|g| g.drift_check.warming).count();
+        let trending = unrecorded
+            .iter()
+            .filter(|g| g.drift_check.trending())
+            .count();
         md.push_str(&format!(
             "**Gates not recorded for {} of {} repetitions**: they ran before fault repetitions were gated, so the run never checked their evidence nor ran their drift test, and wrote `accepted: true` for each. They are counted as accepted below; nothing here says they passed. This summary's own drift test on their pre-fault window flags {trending} of them as still trending (gates table).\n\n",
             unrecorded.len(),
@@ -49,7 +52,7 @@ fn gates_table(md: &mut String, s: &Summary) {
     ));
     for g in &s.gates {
         let own = &g.drift_check;
-        let own = match (&own.skipped, own.warming) {
+        let own = match (&own.skipped, own.trending()) {
             (Some(why), _) => format!("not run: {why}"),
             (None, true) => own.reason.clone().unwrap_or_else(|| "warming".into()),
             (None, false) => "settled".to_string(),

@@ -415,7 +415,7 @@ fn drift_is_tested_before_the_fault_and_not_across_it() {
         clock: schema::WindowClock::Sent,
     };
     assert!(
-        check_rows(&rows, &slo(), &whole, &cfg).warming,
+        check_rows(&rows, &slo(), &whole, &cfg).trending(),
         "across the fault the test sees the fault's own trend"
     );
     let pre = check_rows(&rows, &slo(), &w, &cfg);
