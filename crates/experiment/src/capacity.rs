@@ -83,7 +83,8 @@ pub const WINDOW_REQUEST_MARGIN: f64 = 2.0;
 /// The largest share of a capacity step's measured requests that may be *cold resumes*
 /// (`workload::cold_resume_share`: a conversation's first turn in the run after its first turn,
 /// whose whole history every replica must prefill — an artefact of the run's start that no
-/// router avoids). A step's warm-up is doubled until its window holds no more
+/// router avoids; counted only for a conversation the steady state would hold in the cache,
+/// `workload::steadily_cached`, since 4 Dec 2026). A step's warm-up is doubled until its window holds no more
 /// ([`steady_step_warmup_s`]). 1%: a hundredth of the 10% of requests the SLO's target lets
 /// miss. Without it a step's window at a low rate held mostly such turns, so lowering the rate
 /// did not make the SLO easier and a search could "fail at every rate" (the quick virtual grid

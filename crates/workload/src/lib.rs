@@ -17,7 +17,7 @@ pub mod zipf;
 
 pub use plan::{
     Arrival, Conversation, Layout, Message, PLAN_FORMAT, Plan, Role, Schedule, Step,
-    closed_request_id, cold_resume_share, layout, open_request_id, prefix_lengths,
+    closed_request_id, cold_resume_share, layout, open_request_id, prefix_lengths, steadily_cached,
     steady_state_warmup_s,
 };
 pub use spec::{ArrivalSpec, OpenStart, PrefixGroups, Sharing, Sizing, WorkloadSpec};

@@ -331,7 +331,13 @@ impl Plan {
         let Schedule::Open { arrivals } = &self.schedule else {
             return None;
         };
-        cold_resume_share(arrivals, self.conversations.len(), from_us, to_us)
+        let zipf = Zipf::new(self.conversations.len(), self.spec.zipf_s).ok()?;
+        cold_resume_share(
+            arrivals,
+            &steadily_cached(&self.spec, &zipf),
+            from_us,
+            to_us,
+        )
     }
 
     /// Draws the conversations and the schedule. Deterministic: the same arguments give a
@@ -789,28 +795,54 @@ fn open_arrivals(
     out
 }
 
-/// Of `arrivals` (sorted, over `conversations` conversations) scheduled in `[from_us, to_us)`,
-/// the share that are a *cold resume*: their conversation's first arrival at a turn after the
-/// first. An open loop that starts at the steady state's turn mix ([`OpenStart::Stationary`])
-/// sends such a turn with a history no replica was ever sent, so every replica prefills all of
-/// it: an artefact of the run having a start, which no router can avoid and which a later window
-/// leaves behind. `None` when the window holds no arrival.
+/// Which conversations of `spec` (drawn by `zipf`) a steady state would hold in the fleet's KV
+/// cache between two of their turns: those whose share of the arrivals is at least the tokens a
+/// turn adds to the cache (`user_tokens + output_tokens`) over the fleet's KV capacity. Such a
+/// conversation returns, on average, before the turns of all others have added a cache's worth of
+/// tokens (1 ÷ (rate × p) ≤ capacity ÷ (rate × tokens per turn); the rate cancels), so under LRU
+/// its history is still there. A rarer one returns after its history was evicted in the steady
+/// state too, so its first turn in a run is not an artefact of the run's start. Every
+/// conversation counts when the spec is not sized against a capacity
+/// ([`Sizing::Conversations`]).
+pub fn steadily_cached(spec: &WorkloadSpec, zipf: &Zipf) -> Vec<bool> {
+    let per_turn_tokens = f64::from(spec.user_tokens + spec.output_tokens);
+    (0..zipf.len())
+        .map(|c| match spec.sizing {
+            Sizing::WorkingSet {
+                capacity_tokens, ..
+            } => zipf.pmf(c) * capacity_tokens as f64 >= per_turn_tokens,
+            Sizing::Conversations(_) => true,
+        })
+        .collect()
+}
+
+/// Of `arrivals` (sorted) scheduled in `[from_us, to_us)`, the share that are a *cold resume*:
+/// the first arrival of a conversation the steady state would hold (`counted`, from
+/// [`steadily_cached`]) at a turn after the first. An open loop that starts at the steady state's
+/// turn mix ([`OpenStart::Stationary`]) sends such a turn with a history no replica was ever sent,
+/// so every replica prefills all of it, where the steady state would have found it cached: an
+/// artefact of the run having a start, which no router can avoid and which a later window leaves
+/// behind. A conversation the steady state would not hold is not counted: at a skewed point its
+/// rare returns are cold whenever they come, so waiting for its first visit would only lengthen
+/// the warm-up (the quick grid's ws1-s1.4 cells waited 480 s for them, 4 Dec 2026). `None` when
+/// the window holds no arrival.
 pub fn cold_resume_share(
     arrivals: &[Arrival],
-    conversations: usize,
+    counted: &[bool],
     from_us: u64,
     to_us: u64,
 ) -> Option<f64> {
-    let mut seen = vec![false; conversations];
+    let mut seen = vec![false; counted.len()];
     let (mut in_window, mut cold) = (0u64, 0u64);
     for a in arrivals {
         if a.at_us >= to_us {
             break;
         }
-        let first = !std::mem::replace(&mut seen[a.conversation as usize], true);
+        let c = a.conversation as usize;
+        let first = !std::mem::replace(&mut seen[c], true);
         if a.at_us >= from_us {
             in_window += 1;
-            if first && a.turn > 1 {
+            if first && a.turn > 1 && counted[c] {
                 cold += 1;
             }
         }
@@ -836,6 +868,7 @@ pub fn steady_state_warmup_s(
     spec.validate()?;
     let conversations = layout(spec)?.private_tokens.len();
     let zipf = Zipf::new(conversations, spec.zipf_s)?;
+    let counted = steadily_cached(spec, &zipf);
     let mut warmup_s = base_s;
     let mut doublings = 0;
     loop {
@@ -849,7 +882,7 @@ pub fn steady_state_warmup_s(
         let arrivals = spec_arrivals(spec, &zipf, rate_rps, duration_s, start);
         let share = cold_resume_share(
             &arrivals,
-            conversations,
+            &counted,
             (warmup_s * 1e6).round() as u64,
             (duration_s * 1e6).round() as u64,
         )
