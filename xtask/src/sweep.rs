@@ -291,5 +291,47 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
     if !args.no_report {
         report::write(&sweep_dir)?;
     }
+    policy_capacity(args, &settings, &sweep_dir)?;
     Ok(sweep_dir)
+}
+
+/// Plan seeds of the main job's per-policy capacities.
+pub const POLICY_CAPACITY_SEEDS: u32 = 3;
+
+/// Each compared policy's own capacity at every point, over [`POLICY_CAPACITY_SEEDS`] plan
+/// seeds, searched in virtual time under this run's live calibration (its SLO, routing values
+/// and reference capacity; `experiment::policy_capacity`), into
+/// `<sweep>/policy-capacity-virtual/policy-capacity.{md,json}`, and printed. The cells above run
+/// every policy at one rate per point; this says what rate each sustains on its own. Virtual,
+/// and so labelled: the live searches per policy take far longer than the job (issue #35). On
+/// the quick grid it took 12 s (4 Dec 2026). Skipped for a fleet the simulator does not model
+/// (anything but the emulator behind one router) and for sweeps without load points.
+fn policy_capacity(
+    args: &SweepArgs,
+    settings: &SweepSettings,
+    sweep_dir: &std::path::Path,
+) -> Result<()> {
+    if virtual_sweep::check(settings).is_err() || !settings.needs_capacity() {
+        return Ok(());
+    }
+    let judged = SweepSettings {
+        live_calibration: Some(args.calibration.clone()),
+        ..settings.clone()
+    };
+    let dir = sweep_dir.join("policy-capacity-virtual");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let started = Instant::now();
+    let report = experiment::policy_capacity::run_virtual(
+        &judged,
+        &dir,
+        POLICY_CAPACITY_SEEDS,
+        &interrupt::requested,
+    )?;
+    println!("{}", analysis::capacity::markdown(&report));
+    eprintln!(
+        "xtask: each policy's own capacity (virtual, judged by this run's calibration, {POLICY_CAPACITY_SEEDS} plan seeds) in {:.0} s: {}",
+        started.elapsed().as_secs_f64(),
+        dir.join("policy-capacity.md").display()
+    );
+    Ok(())
 }

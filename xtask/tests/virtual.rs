@@ -267,7 +267,7 @@ fn the_load_sweep_runs_at_fractions_of_the_capacity() {
         assert_eq!(meta["window"]["clock"], "scheduled", "{point}");
         let class = meta["drift"]["class"].as_str().unwrap();
         assert!(
-            ["settled", "warming", "overloaded", "skipped"].contains(&class),
+            ["settled", "warming", "worsening", "overloaded", "skipped"].contains(&class),
             "{point}: {class}"
         );
         assert_eq!(meta["accepted"], class != "warming", "{point}");
@@ -331,4 +331,61 @@ fn each_point_runs_at_its_own_capacity() {
         (reference, reference, "reference")
     );
     assert!(!refd.join("ws1-s1.4-load1.0/capacity.json").exists());
+}
+
+/// `--policy-capacity` (what the main job runs after its cells, judged by its live calibration):
+/// each policy's own capacity per plan seed, bracketed to 5%, the verdict stating its resolution,
+/// and a seed that meets at no rate said so in workload terms ("not load"), not counted.
+#[test]
+fn each_policy_gets_its_own_capacity_per_plan_seed() {
+    let s = scratch("policy-capacity");
+    let out = s.path().to_string_lossy().into_owned();
+    let fixed = "sweep pressure-grid --quick --virtual --policy-capacity --seeds 2 \
+                 --points ws1-s0-load1.0 --policies session-affinity,prefix-affinity \
+                 --replicas 2 --num-gpu-blocks 1024 --measure-s 6";
+    let mut args: Vec<&str> = fixed.split_whitespace().collect();
+    args.extend(["--out", &out, "--sweep-dir-name", "pc"]);
+    let (ok, stderr) = xtask(&args);
+    assert!(ok, "per-policy capacity failed:\n{stderr}");
+    let dir = s.path().join("pc");
+    let md = std::fs::read_to_string(dir.join("policy-capacity.md")).unwrap();
+    assert!(md.contains("(resolution 5%)"), "{md}");
+    // Every bracketed search keeps its record (its steps and their attainment).
+    for (policy, seed) in [
+        ("prefix-affinity", 7),
+        ("prefix-affinity", 8),
+        ("session-affinity", 7),
+    ] {
+        let record = dir
+            .join("policy-capacity/ws1-s0")
+            .join(policy)
+            .join(format!("seed-{seed}/capacity.json"));
+        assert!(record.exists(), "{}", record.display());
+    }
+    for seed in [7, 8] {
+        assert!(md.contains(&format!("seed {seed}: ")), "{md}");
+    }
+    // Each bracketed seed's failing rate is within 5% above its capacity.
+    let report = json(&dir.join("policy-capacity.json"));
+    let text = report.to_string();
+    assert!(text.contains("prefix-affinity"), "{text}");
+    let mut bracketed = 0;
+    for line in md.lines().filter(|l| l.starts_with("| prefix-affinity")) {
+        for part in line.split("seed ").skip(1) {
+            let rates: Vec<f64> = part
+                .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+                .filter_map(|t| t.parse().ok())
+                .collect();
+            if let [_, cap, fail, ..] = rates[..] {
+                assert!(fail > cap && fail <= cap * 1.05 + 0.001, "{part}");
+                bracketed += 1;
+            }
+        }
+    }
+    assert_eq!(bracketed, 2, "{md}");
+    // A seed at which session-affinity met the SLO at no rate says why, and is left out.
+    assert!(
+        md.contains("met the SLO at no rate tried") && md.contains("not load"),
+        "{md}"
+    );
 }

@@ -49,6 +49,10 @@ pub const EXEMPT: &[(&str, &str)] = &[
         "virtual sweep published as its report only (no rows); rebuilt by re-running `cargo xtask sweep pressure-grid --virtual --load 0.9 --sweep-dir-name pressure-grid-virtual-load0.9`",
     ),
     (
+        "pressure-grid-quick-policy-capacity-virtual",
+        "virtual per-policy capacity of the quick grid, judged by a live quick calibration, published as its report and each search's record (no rows); rebuilt by re-running `cargo xtask sweep pressure-grid --quick --virtual --policy-capacity --live-calibration docs/measurements/pressure-grid-quick-policy-capacity-virtual/calibration.json` (12 s)",
+    ),
+    (
         "pressure-grid-virtual-policy-capacity",
         "virtual per-policy capacity published as its report and each search's record (no rows: a search's steps are deleted once recorded); rebuilt by re-running `cargo xtask sweep pressure-grid --virtual --policy-capacity` (57 min on the 2-core machine)",
     ),
