@@ -5,6 +5,7 @@
 use std::fmt::Write;
 
 use crate::compare::Margin;
+use crate::drift::DriftVerdict;
 use crate::metrics::DecayBucket;
 use crate::report::{Cell, PREFIX_AFFINITY, Point, Report, SESSION_AFFINITY};
 use crate::stats::Spread;
@@ -188,25 +189,26 @@ fn notes(out: &mut String, c: &Cell) {
         );
     }
     let mut noted = !c.set_aside.is_empty() || !c.overloaded.is_empty();
-    for d in c.drift.iter().filter(|d| d.verdict.worsening()) {
-        noted = true;
-        let _ = writeln!(
-            out,
-            "- {}: rep-{} drifts for the worse by this report's drift check ({}); it is counted — a longer warm-up would not settle it — and marked.",
-            c.policy,
-            d.rep,
-            d.verdict.reason.as_deref().unwrap_or("")
-        );
-    }
-    for d in c.drift.iter().filter(|d| d.verdict.warming) {
-        noted = true;
-        let _ = writeln!(
-            out,
-            "- {}: rep-{} is flagged `warming` by this report's drift check ({}) but was accepted by the sweep.",
-            c.policy,
-            d.rep,
-            d.verdict.reason.as_deref().unwrap_or("")
-        );
+    // Worsening repetitions first, then warming ones, each with the drift check's reason.
+    type Note = (fn(&DriftVerdict) -> bool, &'static str, &'static str);
+    let notes: [Note; 2] = [
+        (
+            DriftVerdict::worsening,
+            "drifts for the worse by this report's drift check",
+            "; it is counted — a longer warm-up would not settle it — and marked.",
+        ),
+        (
+            |v| v.warming,
+            "is flagged `warming` by this report's drift check",
+            " but was accepted by the sweep.",
+        ),
+    ];
+    for (applies, what, then) in notes {
+        for d in c.drift.iter().filter(|d| applies(&d.verdict)) {
+            noted = true;
+            let why = d.verdict.reason.as_deref().unwrap_or("");
+            let _ = writeln!(out, "- {}: rep-{} {what} ({why}){then}", c.policy, d.rep);
+        }
     }
     if noted {
         out.push('\n');

@@ -506,6 +506,20 @@ impl StreamConsumer {
         self.sink.apply(&[KvEvent::AllCleared]);
     }
 
+    /// Replays the batches `[from, to)`; when that fails (no replay endpoint, or an incomplete
+    /// answer) the gap is unrepaired and the replica's residency is cleared.
+    async fn repair_or_clear(&self, from: u64, to: u64) {
+        let (ep, sink, stats) = (&self.ep, &*self.sink, &*self.stats);
+        let repaired = match &ep.replay {
+            Some(replay) => replay_range(replay, from, to, ep.format, sink, stats).await,
+            None => false,
+        };
+        if !repaired {
+            stats.gaps_unrepaired.fetch_add(1, Ordering::Relaxed);
+            sink.apply(&[KvEvent::AllCleared]);
+        }
+    }
+
     /// Consumes one message, `seq` and its msgpack `payload`: a gap is repaired from replay
     /// first (else the replica is cleared), a sequence that goes backwards is an engine restart
     /// (residency dropped, the new engine's earlier batches replayed), then the batch is applied.
@@ -520,26 +534,12 @@ impl StreamConsumer {
                     self.seq.last().unwrap_or(0)
                 ));
                 if to > 0 {
-                    let repaired = match &ep.replay {
-                        Some(replay) => replay_range(replay, 0, to, ep.format, sink, stats).await,
-                        None => false,
-                    };
-                    if !repaired {
-                        stats.gaps_unrepaired.fetch_add(1, Ordering::Relaxed);
-                        sink.apply(&[KvEvent::AllCleared]);
-                    }
+                    self.repair_or_clear(0, to).await;
                 }
             }
             SeqVerdict::Gap { from, to } => {
                 stats.gaps.fetch_add(1, Ordering::Relaxed);
-                let repaired = match &ep.replay {
-                    Some(replay) => replay_range(replay, from, to, ep.format, sink, stats).await,
-                    None => false,
-                };
-                if !repaired {
-                    stats.gaps_unrepaired.fetch_add(1, Ordering::Relaxed);
-                    sink.apply(&[KvEvent::AllCleared]);
-                }
+                self.repair_or_clear(from, to).await;
             }
         }
         match decode_batch(payload, ep.format) {

@@ -191,7 +191,12 @@ fn refuse_over_cap(
 async fn not_llm(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<RouterBody> {
     let path = req.uri().path();
     match (req.method(), path) {
-        (&Method::GET, "/v1/models") => match admit(shared, req.headers(), Need::RequestOnly) {
+        (&Method::GET, "/v1/models") => match admit(
+            shared,
+            req.headers(),
+            shared.clock.now_ns(),
+            Need::RequestOnly,
+        ) {
             Err(r) => key_refusal_response(r),
             Ok(_) => models(shared).await,
         },
@@ -376,15 +381,17 @@ impl Refusal {
     }
 }
 
-/// Applies the API keys (when the router has them) to a request on an API endpoint.
+/// Applies the API keys (when the router has them) to a request on an API endpoint, at
+/// `now_ns` on the router's clock.
 fn admit(
     shared: &Shared,
     headers: &HeaderMap,
+    now_ns: u64,
     need: Need,
 ) -> Result<Option<Admission>, KeyRefusal> {
     match shared.keys() {
         None => Ok(None),
-        Some(keys) => keys.admit(headers, shared.clock.now_ns(), need).map(Some),
+        Some(keys) => keys.admit(headers, now_ns, need).map(Some),
     }
 }
 
@@ -408,12 +415,9 @@ async fn llm(
     let arrival_ns = pending.arrival_ns;
     // Keys and limits before the body is read: a request without a key, or past its key's
     // limit, costs no body read (its connection closes with a lingering drain).
-    let admission = match shared.keys() {
-        None => None,
-        Some(keys) => match keys.admit(&parts.headers, arrival_ns, Need::Generate) {
-            Ok(a) => Some(a),
-            Err(r) => return refuse(shared, conn, pending, Refusal::key(r)),
-        },
+    let admission = match admit(shared, &parts.headers, arrival_ns, Need::Generate) {
+        Ok(a) => a,
+        Err(r) => return refuse(shared, conn, pending, Refusal::key(r)),
     };
     match proxy_llm(
         shared,
