@@ -9,7 +9,8 @@ use clap::Args;
 /// Flags of `cargo xtask figures`.
 #[derive(Debug, Clone, Args)]
 pub struct FiguresArgs {
-    /// Where the published sweeps are (`pressure-grid[-quick]/`, `fault-kill[-quick]/`).
+    /// Where the published sweeps are (`pressure-grid[-quick]/`, `fault-kill[-quick]/`, …, and
+    /// the per-policy capacity report `pressure-grid-virtual-policy-capacity/`).
     #[arg(long, default_value = "docs/measurements")]
     pub measurements: PathBuf,
     /// Where `<stem>.png`, `<stem>.svg` and `<stem>.csv` go.

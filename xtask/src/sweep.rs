@@ -160,6 +160,21 @@ pub struct SweepArgs {
     /// Plan seeds of `--policy-capacity`.
     #[arg(long, default_value_t = 3, requires = "policy_capacity")]
     pub seeds: u32,
+    /// With `--policy-capacity`: also search each belief-index policy (prefix-affinity) with the
+    /// calibration's index TTL × each factor, comma-separated (1 = the default; labelled
+    /// `<policy> ttl×<f>`). Margins are then over the varied policy's defaults.
+    #[arg(long, value_delimiter = ',', requires = "policy_capacity")]
+    pub ttl_scale: Vec<f64>,
+    /// With `--policy-capacity`: also search each spilling policy with this absolute spill
+    /// margin (spill needs matched − least > N outstanding; default 4), comma-separated
+    /// (`<policy> spill-abs <n>`).
+    #[arg(long, value_delimiter = ',', requires = "policy_capacity")]
+    pub spill_abs: Vec<u32>,
+    /// With `--policy-capacity`: also search each spilling policy with this ratio spill margin
+    /// (spill needs matched > R × least; default 1.5), comma-separated
+    /// (`<policy> spill-ratio <r>`).
+    #[arg(long, value_delimiter = ',', requires = "policy_capacity")]
+    pub spill_ratio: Vec<f64>,
     /// Which capacity `--load` is a fraction of: `per-point` (each point's own; live on an
     /// emulated fleet, and virtual with `--live-calibration`, the measured reference × the
     /// simulator's ratio of the point's to the reference's; the default) or `reference` (the
@@ -235,6 +250,16 @@ impl SweepArgs {
                 self.fleet.spec(self.quick).kind,
             )),
         })
+    }
+
+    /// The routing variants of `--policy-capacity` (`--ttl-scale`, `--spill-abs`,
+    /// `--spill-ratio`), each varied alone.
+    pub fn variants(&self) -> experiment::policy_capacity::Variants {
+        experiment::policy_capacity::Variants {
+            ttl_scales: self.ttl_scale.clone(),
+            spill_abs: self.spill_abs.clone(),
+            spill_ratios: self.spill_ratio.clone(),
+        }
     }
 
     fn dir(&self) -> PathBuf {
@@ -325,6 +350,7 @@ fn policy_capacity(
         &judged,
         &dir,
         POLICY_CAPACITY_SEEDS,
+        &experiment::policy_capacity::Variants::default(),
         &interrupt::requested,
     )?;
     println!("{}", analysis::capacity::markdown(&report));

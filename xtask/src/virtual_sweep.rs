@@ -37,10 +37,13 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     if args.policy_capacity {
-        let report =
-            experiment::policy_capacity::run_virtual(&settings, &dir, args.seeds, &|| {
-                interrupt::requested()
-            })?;
+        let report = experiment::policy_capacity::run_virtual(
+            &settings,
+            &dir,
+            args.seeds,
+            &args.variants(),
+            &|| interrupt::requested(),
+        )?;
         println!("{}", analysis::capacity::markdown(&report));
         return Ok(dir);
     }

@@ -64,15 +64,22 @@ enum OpenStartArg {
     /// Every conversation starts at turn 1 (plans before format 4).
     Fresh,
     /// Every conversation starts at a uniformly drawn turn: the steady state's turn mix from the
-    /// first arrival (what the experiment runs).
+    /// first arrival.
     Stationary,
+    /// As `stationary`, after one prefill-only prime per conversation the cache would hold, so
+    /// its history is cached when its first turn comes (what the experiment runs; paced by
+    /// `--prime-tokens-per-s`).
+    Primed,
 }
 
-impl From<OpenStartArg> for OpenStart {
-    fn from(a: OpenStartArg) -> OpenStart {
-        match a {
+impl OpenStartArg {
+    fn start(self, prime_tokens_per_s: u32) -> OpenStart {
+        match self {
             OpenStartArg::Fresh => OpenStart::Fresh,
             OpenStartArg::Stationary => OpenStart::Stationary,
+            OpenStartArg::Primed => OpenStart::Primed {
+                tokens_per_s: prime_tokens_per_s,
+            },
         }
     }
 }
@@ -155,6 +162,10 @@ struct PlanArgs {
     /// Open loop: where the conversations stand at the first arrival.
     #[arg(long, value_enum, default_value_t = OpenStartArg::Stationary)]
     open_start: OpenStartArg,
+    /// Open loop, `--open-start primed`: the primes' pace, prompt tokens per second (e.g. the
+    /// cache inflow the fleet sustains; the experiment takes its calibration's).
+    #[arg(long, default_value_t = 20_000)]
+    prime_tokens_per_s: u32,
 }
 
 #[derive(Args)]
@@ -298,7 +309,7 @@ fn make_plan(a: &PlanArgs) -> Result<()> {
         Arrival::Open => ArrivalSpec::Open {
             rate_rps: a.rate,
             duration_s: a.duration_s,
-            start: a.open_start.into(),
+            start: a.open_start.start(a.prime_tokens_per_s),
         },
     };
     let plan = Plan::build(&spec, &arrival)?;
@@ -325,6 +336,15 @@ fn describe(plan: &Plan, out: Option<&Path>) -> Result<String> {
         "prefix_groups": plan.spec.prefix_groups,
         "conversation_sharing": plan.spec.sharing.as_str(),
     });
+    if let ArrivalSpec::Open { start, .. } = plan.arrival {
+        // What a run's --warmup-s must cover: the primes, then a settling time.
+        let primes = match &plan.schedule {
+            workload::Schedule::Open { arrivals } => arrivals.iter().filter(|a| a.prime).count(),
+            workload::Schedule::Closed { .. } => 0,
+        };
+        v["primes"] = serde_json::json!(primes);
+        v["prime_period_s"] = serde_json::json!(workload::prime_period_s(&plan.spec, start)?);
+    }
     if let Some(out) = out {
         v["out"] = serde_json::Value::String(out.display().to_string());
     }

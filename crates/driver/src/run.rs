@@ -366,11 +366,24 @@ impl<W> Shared<W> {
 }
 
 impl Shared {
-    /// Sends one planned request and records its row.
-    async fn fire(&self, request_id: &str, conversation: u32, turn: u32, scheduled: Duration) {
+    /// Sends one planned request and records its row; a prime (`workload::Arrival::prime`) asks
+    /// for one token, the rest for the plan's output length.
+    async fn fire(
+        &self,
+        request_id: &str,
+        conversation: u32,
+        turn: u32,
+        prime: bool,
+        scheduled: Duration,
+    ) {
         let session_id = self.plan.session_id(conversation);
+        let max_tokens = if prime {
+            1
+        } else {
+            self.plan.spec.output_tokens
+        };
         let body = match self.plan.messages(conversation, turn) {
-            Ok(m) => chat_body(&self.model, &m, self.plan.spec.output_tokens),
+            Ok(m) => chat_body(&self.model, &m, max_tokens),
             Err(e) => {
                 // Plans are checked on load, so this is a bug, but it still becomes a row.
                 let outcome = Outcome {
@@ -574,7 +587,9 @@ pub async fn run_closed(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driv
                 }
                 sleep_until(scheduled_at).await;
                 let id = closed_request_id(u, k);
-                shared.fire(&id, conversation, step.turn, scheduled).await;
+                shared
+                    .fire(&id, conversation, step.turn, false, scheduled)
+                    .await;
                 sent += 1;
                 if ends_walk {
                     held = None;
@@ -600,11 +615,11 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
     if !plan.spec.sharing.one_turn_at_a_time() {
         return run_open_shared(shared, cfg, arrivals).await;
     }
-    let mut per_conversation: Vec<Vec<(usize, u64, u32)>> =
+    let mut per_conversation: Vec<Vec<(usize, u64, u32, bool)>> =
         vec![Vec::new(); plan.conversations.len()];
     for (i, a) in arrivals.iter().enumerate() {
         if let Some(list) = per_conversation.get_mut(a.conversation as usize) {
-            list.push((i, a.at_us, a.turn));
+            list.push((i, a.at_us, a.turn, a.prime));
         }
     }
     let plan_end = Duration::from_micros(arrivals.last().map_or(0, |a| a.at_us));
@@ -618,7 +633,7 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
         let shared = shared.clone();
         tasks.push(tokio::spawn(async move {
             let mut sent = 0u64;
-            for (i, at_us, turn) in list {
+            for (i, at_us, turn, prime) in list {
                 let scheduled = Duration::from_micros(at_us);
                 if shared.stopped(scheduled) {
                     break;
@@ -638,7 +653,7 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
                 }
                 sleep_until(start + scheduled).await;
                 shared
-                    .fire(&open_request_id(i), c as u32, turn, scheduled)
+                    .fire(&open_request_id(i), c as u32, turn, prime, scheduled)
                     .await;
                 sent += 1;
             }
@@ -679,7 +694,13 @@ async fn run_open_shared(
                 let shared = shared.clone();
                 sends.spawn(async move {
                     shared
-                        .fire(&open_request_id(i), a.conversation, a.turn, scheduled)
+                        .fire(
+                            &open_request_id(i),
+                            a.conversation,
+                            a.turn,
+                            a.prime,
+                            scheduled,
+                        )
                         .await;
                 });
                 // Reap finished sends as we go, so a long schedule holds only those in flight.

@@ -694,3 +694,64 @@ async fn queued_turns_past_the_bound_after_the_end_are_abandoned_not_sent() {
 fn error(r: &ClientRow) -> &str {
     r.error.as_deref().unwrap_or_default()
 }
+
+#[tokio::test]
+async fn a_prime_asks_for_one_token_and_runs_in_the_warm_up() {
+    let server =
+        ScriptedServer::start(|_| Reply::Stream(StreamScript::uniform(ms(1), ms(1), 2, 50)))
+            .await
+            .unwrap();
+    // Sized by conversations, so every conversation counts as held and is primed unless it
+    // starts at turn 1.
+    let plan = Plan::build(
+        &small_spec(12),
+        &ArrivalSpec::Open {
+            rate_rps: 40.0,
+            duration_s: 1.5,
+            start: workload::OpenStart::Primed {
+                tokens_per_s: 20_000,
+            },
+        },
+    )
+    .unwrap();
+    let Schedule::Open { arrivals } = &plan.schedule else {
+        unreachable!()
+    };
+    let primes: Vec<_> = arrivals.iter().filter(|a| a.prime).collect();
+    assert!(!primes.is_empty(), "some conversation starts past turn 1");
+    let prime_s = workload::prime_period_s(&plan.spec, plan_start(&plan)).unwrap();
+    let tmp = out_dir("primes");
+    let out = tmp.path().join("client.csv");
+    let cfg = RunConfig {
+        warmup_s: prime_s + 0.2,
+        ..config(server.url(), out.clone())
+    };
+    let summary = run_open(&plan, &cfg).await.unwrap();
+    assert_eq!(summary.requests, arrivals.len() as u64);
+    let seen = server.seen();
+    let max_tokens_of = |i: usize| {
+        let id = workload::open_request_id(i);
+        seen.iter()
+            .find(|s| s.request_id.as_deref() == Some(id.as_str()))
+            .map(|s| s.body["max_tokens"].as_u64())
+            .unwrap_or_else(|| panic!("request {id} was not seen"))
+    };
+    for (i, a) in arrivals.iter().enumerate() {
+        let want = if a.prime { 1 } else { 8 };
+        assert_eq!(max_tokens_of(i), Some(want), "arrival {i}: {a:?}");
+    }
+    // Every prime's row is a warm-up row.
+    let rows = read_rows(&out).unwrap();
+    for (i, a) in arrivals.iter().enumerate().filter(|(_, a)| a.prime) {
+        let id = workload::open_request_id(i);
+        let row = rows.iter().find(|r| r.request_id == id).unwrap();
+        assert!(row.warmup, "{a:?}");
+    }
+}
+
+fn plan_start(plan: &Plan) -> workload::OpenStart {
+    match plan.arrival {
+        ArrivalSpec::Open { start, .. } => start,
+        ArrivalSpec::Closed { .. } => unreachable!(),
+    }
+}

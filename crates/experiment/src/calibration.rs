@@ -423,7 +423,62 @@ impl DerivationRules {
     }
 }
 
+/// The pace of an open loop's primes ([`workload::OpenStart::Primed`]) and the rule that set it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrimePace {
+    /// Prompt tokens per wall second (at the calibration's speed).
+    pub tokens_per_s: u32,
+    /// Where it comes from.
+    pub rule: String,
+}
+
 impl Calibration {
+    /// How every open loop sized by this calibration starts (sweep cells, capacity-search steps,
+    /// faults): the steady state's turn mix, after one prime per conversation the cache would
+    /// hold, paced by [`Calibration::prime_pace`]. Without primes, a window free of cold resumes
+    /// needed a warm-up of about one KV-cache turnover: up to 480 s of a quick-grid cell (4 Dec
+    /// 2026), which made the main job take hours.
+    pub fn open_start(&self) -> workload::OpenStart {
+        workload::OpenStart::Primed {
+            tokens_per_s: self.prime_pace().tokens_per_s,
+        }
+    }
+
+    /// The primes' pace, prompt tokens per wall second:
+    /// - the cache inflow the reference run measured (`index.ttl_evidence.inflow`: the new
+    ///   prompt and output tokens the fleet took in per second while it served the reference
+    ///   load within the SLO's reach), a rate the fleet is known to sustain;
+    /// - else, when the engines report no cached tokens, the replicas in use × the floor
+    ///   prompt's tokens ÷ the TTFT floor: an unseen prompt's prefill at concurrency 1.
+    pub fn prime_pace(&self) -> PrimePace {
+        if let Some(rate) = self
+            .index
+            .ttl_evidence
+            .as_ref()
+            .and_then(|e| e.inflow.tokens_per_s)
+            .filter(|r| r.is_finite() && *r >= 1.0)
+        {
+            return PrimePace {
+                tokens_per_s: rate.round().min(f64::from(u32::MAX)) as u32,
+                rule: "the reference run's cache inflow (index.ttl_evidence.inflow.tokens_per_s)"
+                    .into(),
+            };
+        }
+        let prompt_tokens = self
+            .floor_prompts
+            .as_ref()
+            .map_or(REFERENCE_PROMPT_TOKENS, |f| f.prompt_tokens);
+        let replicas = self.used_replicas.len().max(1) as f64;
+        let rate = replicas * prompt_tokens as f64 / (self.floors.ttft_ms / 1e3).max(1e-6);
+        PrimePace {
+            tokens_per_s: rate.round().clamp(1.0, f64::from(u32::MAX)) as u32,
+            rule: format!(
+                "{replicas} replicas × the {prompt_tokens}-token floor prompt ÷ the TTFT floor {} ms (no cache inflow measured)",
+                self.floors.ttft_ms
+            ),
+        }
+    }
+
     /// Reads a calibration.json.
     pub fn read(path: &Path) -> Result<Calibration> {
         let text =

@@ -69,7 +69,7 @@ pub const DEFAULT_POLICIES: &[&str] = &["session-affinity", "prefix-affinity"];
 ///
 /// What those cells were warming through was mostly not the caches but the workload: every
 /// conversation started at turn 1, and at 3× and 8× the KV capacity the prompts kept growing for
-/// 2–5 minutes. Since open loops start at the steady state's turn mix ([`grid::OPEN_START`]) and
+/// 2–5 minutes. Since open loops start at the steady state's turn mix ([`Calibration::open_start`]) and
 /// an open loop's drift is judged by attainment rather than by its plan's arrivals, the same
 /// virtual grid with this margin settles 291 of 324 cells (1 Dec 2026, 21:50 UTC; 27 of 27 at ws3-s0 and
 /// 24 of 27 at ws8-s0), and a point's hit rate is at its steady level from the second 20-s
@@ -95,20 +95,22 @@ pub const MAX_COLD_RESUME_SHARE: f64 = 0.01;
 /// 91 hours of plan time, past any workload the grids size.
 pub const MAX_COLD_RESUME_DOUBLINGS: u32 = 16;
 
-/// A step's warm-up (s of the plan, i.e. wall): `base_s`, doubled until the measured window of
+/// A step's warm-up (s of the plan, i.e. wall): the primes' period of `start`
+/// (`workload::prime_period_s`) and `base_s`, the latter doubled until the measured window of
 /// `measure_s` after it holds at most [`MAX_COLD_RESUME_SHARE`] cold resumes of `spec` at
-/// `wall_rate_rps` (open loop from [`grid::OPEN_START`]). Fails, naming the share, when even the
-/// last doubling leaves more.
+/// `wall_rate_rps` (an open loop from `start`, [`Calibration::open_start`]). Fails, naming the
+/// share, when even the last doubling leaves more.
 pub fn steady_step_warmup_s(
     spec: &WorkloadSpec,
     wall_rate_rps: f64,
+    start: workload::OpenStart,
     base_s: f64,
     measure_s: f64,
 ) -> Result<f64> {
     let (warmup_s, share) = workload::steady_state_warmup_s(
         spec,
         wall_rate_rps,
-        grid::OPEN_START,
+        start,
         base_s,
         measure_s,
         MAX_COLD_RESUME_SHARE,
@@ -159,6 +161,10 @@ pub struct SearchConfig {
     /// The policies whose best decides (measured in this order; the last one to meet the SLO
     /// goes first at the next rate).
     pub policies: Vec<String>,
+    /// How every step's open loop starts ([`Calibration::open_start`]); recorded in the
+    /// capacity, which is stale for open loops that start otherwise.
+    #[serde(default)]
+    pub open_start: workload::OpenStart,
 }
 
 /// One measurement the search asks for.
@@ -269,14 +275,14 @@ pub struct Capacity {
 }
 
 impl Capacity {
-    /// Why this capacity cannot size today's open loops: its steps started their
-    /// conversations otherwise than [`grid::OPEN_START`]; `None` when it can.
-    pub fn stale(&self) -> Option<String> {
-        (self.open_start != grid::OPEN_START).then(|| {
+    /// Why this capacity cannot size today's open loops, which start as `today`
+    /// ([`Calibration::open_start`]): its steps started their conversations otherwise; `None`
+    /// when it can.
+    pub fn stale(&self, today: workload::OpenStart) -> Option<String> {
+        (self.open_start != today).then(|| {
             format!(
-                "its capacity was searched on open loops with a {:?} start, and open loops now start {:?} (the turn mix of the steady state)",
+                "its capacity was searched on open loops with a {:?} start, and open loops now start {today:?} (the steady state's turn mix, after priming the histories the cache would hold)",
                 self.open_start,
-                grid::OPEN_START
             )
         })
     }
@@ -557,7 +563,7 @@ pub fn search(
         policies: cfg.policies.clone(),
         search: cfg.clone(),
         workload: String::new(),
-        open_start: grid::OPEN_START,
+        open_start: cfg.open_start,
         search_wall_s: started.elapsed().as_secs_f64(),
         curve: s.curve,
     })
@@ -604,10 +610,12 @@ pub fn window_for_requests(wall_rate_rps: f64, min_requests: usize) -> f64 {
 
 /// The window of an open-loop cell at `rate_rps` (model time) on a fleet running at `speed`:
 ///
-/// - warm-up: [`WARMUP_MARGIN`] × the warm-up the capacity search settled with at the lowest
-///   settled rate at or above `rate_rps` (a higher load settles later, so the rate above is the
-///   safe side); above every settled rate, the settled warm-up at the highest one (stated as an
-///   extrapolation). `warmup_given` (the sweep's `--warmup-s`) replaces the derivation. Not
+/// - warm-up: the primes' period of the cell's plan, `prime_s` (`workload::prime_period_s`: the
+///   same at every rate of a workload), then [`WARMUP_MARGIN`] × the rest of the warm-up the
+///   capacity search settled with at the lowest settled rate at or above `rate_rps` (a higher
+///   load settles later, so the rate above is the safe side); above every settled rate, the
+///   settled warm-up at the highest one (stated as an extrapolation). The margin covers the
+///   settling, not the primes, whose length does not depend on the load. `warmup_given` (the sweep's `--warmup-s`) replaces the derivation. Not
 ///   lengthened to the time the load takes to fill the caches: tried, and at 1.0× a point's
 ///   capacity the longer cells drifted more, not less (see `WARMUP_MARGIN`).
 /// - measured window: `measure_s`, lengthened when needed so that the window holds
@@ -616,6 +624,7 @@ pub fn cell_window(
     cap: &Capacity,
     rate_rps: f64,
     speed: f64,
+    prime_s: f64,
     warmup_given: Option<f64>,
     measure_s: f64,
     min_requests: usize,
@@ -666,12 +675,18 @@ pub fn cell_window(
             ),
         },
     };
-    let warmup = WARMUP_MARGIN * from.1;
+    let settle = (from.1 - prime_s).max(0.0);
+    let warmup = prime_s + WARMUP_MARGIN * settle;
+    let primes = if prime_s > 0.0 {
+        format!("the primes' {prime_s:.1} s + ")
+    } else {
+        String::new()
+    };
     Ok(CellWindow {
         warmup_s: warmup,
         measure_s: measure,
         rule: format!(
-            "warm-up {warmup:.1} s = {WARMUP_MARGIN} × the {} s warm-up the drift check settled with at {} req/s ({how}; this cell {rate_rps} req/s, model time); {measure_rule}",
+            "warm-up {warmup:.1} s = {primes}{WARMUP_MARGIN} × the {settle:.1} s after them of the {} s warm-up the drift check settled with at {} req/s ({how}; this cell {rate_rps} req/s, model time); {measure_rule}",
             from.1, from.0
         ),
         settled_at_rps: Some(from.0),
@@ -890,6 +905,7 @@ pub fn find_live(
         max_coarse_steps: c.max_coarse_steps,
         max_lengthenings: c.max_lengthenings,
         policies: c.policies.clone(),
+        open_start: cal.open_start(),
     };
     let kv_events = c.policies.iter().any(|p| grid::needs_kv_events(p));
     let source = s
@@ -908,13 +924,17 @@ pub fn find_live(
     );
     let min_requests = analysis::DriftConfig::default().min_requests;
     let timeout_s = step_timeout_s(&cal.slo, spec.output_tokens);
+    // Every step primes the caches first (the same primes at every rate: they depend on the
+    // workload and the pace, not on the rate), then warms up as before.
+    let prime_s = workload::prime_period_s(&spec, cfg.open_start)
+        .map_err(|e| anyhow!("the primes of the reference workload: {e}"))?;
     let mut workload_name = String::new();
     let mut steps = 0u32;
     let mut measure = |step: &StepRequest| -> Result<StepMeasurement> {
         if should_stop() {
             bail!("interrupted");
         }
-        let warmup_s = step_warmup_s(c.warmup_s, step.lengthening);
+        let warmup_s = prime_s + step_warmup_s(c.warmup_s, step.lengthening);
         let wall_rate = step.rate_rps * speed;
         let measure_s = c
             .measure_s
@@ -924,7 +944,7 @@ pub fn find_live(
         let arrival = ArrivalSpec::Open {
             rate_rps: wall_rate,
             duration_s: run_s,
-            start: crate::grid::OPEN_START,
+            start: cfg.open_start,
         };
         let plan = ensure_plan(&sweep_dir.join(&point), &spec, &arrival)?;
         workload_name = plan.workload_name.clone();
@@ -1113,6 +1133,7 @@ mod tests {
             max_coarse_steps: 6,
             max_lengthenings: 1,
             policies: vec!["session-affinity".into(), "prefix-affinity".into()],
+            open_start: workload::OpenStart::Stationary,
         }
     }
 
@@ -1446,7 +1467,7 @@ mod tests {
             policies: vec!["prefix-affinity".into()],
             search: config(2.0),
             workload: String::new(),
-            open_start: grid::OPEN_START,
+            open_start: workload::OpenStart::Stationary,
             search_wall_s: 0.0,
             curve: curve
                 .into_iter()
@@ -1486,37 +1507,45 @@ mod tests {
             (16.0, 5.0, false),
             (16.0, 10.0, false),
         ]);
-        let w = cell_window(&cap, 5.6, 6.0, None, 8.0, 20).unwrap();
+        let w = cell_window(&cap, 5.6, 6.0, 0.0, None, 8.0, 20).unwrap();
         assert_eq!(w.settled_at_rps, Some(8.0));
         assert_eq!(w.warmup_s, 15.0);
-        assert!(w.rule.contains("1.5 × the 10 s warm-up"), "{}", w.rule);
-        let w = cell_window(&cap, 8.0, 6.0, None, 8.0, 20).unwrap();
+        assert!(w.rule.contains("1.5 × the 10.0 s after them"), "{}", w.rule);
+        // Primes are not scaled by the margin: 4 s of primes in a settled 10 s → 4 + 1.5 × 6.
+        let primed = cell_window(&cap, 5.6, 6.0, 4.0, None, 8.0, 20).unwrap();
+        assert_eq!(primed.warmup_s, 13.0);
+        assert!(
+            primed.rule.contains("the primes' 4.0 s + 1.5 × the 6.0 s"),
+            "{}",
+            primed.rule
+        );
+        let w = cell_window(&cap, 8.0, 6.0, 0.0, None, 8.0, 20).unwrap();
         assert_eq!((w.settled_at_rps, w.warmup_s), (Some(8.0), 15.0));
-        let w = cell_window(&cap, 2.0, 6.0, None, 8.0, 20).unwrap();
+        let w = cell_window(&cap, 2.0, 6.0, 0.0, None, 8.0, 20).unwrap();
         assert_eq!((w.settled_at_rps, w.warmup_s), (Some(4.0), 7.5));
         // Above every settled rate: the highest settled one, said to be an extrapolation.
-        let w = cell_window(&cap, 13.0, 6.0, None, 8.0, 20).unwrap();
+        let w = cell_window(&cap, 13.0, 6.0, 0.0, None, 8.0, 20).unwrap();
         assert_eq!((w.settled_at_rps, w.warmup_s), (Some(12.0), 30.0));
         assert!(w.rule.contains("extrapolated"), "{}", w.rule);
         // The measured window holds 2 × 20 requests: at 0.5 req/s × speed 2 = 1 req/s wall,
         // 40 s; at a high rate the given 8 s.
-        let w = cell_window(&cap, 0.5, 2.0, None, 8.0, 20).unwrap();
+        let w = cell_window(&cap, 0.5, 2.0, 0.0, None, 8.0, 20).unwrap();
         assert_eq!(w.measure_s, 40.0);
         assert!(w.rule.contains("lengthened from 8 s"), "{}", w.rule);
         assert_eq!(
-            cell_window(&cap, 8.0, 6.0, None, 8.0, 20)
+            cell_window(&cap, 8.0, 6.0, 0.0, None, 8.0, 20)
                 .unwrap()
                 .measure_s,
             8.0
         );
         // --warmup-s replaces the derivation (and says so).
-        let w = cell_window(&cap, 8.0, 6.0, Some(3.0), 8.0, 20).unwrap();
+        let w = cell_window(&cap, 8.0, 6.0, 0.0, Some(3.0), 8.0, 20).unwrap();
         assert_eq!((w.warmup_s, w.settled_at_rps), (3.0, None));
         assert!(w.rule.contains("--warmup-s"));
         assert_eq!(w.run_s(), 11.0);
         // Nothing settled: refused.
         let none = capacity_with(vec![(4.0, 5.0, false)]);
-        assert!(cell_window(&none, 4.0, 6.0, None, 8.0, 20).is_err());
+        assert!(cell_window(&none, 4.0, 6.0, 0.0, None, 8.0, 20).is_err());
     }
 
     #[test]

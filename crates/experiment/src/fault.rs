@@ -460,7 +460,9 @@ impl<'a> FaultRun<'a> {
             &ArrivalSpec::Open {
                 rate_rps: rate * speed,
                 duration_s: s.run_s(),
-                start: crate::grid::OPEN_START,
+                // Not primed (`Calibration::open_start`): a fault run's timeline is its kill's,
+                // fixed in the run's seconds, and the published fault runs started this way.
+                start: workload::OpenStart::Stationary,
             },
         )?;
         let source = s

@@ -8,9 +8,9 @@ use workload::spec::{DEFAULT_PREFIX_TOKENS, DEFAULT_PRIVATE_CONTEXT_TOKENS};
 /// The workload options a sweep's flags choose, re-exported for `cargo xtask sweep`.
 pub use workload::{PrefixGroups, Sharing};
 
-/// Every policy name the router knows (docs/CONTRACTS.md), in the order a sweep runs them (the
-/// same names as `policies::POLICY_NAMES`, tested; this order decides the cells' order and the
-/// list in `sweep.json`).
+/// The policies a full sweep compares by default, in the order it runs them (this order decides
+/// the cells' order and the list in `sweep.json`): every policy the router knows but `random`
+/// ([`EXTRA_POLICIES`]).
 pub const ALL_POLICIES: &[&str] = &[
     "round-robin",
     "least-outstanding",
@@ -23,15 +23,14 @@ pub const ALL_POLICIES: &[&str] = &[
     "session-bounded",
 ];
 
+/// Policies a sweep runs only when named (`--policies`): `random`, the seeded uniform baseline,
+/// added after the published grids (which it would otherwise change). With [`ALL_POLICIES`],
+/// every name the router knows (`policies::POLICY_NAMES`, tested).
+pub const EXTRA_POLICIES: &[&str] = &["random"];
+
 /// The policies a `--quick` sweep compares by default: the plain baseline, the hashing
 /// baseline and the cache-aware router.
 pub const QUICK_POLICIES: &[&str] = &["round-robin", "session-affinity", "prefix-affinity"];
-
-/// Where every open loop the experiment runs (sweep cells, capacity-search steps, faults) starts
-/// its conversations: at the steady state's turn mix ([`workload::OpenStart`]). With every
-/// conversation at turn 1 the prompts grew through the first minutes, longer the larger the
-/// working set, and the cells at 3× and 8× the KV capacity never settled (1 Dec 2026).
-pub const OPEN_START: workload::OpenStart = workload::OpenStart::Stationary;
 
 /// Warm-up per cell, wall s: long enough for the caches to fill and the users' turns to fall out
 /// of step after their simultaneous start.
@@ -461,8 +460,12 @@ pub fn policies(chosen: &[String], quick: bool) -> Result<Vec<String>> {
     }
     let mut out: Vec<String> = Vec::new();
     for p in chosen {
-        if !ALL_POLICIES.contains(&p.as_str()) {
-            bail!("unknown policy `{p}`; known: {}", ALL_POLICIES.join(", "));
+        if !ALL_POLICIES.contains(&p.as_str()) && !EXTRA_POLICIES.contains(&p.as_str()) {
+            bail!(
+                "unknown policy `{p}`; known: {}, {}",
+                ALL_POLICIES.join(", "),
+                EXTRA_POLICIES.join(", ")
+            );
         }
         if !out.contains(p) {
             out.push(p.clone());
@@ -644,7 +647,7 @@ mod tests {
 
     #[test]
     fn every_policy_is_one_the_policies_crate_builds() {
-        let mut ours = ALL_POLICIES.to_vec();
+        let mut ours = [ALL_POLICIES, EXTRA_POLICIES].concat();
         let mut theirs = policies::POLICY_NAMES.to_vec();
         ours.sort_unstable();
         theirs.sort_unstable();

@@ -51,6 +51,7 @@ pub mod progress;
 pub mod provenance;
 pub mod publish;
 pub mod rebuild;
+pub mod results_sources;
 pub mod sweep;
 pub mod trace_sweep;
 pub mod virtual_sweep;

@@ -57,6 +57,14 @@ pub const EXEMPT: &[(&str, &str)] = &[
         "virtual per-policy capacity published as its report and each search's record (no rows: a search's steps are deleted once recorded); rebuilt by re-running `cargo xtask sweep pressure-grid --virtual --policy-capacity` (57 min on the 2-core machine)",
     ),
     (
+        "pressure-grid-virtual-ttl-spill",
+        "virtual per-policy capacity of prefix-affinity's TTL and spill variants at ws1-s0 and ws3-s0, published as its report and each search's record (no rows: a search's steps are deleted once recorded); rebuilt by re-running `cargo xtask sweep pressure-grid --virtual --policy-capacity --points ws1-s0-load1.0,ws3-s0-load1.0 --policies session-affinity,prefix-affinity,prefix-affinity-spill-off --ttl-scale 0.5,1,2 --spill-abs 2,8,16,32 --spill-ratio 1.25,2 --sweep-dir-name pressure-grid-virtual-ttl-spill` (185 s on the 2-core machine)",
+    ),
+    (
+        "pressure-grid-virtual-ttl-spill-no-groups",
+        "the same variants on the workload without prefix groups, published as its report and each search's record (no rows); rebuilt by re-running the `pressure-grid-virtual-ttl-spill` command with `--prefix-groups 0 --sweep-dir-name pressure-grid-virtual-ttl-spill-no-groups` (124 s on the 2-core machine)",
+    ),
+    (
         "pressure-grid-virtual-shared",
         "virtual sweep published as its report only (no rows); rebuilt by re-running its virtual sweep (docs/measurements/README.md)",
     ),
@@ -76,6 +84,9 @@ pub const CROSSCHECKS: &[(&str, &str, &str)] = &[
 
 /// Figures drawn from a sweep other than the one [`figures::Sources::discover`] picks: the
 /// subdirectory of the figures directory, the grid sweep they are drawn from, and which figures.
+/// Every other source stays the discovered one: figures 1 and 2 of such a set lead with the
+/// capacity panel of the published per-policy capacity report, as the main set's do, and
+/// figure 10 (that report alone) is drawn, and checked, with the main set.
 pub const FIGURE_SETS: &[(&str, &str, &[figures::FigureId])] = &[(
     "closed-loop",
     "pressure-grid-closed-loop",

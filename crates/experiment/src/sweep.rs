@@ -270,7 +270,7 @@ impl SweepSettings {
         cal.capacity
             .as_ref()
             .filter(|_| self.needs_capacity())
-            .and_then(|c| c.stale())
+            .and_then(|c| c.stale(cal.open_start()))
     }
 
     /// The warm-up and measured window of `point`'s cells: for a `--load` point, derived from
@@ -282,6 +282,8 @@ impl SweepSettings {
                 cap,
                 rate_rps,
                 self.fleet.effective_speed(),
+                workload::prime_period_s(&self.spec_for(point, cal), cal.open_start())
+                    .map_err(|e| anyhow!("the primes of {}: {e}", point.name))?,
                 self.warmup_given.then_some(self.warmup_s),
                 self.measure_s,
                 analysis::DriftConfig::default().min_requests,
@@ -412,7 +414,7 @@ impl SweepSettings {
             Arrival::Open { rate_rps } => ArrivalSpec::Open {
                 rate_rps: rate_rps * speed,
                 duration_s: run_s,
-                start: crate::grid::OPEN_START,
+                start: cal.open_start(),
             },
             Arrival::Trace { .. } => {
                 return crate::trace_sweep::ensure_trace_plan(self, point, sweep_dir);
@@ -981,8 +983,9 @@ mod tests {
                 max_coarse_steps: 4,
                 max_lengthenings: 1,
                 policies: vec!["prefix-affinity".into()],
+                open_start: workload::OpenStart::Stationary,
             };
-            let cap = search(&cfg, &mut |step: &StepRequest| {
+            let mut cap = search(&cfg, &mut |step: &StepRequest| {
                 let a = if step.rate_rps <= 4.0 { 0.95 } else { 0.5 };
                 Ok(StepMeasurement {
                     attainment: Some(a),
@@ -1001,6 +1004,8 @@ mod tests {
             })
             .unwrap();
             assert_eq!(cap.rate_rps, 4.0);
+            // As if searched on today's open loops.
+            cap.open_start = cal.open_start();
             cal.capacity = Some(cap);
         }
         cal
@@ -1019,15 +1024,24 @@ mod tests {
 
     #[test]
     fn load_points_carry_their_fraction_and_rate_into_names_windows_and_meta() {
-        let cal = calibration(true);
+        let mut cal = calibration(true);
         let s = settings(Some(vec![0.5, 1.5]));
         let points = s.sweep_points(&cal).unwrap();
         let names: Vec<&str> = points.iter().map(|p| p.name.as_str()).collect();
         assert_eq!(names, ["ws1-s0-load0.5", "ws1-s0-load1.5"]);
         assert_eq!(points[1].arrival, Arrival::Open { rate_rps: 6.0 });
-        // The warm-up: 1.5 × the 5 s the search settled with at the nearest rate at or above.
+        // Every step primed the caches first, then settled within 5 s.
+        let prime_s =
+            workload::prime_period_s(&s.spec_for(&points[0], &cal), cal.open_start()).unwrap();
+        assert!(prime_s > 0.0);
+        for p in &mut cal.capacity.as_mut().unwrap().curve {
+            p.step.warmup_s = prime_s + 5.0;
+        }
+        // The warm-up: the primes, then 1.5 × the 5 s the search settled with after them at the
+        // nearest rate at or above.
         let w = s.window_for(&points[0], &cal).unwrap();
-        assert_eq!((w.warmup_s, w.settled_at_rps), (7.5, Some(2.0)));
+        assert_eq!(w.settled_at_rps, Some(2.0));
+        assert!((w.warmup_s - (prime_s + 7.5)).abs() < 1e-9, "{w:?}");
         let w_high = s.window_for(&points[1], &cal).unwrap();
         assert_eq!(
             w_high.settled_at_rps,
@@ -1040,7 +1054,7 @@ mod tests {
         assert_eq!(run["offered_rps"], 6.0);
         assert_eq!(run["offered_wall_rps"], 36.0);
         assert_eq!(run["capacity_rps"], 4.0);
-        assert_eq!(run["window"]["warmup_s"], 7.5);
+        assert_eq!(run["window"]["warmup_s"], w_high.warmup_s);
         assert!(run["window"]["rule"].as_str().unwrap().contains("settled"));
         // The plan: the workload name carries the fraction; the schedule is the open-loop rate
         // (wall = model × speed) over the derived window.
@@ -1052,7 +1066,8 @@ mod tests {
             plan.workload_name
         );
         assert!(
-            plan.name.contains("-load0.5-open-l12-d15.5"),
+            plan.name
+                .contains(&format!("-load0.5-open-l12-d{}-primed", w.warmup_s + 8.0)),
             "{}",
             plan.name
         );
@@ -1155,7 +1170,7 @@ mod tests {
             "{err}"
         );
         // The same capacity searched today passes, and a closed loop needs none.
-        cal.capacity.as_mut().unwrap().open_start = crate::grid::OPEN_START;
+        cal.capacity.as_mut().unwrap().open_start = cal.open_start();
         s.check_capacity(&cal, path).unwrap();
         settings(None).check_capacity(&cal, path).unwrap();
     }

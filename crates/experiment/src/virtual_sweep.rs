@@ -288,6 +288,7 @@ pub fn find_capacity(
             resolution: None,
             policies: None,
             min_window_requests: None,
+            tuning: None,
         },
     )
 }
@@ -310,6 +311,27 @@ pub struct SearchTarget<'a> {
     /// Each step's measured window is sized for at least this many requests, × the window's
     /// margin (`None`: the drift check's minimum, as every step).
     pub min_window_requests: Option<usize>,
+    /// A routing variant applied to the policy after the calibration's routing (`None`: the
+    /// policy as every sweep cell runs it; `crate::policy_capacity::Variants`).
+    pub tuning: Option<crate::policy_capacity::Tuning>,
+}
+
+/// The policy of a search step: `policy` at its defaults with `seed`, the calibration's routing
+/// (TTL, node cap, bytes per token, as every sweep cell and every live step gets it), then
+/// `tuning` on top.
+pub fn step_policy(
+    cfg: &mut sim::SimConfig,
+    policy: &str,
+    seed: u64,
+    routing: &Routing,
+    tuning: Option<&crate::policy_capacity::Tuning>,
+) {
+    cfg.policy = policies::PolicySpec::named(policy);
+    cfg.policy.seed = seed;
+    routing.configure_sim(cfg);
+    if let Some(t) = tuning {
+        t.apply(&mut cfg.policy);
+    }
 }
 
 /// [`find_capacity`] on `target`'s workload, from its start, to its resolution.
@@ -327,6 +349,7 @@ pub fn find_capacity_of(
         resolution,
         policies,
         min_window_requests,
+        tuning,
     } = target;
     let started = std::time::Instant::now();
     let routing = cal.routing()?;
@@ -348,6 +371,7 @@ pub fn find_capacity_of(
         max_coarse_steps: c.max_coarse_steps,
         max_lengthenings: c.max_lengthenings,
         policies: c.policies.clone(),
+        open_start: cal.open_start(),
     };
     let sweep_dir = work.join("capacity");
     cell::clear(&sweep_dir)?;
@@ -365,6 +389,7 @@ pub fn find_capacity_of(
         let warmup_s = capacity::steady_step_warmup_s(
             spec,
             wall_rate,
+            cfg.open_start,
             capacity::step_warmup_s(c.warmup_s, step.lengthening),
             measure_s,
         )?;
@@ -373,18 +398,14 @@ pub fn find_capacity_of(
         let arrival = ArrivalSpec::Open {
             rate_rps: wall_rate,
             duration_s: run_s,
-            start: crate::grid::OPEN_START,
+            start: cfg.open_start,
         };
         let plan = Plan::build(spec, &arrival).map_err(|e| anyhow!("{e}"))?;
         workload_name = plan.spec.name();
         let book = sim::PromptBook::new(&plan, &base.model, base.router.block_bytes, true)
             .map_err(|e| anyhow!("prompts of {step_point}: {e}"))?;
         let mut cfg = base.clone();
-        cfg.policy = policies::PolicySpec::named(&step.policy);
-        cfg.policy.seed = s.seed;
-        // The calibration's routing (TTL, node cap, bytes per token), as every sweep cell and
-        // every live step gets it.
-        routing.configure_sim(&mut cfg);
+        step_policy(&mut cfg, &step.policy, s.seed, &routing, tuning.as_ref());
         cfg.engine.seed = s.fleet.engine_seed;
         cfg.driver = sim::DriverModel {
             warmup_s,
@@ -443,17 +464,18 @@ fn searches_by_workload(
 }
 
 /// Runs `search` for each named workload, as many at once as there are cores, each recorded in
-/// `<records>/<name>/capacity.json`; a record of the same workload under the same SLO is reused
-/// (a resume). Returns `(name, capacity)` in the order given.
+/// `<records>/<name>/capacity.json`; a record of the same workload under the same SLO, searched
+/// on open loops that start as `start`, is reused (a resume). Returns `(name, capacity)` in the order given.
 fn searched_in_parallel(
     searches: &[Search],
     slo: Slo,
+    start: workload::OpenStart,
     records: &Path,
     search: &(dyn Fn(&str, &WorkloadSpec) -> Result<Capacity> + Sync),
 ) -> Result<Vec<(String, Capacity)>> {
     let record = |name: &str| records.join(name).join("capacity.json");
     let one = |name: &String, spec: &WorkloadSpec| -> Result<(String, Capacity)> {
-        if let Some(c) = PointCapacity::reusable(&record(name), &spec.name(), slo) {
+        if let Some(c) = PointCapacity::reusable(&record(name), &spec.name(), slo, start) {
             return Ok((name.clone(), c.capacity));
         }
         let c = search(name, spec)?;
@@ -524,23 +546,30 @@ fn point_capacities(
         ),
     );
     let runs = dir.join("calibration-runs");
-    let mut found = searched_in_parallel(&to_search, cal.slo, &runs, &|name, spec| {
-        find_capacity_of(
-            s,
-            base,
-            cal,
-            &runs.join(name),
-            SearchTarget {
-                spec,
-                point: name,
-                start: start.clone(),
-                resolution: None,
-                policies: None,
-                min_window_requests: None,
-            },
-        )
-        .with_context(|| format!("the capacity of point {name}"))
-    })?;
+    let mut found = searched_in_parallel(
+        &to_search,
+        cal.slo,
+        cal.open_start(),
+        &runs,
+        &|name, spec| {
+            find_capacity_of(
+                s,
+                base,
+                cal,
+                &runs.join(name),
+                SearchTarget {
+                    spec,
+                    point: name,
+                    start: start.clone(),
+                    resolution: None,
+                    policies: None,
+                    min_window_requests: None,
+                    tuning: None,
+                },
+            )
+            .with_context(|| format!("the capacity of point {name}"))
+        },
+    )?;
     found.extend(given.into_iter().map(|(name, _)| (name, reference.clone())));
     found.sort_by_key(|(name, _)| order.iter().position(|n| n == name));
     for (name, c) in &found {
@@ -590,10 +619,15 @@ impl PointCapacity {
     }
 
     /// The record at `path` when a resume may reuse it: searched on `workload` under `slo`,
-    /// with today's open-loop start.
-    pub fn reusable(path: &Path, workload: &str, slo: Slo) -> Option<PointCapacity> {
+    /// with today's open-loop start (`start`, [`Calibration::open_start`]).
+    pub fn reusable(
+        path: &Path,
+        workload: &str,
+        slo: Slo,
+        start: workload::OpenStart,
+    ) -> Option<PointCapacity> {
         PointCapacity::read(path).filter(|c| {
-            c.capacity.workload == workload && c.slo == slo && c.capacity.stale().is_none()
+            c.capacity.workload == workload && c.slo == slo && c.capacity.stale(start).is_none()
         })
     }
 
@@ -691,24 +725,31 @@ pub fn simulated_point_capacities(
         ),
     );
     let runs = dir.join("calibration-runs").join("simulated");
-    let found = searched_in_parallel(&to_search, cal.slo, &runs, &|name, spec| {
-        let res = Some(SIMULATED_RESOLUTION);
-        find_capacity_of(
-            s,
-            &base,
-            cal,
-            &runs.join(name),
-            SearchTarget {
-                spec,
-                point: name,
-                start: start.clone(),
-                resolution: res,
-                policies: None,
-                min_window_requests: None,
-            },
-        )
-        .with_context(|| format!("the simulated capacity of {name}"))
-    })?;
+    let found = searched_in_parallel(
+        &to_search,
+        cal.slo,
+        cal.open_start(),
+        &runs,
+        &|name, spec| {
+            let res = Some(SIMULATED_RESOLUTION);
+            find_capacity_of(
+                s,
+                &base,
+                cal,
+                &runs.join(name),
+                SearchTarget {
+                    spec,
+                    point: name,
+                    start: start.clone(),
+                    resolution: res,
+                    policies: None,
+                    min_window_requests: None,
+                    tuning: None,
+                },
+            )
+            .with_context(|| format!("the simulated capacity of {name}"))
+        },
+    )?;
     let simulated_reference = found
         .iter()
         .find(|(n, _)| n == "reference")
@@ -1195,14 +1236,14 @@ mod tests {
         // A virtual sweep judged by that live calibration runs each point at the live sweep's
         // rate, so its plans are the same bytes and `crosscheck` can compare every point.
         let judged = Scratch::new("live-per-point-virtual");
-        // The published calibration predates stationary open starts, which a sweep refuses;
-        // marked stationary here, since only its rates matter to this test.
+        // The published calibration predates primed open starts, which a sweep refuses; marked
+        // with today's start here, since only its rates matter to this test.
         let mut live: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(root.join("pressure-grid-quick-capacity/calibration.json"))
                 .unwrap(),
         )
         .unwrap();
-        live["capacity"]["open_start"] = serde_json::json!("stationary");
+        live["capacity"]["open_start"] = serde_json::to_value(cal.open_start()).unwrap();
         let live_path = judged.0.join("live-calibration.json");
         std::fs::write(&live_path, live.to_string()).unwrap();
         let virtual_settings = SweepSettings {

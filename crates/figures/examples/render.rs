@@ -1,5 +1,5 @@
 //! Renders the figures from a measurements directory: `cargo run -p figures --example render --
-//! <measurements dir> <out dir> [figure …]` (figures as `1`…`9` or stems; default all).
+//! <measurements dir> <out dir> [figure …]` (figures as `1`…`10` or stems; default all).
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -13,7 +13,7 @@ fn main() -> ExitCode {
     let mut figs = Vec::new();
     for w in which {
         let Some(f) = figures::FigureId::parse(w) else {
-            eprintln!("unknown figure `{w}` (1…9 or a stem)");
+            eprintln!("unknown figure `{w}` (1…10 or a stem)");
             return ExitCode::FAILURE;
         };
         figs.push(f);

@@ -1,12 +1,19 @@
-//! The numbers each figure draws, picked out of the analysis report (figures 1–5 and 7) or the
+//! The numbers each figure draws, picked out of the analysis report (figures 1–5 and 7–9), the
+//! per-policy capacity report (the first panels of figures 1 and 2, and figure 10) or the
 //! fault timeline (figure 6), and the CSV that publishes exactly those numbers.
 //!
-//! Nothing here derives a metric: every value is a field of `analysis::Report` (or a row of
-//! `timeline.csv`). Where a figure needs something the input does not hold, the builder fails
-//! with a message that names the figure, the point, the policy and the missing value.
+//! Nothing here derives a metric: every value is a field of `analysis::Report` or
+//! `analysis::capacity::CapacityReport` (or a row of `timeline.csv`); the one verdict the
+//! capacity report does not hold (figure 2's winner against its runner-up) is the report's own
+//! rule, `analysis::capacity::verdict`. Where a figure needs something the input does not hold,
+//! the builder fails with a message that names the figure, the point, the policy and the
+//! missing value.
 
 use crate::error::fail;
 use crate::{Error, Result};
+use analysis::capacity::{
+    CapacityMargin, CapacityReport, CapacityVerdict, PointCapacities, PolicyCapacity,
+};
 use analysis::report::{PREFIX_AFFINITY, Point, SESSION_AFFINITY};
 use analysis::stats::Spread;
 use analysis::{Report, Verdict};
@@ -1734,4 +1741,633 @@ mod tests {
         };
         assert_eq!(t.to_csv().unwrap(), "a,b\n\"x,y\",1\n");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Each policy's own capacity (figure 10, and the first panels of figures 1 and 2), picked out of
+// a per-policy capacity report (`analysis::capacity::CapacityReport`).
+
+/// Name of figure 10 in messages.
+pub const FIG10: &str = "figure 10 (policy capacity)";
+
+/// The CSV value of the `verdict` column of the baseline's own row in figure 10.
+pub const REFERENCE: &str = "reference";
+
+/// The CSV value of the winners' verdict when several policies share the highest median.
+pub const TIED: &str = "tied";
+
+/// What a capacity figure says about the report it was drawn from (its subtitle).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CapacityContext {
+    /// The sweep the report belongs to.
+    pub sweep: String,
+    /// Where the numbers come from, in the report's words.
+    pub basis: String,
+    /// The baseline every ratio is taken over.
+    pub baseline: String,
+    /// The plan seeds.
+    pub seeds: Vec<u64>,
+    /// The searches' relative resolution.
+    pub resolution: f64,
+    /// Share of measured requests that must meet the SLO.
+    pub target: f64,
+    /// The analysis rules the report was built with.
+    pub rules: String,
+}
+
+impl CapacityContext {
+    fn of(r: &CapacityReport) -> CapacityContext {
+        CapacityContext {
+            sweep: r.sweep.clone(),
+            basis: r.basis.clone(),
+            baseline: r.baseline.clone(),
+            seeds: r.seeds.clone(),
+            resolution: r.resolution,
+            target: r.target,
+            rules: r.rules.clone(),
+        }
+    }
+
+    /// `3 plan seeds (7, 8, 9)`.
+    pub fn seeds_text(&self) -> String {
+        let list: Vec<String> = self.seeds.iter().map(u64::to_string).collect();
+        let unit = if self.seeds.len() == 1 {
+            "plan seed"
+        } else {
+            "plan seeds"
+        };
+        format!("{} {unit} ({})", self.seeds.len(), list.join(", "))
+    }
+}
+
+/// The points of a capacity report with both axes parsed from their names; a point named
+/// otherwise is refused, named.
+fn capacity_points<'a>(
+    r: &'a CapacityReport,
+    figure: &str,
+) -> Result<Vec<(&'a PointCapacities, f64, f64)>> {
+    let mut out = Vec::new();
+    let mut odd = Vec::new();
+    for p in &r.points {
+        let axes = analysis::report::point_axes(&p.point);
+        match (axes.working_set_ratio, axes.zipf_s) {
+            (Some(ws), Some(s)) => out.push((p, ws, s)),
+            _ => odd.push(p.point.clone()),
+        }
+    }
+    if !odd.is_empty() || out.is_empty() {
+        fail!(
+            Missing,
+            "{figure}: every point of the capacity report of sweep `{}` must be named ws<ratio>-s<skew> (found: {})",
+            r.sweep,
+            if odd.is_empty() {
+                "no point".to_string()
+            } else {
+                odd.join(", ")
+            }
+        );
+    }
+    Ok(out)
+}
+
+fn capacity_of<'a>(p: &'a PointCapacities, policy: &str) -> Option<&'a PolicyCapacity> {
+    p.policies.iter().find(|c| c.policy == policy)
+}
+
+fn capacity_margin<'a>(p: &'a PointCapacities, policy: &str) -> Option<&'a CapacityMargin> {
+    p.margins.iter().find(|m| m.policy == policy)
+}
+
+fn spread_opt_fields(x: Option<Spread>) -> [String; 3] {
+    x.map_or_else(Default::default, |s| spread_fields(&s))
+}
+
+fn require_baseline(r: &CapacityReport, figure: &str) -> Result<()> {
+    if r.baseline != SESSION_AFFINITY {
+        fail!(
+            Invalid,
+            "{figure}: the capacity report of sweep `{}` takes its ratios over `{}`, not {SESSION_AFFINITY}",
+            r.sweep,
+            r.baseline
+        );
+    }
+    Ok(())
+}
+
+/// One point of figure 1's capacity panel: prefix-affinity's own capacity against
+/// session-affinity's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CapacityRatioCell {
+    /// Point name.
+    pub point: String,
+    /// Working set ÷ KV capacity.
+    pub working_set_ratio: f64,
+    /// Zipf exponent.
+    pub zipf_s: f64,
+    /// Prefix-affinity's capacity over seeds (model req/s); `None` when no seed is bracketed.
+    pub prefix_affinity: Option<Spread>,
+    /// Session-affinity's.
+    pub session_affinity: Option<Spread>,
+    /// The report's ratio of the medians (prefix-affinity ÷ session-affinity).
+    pub ratio: Option<f64>,
+    /// The report's verdict between the two.
+    pub verdict: CapacityVerdict,
+}
+
+/// Figure 1's capacity panel.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CapacityRatioData {
+    /// The report's context.
+    pub context: CapacityContext,
+    /// Working-set ratios, ascending.
+    pub ws_values: Vec<f64>,
+    /// Skews, ascending.
+    pub s_values: Vec<f64>,
+    /// One per point, in the report's order.
+    pub cells: Vec<CapacityRatioCell>,
+}
+
+/// Picks figure 1's capacity panel: at every point of the capacity report, prefix-affinity's
+/// and session-affinity's capacity (median [min–max] over seeds) and the report's ratio and
+/// verdict between them. A point without either policy fails, named.
+pub fn pressure_capacity(r: &CapacityReport) -> Result<CapacityRatioData> {
+    require_baseline(r, FIG1)?;
+    let pts = capacity_points(r, FIG1)?;
+    let mut cells = Vec::new();
+    let mut lack = Vec::new();
+    for (p, ws, s) in &pts {
+        let (pa, sa) = (
+            capacity_of(p, PREFIX_AFFINITY),
+            capacity_of(p, SESSION_AFFINITY),
+        );
+        let m = capacity_margin(p, PREFIX_AFFINITY);
+        for (name, there) in [
+            (PREFIX_AFFINITY, pa.is_some()),
+            (SESSION_AFFINITY, sa.is_some()),
+        ] {
+            if !there {
+                lack.push(format!(
+                    "point `{}` of the capacity report has no {name} capacity",
+                    p.point
+                ));
+            }
+        }
+        let (Some(pa), Some(sa)) = (pa, sa) else {
+            continue;
+        };
+        let Some(m) = m else {
+            lack.push(format!(
+                "point `{}` of the capacity report has no margin of {PREFIX_AFFINITY} over {SESSION_AFFINITY}",
+                p.point
+            ));
+            continue;
+        };
+        cells.push(CapacityRatioCell {
+            point: p.point.clone(),
+            working_set_ratio: *ws,
+            zipf_s: *s,
+            prefix_affinity: pa.spread,
+            session_affinity: sa.spread,
+            ratio: m.ratio,
+            verdict: m.verdict,
+        });
+    }
+    missing(FIG1, lack)?;
+    Ok(CapacityRatioData {
+        context: CapacityContext::of(r),
+        ws_values: sorted_axis(pts.iter().map(|(_, ws, _)| *ws)),
+        s_values: sorted_axis(pts.iter().map(|(_, _, s)| *s)),
+        cells,
+    })
+}
+
+impl CapacityRatioData {
+    /// Exactly the numbers drawn.
+    pub fn table(&self) -> Table {
+        Table {
+            header: vec![
+                "point",
+                "working_set_ratio",
+                "zipf_s",
+                "prefix_affinity_capacity_median_rps",
+                "prefix_affinity_capacity_min_rps",
+                "prefix_affinity_capacity_max_rps",
+                "session_affinity_capacity_median_rps",
+                "session_affinity_capacity_min_rps",
+                "session_affinity_capacity_max_rps",
+                "capacity_ratio",
+                "verdict",
+            ],
+            rows: self
+                .cells
+                .iter()
+                .map(|c| {
+                    let mut row = vec![c.point.clone(), num(c.working_set_ratio), num(c.zipf_s)];
+                    row.extend(spread_opt_fields(c.prefix_affinity));
+                    row.extend(spread_opt_fields(c.session_affinity));
+                    row.push(opt(c.ratio));
+                    row.push(c.verdict.as_str().to_string());
+                    row
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One point of figure 2's capacity panel: the policy (or policies, tied) with the highest
+/// median capacity, against session-affinity and against the runner-up.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CapacityWinnerCell {
+    /// Point name.
+    pub point: String,
+    /// Working set ÷ KV capacity.
+    pub working_set_ratio: f64,
+    /// Zipf exponent.
+    pub zipf_s: f64,
+    /// The report's best: the policies with the highest median capacity, in table order
+    /// (several when tied; none unless every policy is bracketed).
+    pub best: Vec<String>,
+    /// Their median capacity (model req/s).
+    pub median: Option<f64>,
+    /// The winner's [min–max] over seeds, when there is one winner.
+    pub spread: Option<Spread>,
+    /// Session-affinity is among the best.
+    pub baseline_among_best: bool,
+    /// The best's ratio to session-affinity (the report's margin; equal medians share it);
+    /// `None` when session-affinity is among them.
+    pub ratio: Option<f64>,
+    /// The report's verdicts of the best over session-affinity, distinct, in order; empty when
+    /// session-affinity is among them.
+    pub vs_baseline: Vec<CapacityVerdict>,
+    /// With one winner: the policy with the next highest median (the first in table order
+    /// where several share it) and its capacity.
+    pub runner_up: Option<(String, Spread)>,
+    /// The winner against the runner-up (`analysis::capacity::verdict` at the report's
+    /// resolution); `None` when tied or when there is no runner-up.
+    pub verdict: Option<CapacityVerdict>,
+}
+
+impl CapacityWinnerCell {
+    /// The verdict column: the winner against the runner-up, [`TIED`], or why there is none.
+    pub fn verdict_text(&self) -> &'static str {
+        match (self.best.len(), self.verdict) {
+            (0, _) => CapacityVerdict::NotBracketed.as_str(),
+            (1, Some(v)) => v.as_str(),
+            (1, None) => "no runner-up",
+            _ => TIED,
+        }
+    }
+
+    /// The verdicts over session-affinity as one field (`/`-joined), `baseline among the best`
+    /// when it is.
+    pub fn vs_baseline_text(&self) -> String {
+        if self.baseline_among_best {
+            return "baseline among the best".to_string();
+        }
+        self.vs_baseline
+            .iter()
+            .map(|v| v.as_str())
+            .collect::<Vec<_>>()
+            .join("/")
+    }
+}
+
+/// Figure 2's capacity panel.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CapacityWinnersData {
+    /// The report's context.
+    pub context: CapacityContext,
+    /// Working-set ratios, ascending.
+    pub ws_values: Vec<f64>,
+    /// Skews, ascending.
+    pub s_values: Vec<f64>,
+    /// One per point, in the report's order.
+    pub cells: Vec<CapacityWinnerCell>,
+}
+
+/// Picks figure 2's capacity panel: at every point, the report's best (the highest median
+/// capacity), its ratio and verdict over session-affinity from the report's margins, and, with
+/// one winner, the runner-up and the report's verdict rule between the two.
+pub fn capacity_winners(r: &CapacityReport) -> Result<CapacityWinnersData> {
+    require_baseline(r, FIG2)?;
+    let pts = capacity_points(r, FIG2)?;
+    let mut cells = Vec::new();
+    let mut lack = Vec::new();
+    for (p, ws, s) in &pts {
+        let best: Vec<&PolicyCapacity> = p.best.iter().filter_map(|b| capacity_of(p, b)).collect();
+        if best.len() != p.best.len() {
+            lack.push(format!(
+                "point `{}` of the capacity report names a best policy it has no capacity for",
+                p.point
+            ));
+            continue;
+        }
+        let baseline_among_best = p.best.iter().any(|b| b == SESSION_AFFINITY);
+        let margins: Vec<&CapacityMargin> = p
+            .best
+            .iter()
+            .filter(|b| *b != SESSION_AFFINITY)
+            .filter_map(|b| capacity_margin(p, b))
+            .collect();
+        let mut vs_baseline: Vec<CapacityVerdict> = Vec::new();
+        if !baseline_among_best {
+            for m in &margins {
+                if !vs_baseline.contains(&m.verdict) {
+                    vs_baseline.push(m.verdict);
+                }
+            }
+        }
+        let (runner_up, verdict) = match best.as_slice() {
+            [w] => {
+                let ru = p
+                    .policies
+                    .iter()
+                    .filter(|c| c.policy != w.policy)
+                    .filter_map(|c| c.spread.map(|s| (c, s)))
+                    .fold(None::<(&PolicyCapacity, Spread)>, |acc, (c, s)| match acc {
+                        Some((_, a)) if a.median >= s.median => acc,
+                        _ => Some((c, s)),
+                    });
+                match ru {
+                    Some((c, s)) => (
+                        Some((c.policy.clone(), s)),
+                        Some(analysis::capacity::verdict(w, c, r.resolution)),
+                    ),
+                    None => (None, None),
+                }
+            }
+            _ => (None, None),
+        };
+        cells.push(CapacityWinnerCell {
+            point: p.point.clone(),
+            working_set_ratio: *ws,
+            zipf_s: *s,
+            best: p.best.clone(),
+            median: best.first().and_then(|b| b.spread).map(|s| s.median),
+            spread: match best.as_slice() {
+                [w] => w.spread,
+                _ => None,
+            },
+            baseline_among_best,
+            ratio: if baseline_among_best {
+                None
+            } else {
+                margins.first().and_then(|m| m.ratio)
+            },
+            vs_baseline,
+            runner_up,
+            verdict,
+        });
+    }
+    missing(FIG2, lack)?;
+    Ok(CapacityWinnersData {
+        context: CapacityContext::of(r),
+        ws_values: sorted_axis(pts.iter().map(|(_, ws, _)| *ws)),
+        s_values: sorted_axis(pts.iter().map(|(_, _, s)| *s)),
+        cells,
+    })
+}
+
+impl CapacityWinnersData {
+    /// Exactly the numbers drawn.
+    pub fn table(&self) -> Table {
+        Table {
+            header: vec![
+                "point",
+                "working_set_ratio",
+                "zipf_s",
+                "winner",
+                "winner_capacity_median_rps",
+                "winner_capacity_min_rps",
+                "winner_capacity_max_rps",
+                "winner_vs_session_affinity",
+                "winner_vs_session_affinity_verdict",
+                "runner_up",
+                "runner_up_capacity_median_rps",
+                "verdict",
+            ],
+            rows: self
+                .cells
+                .iter()
+                .map(|c| {
+                    let mut row = vec![
+                        c.point.clone(),
+                        num(c.working_set_ratio),
+                        num(c.zipf_s),
+                        c.best.join(";"),
+                        opt(c.median),
+                    ];
+                    row.extend(
+                        c.spread
+                            .map_or_else(Default::default, |s| [num(s.min), num(s.max)]),
+                    );
+                    row.push(opt(c.ratio));
+                    row.push(c.vs_baseline_text());
+                    row.push(
+                        c.runner_up
+                            .as_ref()
+                            .map(|r| r.0.clone())
+                            .unwrap_or_default(),
+                    );
+                    row.push(opt(c.runner_up.as_ref().map(|r| r.1.median)));
+                    row.push(c.verdict_text().to_string());
+                    row
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One policy of one panel of figure 10.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CapacityBar {
+    /// The policy.
+    pub policy: String,
+    /// Its capacity over seeds (model req/s); `None` when no seed is bracketed.
+    pub spread: Option<Spread>,
+    /// The report's ratio to the baseline; `None` for the baseline itself.
+    pub ratio: Option<f64>,
+    /// The report's verdict over the baseline; `None` for the baseline itself.
+    pub verdict: Option<CapacityVerdict>,
+    /// Among the report's best at this point.
+    pub best: bool,
+}
+
+impl CapacityBar {
+    /// Whether this is the baseline's own bar.
+    pub fn is_reference(&self) -> bool {
+        self.verdict.is_none()
+    }
+}
+
+/// One point of figure 10: every policy's bar.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CapacityPanel {
+    /// Point name.
+    pub point: String,
+    /// Working set ÷ KV capacity.
+    pub working_set_ratio: f64,
+    /// Zipf exponent.
+    pub zipf_s: f64,
+    /// The policies in the report's (table) order.
+    pub bars: Vec<CapacityBar>,
+}
+
+/// Figure 10: each policy's own capacity at every point.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyCapacityData {
+    /// The report's context.
+    pub context: CapacityContext,
+    /// Working-set ratios, ascending.
+    pub ws_values: Vec<f64>,
+    /// Skews, ascending.
+    pub s_values: Vec<f64>,
+    /// One per point, in the report's order.
+    pub panels: Vec<CapacityPanel>,
+}
+
+/// Picks figure 10's numbers: per point, every policy's capacity (median [min–max] over seeds)
+/// and the report's ratio and verdict over its baseline. A point without the baseline, or a
+/// policy without its margin, fails, named.
+pub fn policy_capacity(r: &CapacityReport) -> Result<PolicyCapacityData> {
+    let pts = capacity_points(r, FIG10)?;
+    let mut panels = Vec::new();
+    let mut lack = Vec::new();
+    for (p, ws, s) in &pts {
+        if capacity_of(p, &r.baseline).is_none() {
+            lack.push(format!(
+                "point `{}` has no {} capacity (the baseline)",
+                p.point, r.baseline
+            ));
+            continue;
+        }
+        let mut bars = Vec::new();
+        for c in &p.policies {
+            let best = p.best.contains(&c.policy);
+            if c.policy == r.baseline {
+                bars.push(CapacityBar {
+                    policy: c.policy.clone(),
+                    spread: c.spread,
+                    ratio: None,
+                    verdict: None,
+                    best,
+                });
+                continue;
+            }
+            let Some(m) = capacity_margin(p, &c.policy) else {
+                lack.push(format!(
+                    "point `{}` has no margin of {} over {}",
+                    p.point, c.policy, r.baseline
+                ));
+                continue;
+            };
+            bars.push(CapacityBar {
+                policy: c.policy.clone(),
+                spread: c.spread,
+                ratio: m.ratio,
+                verdict: Some(m.verdict),
+                best,
+            });
+        }
+        panels.push(CapacityPanel {
+            point: p.point.clone(),
+            working_set_ratio: *ws,
+            zipf_s: *s,
+            bars,
+        });
+    }
+    missing(FIG10, lack)?;
+    Ok(PolicyCapacityData {
+        context: CapacityContext::of(r),
+        ws_values: sorted_axis(pts.iter().map(|(_, ws, _)| *ws)),
+        s_values: sorted_axis(pts.iter().map(|(_, _, s)| *s)),
+        panels,
+    })
+}
+
+impl PolicyCapacityData {
+    /// Exactly the numbers drawn: one row per point and policy.
+    pub fn table(&self) -> Table {
+        Table {
+            header: vec![
+                "point",
+                "working_set_ratio",
+                "zipf_s",
+                "policy",
+                "capacity_median_rps",
+                "capacity_min_rps",
+                "capacity_max_rps",
+                "seeds",
+                "ratio_to_session_affinity",
+                "verdict",
+                "best",
+            ],
+            rows: self
+                .panels
+                .iter()
+                .flat_map(|p| {
+                    p.bars.iter().map(move |b| {
+                        let mut row = vec![
+                            p.point.clone(),
+                            num(p.working_set_ratio),
+                            num(p.zipf_s),
+                            b.policy.clone(),
+                        ];
+                        row.extend(spread_opt_fields(b.spread));
+                        row.push(b.spread.map(|s| s.n.to_string()).unwrap_or_default());
+                        row.push(opt(b.ratio));
+                        row.push(
+                            b.verdict
+                                .map_or(REFERENCE, CapacityVerdict::as_str)
+                                .to_string(),
+                        );
+                        row.push(b.best.to_string());
+                        row
+                    })
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The value of the `panel` column of figures 1 and 2 for the capacity panel.
+pub const PANEL_CAPACITY: &str = "capacity";
+/// The value of the `panel` column of figures 1 and 2 for the fixed-rate panel.
+pub const PANEL_FIXED_RATE: &str = "fixed-rate";
+
+/// Both panels of figure 1 or 2 in one table, as figure 5 keeps its two: a `panel` column
+/// ([`PANEL_CAPACITY`], [`PANEL_FIXED_RATE`]) first, then the capacity panel's columns, then the
+/// fixed-rate panel's that the capacity panel does not share (a shared name, such as `point`
+/// or `verdict`, is one column); each row leaves the other panel's columns empty.
+pub fn with_panels(capacity: Table, fixed: Table) -> Table {
+    let mut header = vec!["panel"];
+    header.extend(capacity.header.iter().copied());
+    for h in &fixed.header {
+        if !header.contains(h) {
+            header.push(h);
+        }
+    }
+    let place = |panel: &str, t: &Table| -> Vec<Vec<String>> {
+        t.rows
+            .iter()
+            .map(|r| {
+                header
+                    .iter()
+                    .map(|h| {
+                        if *h == "panel" {
+                            return panel.to_string();
+                        }
+                        t.header
+                            .iter()
+                            .position(|x| x == h)
+                            .map(|i| r[i].clone())
+                            .unwrap_or_default()
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let mut rows = place(PANEL_CAPACITY, &capacity);
+    rows.extend(place(PANEL_FIXED_RATE, &fixed));
+    Table { header, rows }
 }

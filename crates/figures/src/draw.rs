@@ -13,14 +13,16 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::data::{
-    BELIEF_POLICIES, BeliefData, LADDER, LadderData, LoadCurveData, MechRole, MechanismData,
-    NoDataCell, Outage, PressureData, RoutersData, TimelineData, TraceData, WinnersData,
-    band_label, set_aside_note,
+    BELIEF_POLICIES, BeliefData, CapacityContext, CapacityRatioData, CapacityWinnersData, LADDER,
+    LadderData, LoadCurveData, MechRole, MechanismData, NoDataCell, Outage, PolicyCapacityData,
+    PressureData, RoutersData, TimelineData, TraceData, WinnersData, band_label, set_aside_note,
 };
 use crate::font::{self, FAMILY};
 use crate::input::{Context, num};
 use crate::{Error, Result};
 use analysis::Verdict;
+use analysis::capacity::CapacityVerdict;
+use analysis::stats::Spread;
 use schema::ATTAINMENT_TARGET;
 
 /// A figure that can draw itself on any plotters backend.
@@ -207,13 +209,42 @@ fn dotted_outline<DB: DrawingBackend>(
     .map_err(de)
 }
 
-/// One cell of a heatmap: where, its fill, its text lines, and its verdict (which marking).
+/// How a heatmap cell is marked: plain where the comparison separates, hatched where it does
+/// not (spreads overlap, or apart by less than the resolution), a dotted frame where there is no
+/// spread to judge by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Marking {
+    Plain,
+    Hatched,
+    Dotted,
+}
+
+impl Marking {
+    fn of(v: Verdict) -> Marking {
+        match v {
+            Verdict::Separates => Marking::Plain,
+            Verdict::WithinSpread => Marking::Hatched,
+            // Neither has a spread to judge by; the cell's verdict line says which.
+            Verdict::TooFewReps | Verdict::Deterministic => Marking::Dotted,
+        }
+    }
+
+    fn of_capacity(v: CapacityVerdict) -> Marking {
+        match v {
+            CapacityVerdict::Separates => Marking::Plain,
+            CapacityVerdict::WithinSpread | CapacityVerdict::WithinResolution => Marking::Hatched,
+            CapacityVerdict::TooFewSeeds | CapacityVerdict::NotBracketed => Marking::Dotted,
+        }
+    }
+}
+
+/// One cell of a heatmap: where, its fill, its text lines, and how it is marked.
 struct HeatCell {
     col: usize,
     row: usize,
     fill: RGBColor,
     lines: Vec<String>,
-    verdict: Verdict,
+    marking: Marking,
 }
 
 /// A working set × skew grid: rows are working-set ratios (largest on top), columns skews.
@@ -273,11 +304,10 @@ fn heatmap<DB: DrawingBackend>(
                     continue;
                 }
             };
-            match c.verdict {
-                Verdict::Separates => {}
-                Verdict::WithinSpread => hatch(area, a, b)?,
-                // Neither has a spread to judge by; the cell's verdict line says which.
-                Verdict::TooFewReps | Verdict::Deterministic => dotted_outline(area, a, b)?,
+            match c.marking {
+                Marking::Plain => {}
+                Marking::Hatched => hatch(area, a, b)?,
+                Marking::Dotted => dotted_outline(area, a, b)?,
             }
             let n = c.lines.len() as i32;
             let line_h = 25;
@@ -392,28 +422,274 @@ fn diverging(v: f64, max: f64) -> RGBColor {
     lighten(c, t.abs() * 0.85)
 }
 
+/// Splits `text` at spaces into lines of at most `max` characters (a longer word keeps its own
+/// line).
+fn wrap(text: &str, max: usize) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    let mut cur = String::new();
+    for word in text.split(' ') {
+        if !cur.is_empty() && cur.chars().count() + 1 + word.chars().count() > max {
+            lines.push(std::mem::take(&mut cur));
+        }
+        if !cur.is_empty() {
+            cur.push(' ');
+        }
+        cur.push_str(word);
+    }
+    if !cur.is_empty() {
+        lines.push(cur);
+    }
+    lines
+}
+
+/// Characters of a subtitle line (15 px) that fit the 1300-px maps.
+const NOTE_CHARS: usize = 155;
+/// Characters of a subtitle line (15 px) that fit figure 10.
+const WIDE_NOTE_CHARS: usize = 250;
+/// Characters of a panel title (20 px) that fit the 1300-px maps.
+const PANEL_TITLE_CHARS: usize = 105;
+
+/// A panel's title (wrapped, 20 px) and note lines (15 px, muted), centred; returns the area
+/// below them.
+fn panel_header<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    title: &str,
+    lines: &[String],
+) -> Result<DrawingArea<DB, Shift>> {
+    let (w, _) = area.dim_in_pixel();
+    let cx = (w / 2) as i32;
+    let mut y = 6;
+    for t in wrap(title, PANEL_TITLE_CHARS) {
+        area.draw(&Text::new(
+            t,
+            (cx, y),
+            style(20.0, &INK, HPos::Center, VPos::Top),
+        ))
+        .map_err(de)?;
+        y += 26;
+    }
+    y += 4;
+    for l in lines {
+        area.draw(&Text::new(
+            l.clone(),
+            (cx, y),
+            style(15.0, &MUTED, HPos::Center, VPos::Top),
+        ))
+        .map_err(de)?;
+        y += 20;
+    }
+    Ok(area.split_vertically(y + 10).1)
+}
+
+/// Lines a panel's title and notes take (for sizing the canvas).
+fn panel_header_lines(title: &str, lines: usize) -> (usize, usize) {
+    (wrap(title, PANEL_TITLE_CHARS).len(), lines)
+}
+
+/// Pixel height of a panel header of `(title lines, note lines)`.
+fn panel_header_px((titles, notes): (usize, usize)) -> u32 {
+    (6 + 26 * titles + 4 + 20 * notes + 10) as u32
+}
+
+/// The subtitle lines of every capacity panel and of figure 10: the sweep, seeds and
+/// resolution, the report's basis, the rule and what was held equal.
+fn capacity_lines(c: &CapacityContext, chars: usize) -> Vec<String> {
+    let r = c.resolution * 100.0;
+    let mut lines = vec![format!(
+        "sweep {} · {}, median [min–max] over seeds · resolution {}%: each seed's failing rate is within {}% above its capacity · rules {}",
+        c.sweep,
+        c.seeds_text(),
+        num(r),
+        num(r),
+        c.rules
+    )];
+    lines.extend(wrap(&format!("basis: {}", c.basis), chars));
+    lines.extend(wrap(
+        &format!(
+            "capacity: the highest offered open-loop rate (req/s, model time) at which the policy alone met the SLO on ≥ {}% of its measured requests. Held equal per seed: the same plans (conversations, prefixes, arrivals), the same fleet and the calibration's SLO for every policy; each policy's rate is its own search's",
+            num(c.target * 100.0)
+        ),
+        chars,
+    ));
+    lines
+}
+
+/// A capacity [median \[min–max\]] as a cell writes it; `not bracketed` without one.
+fn capacity_text(s: Option<Spread>) -> String {
+    s.map_or_else(
+        || "not bracketed".to_string(),
+        |s| format!("{:.3} [{:.3}–{:.3}]", s.median, s.min, s.max),
+    )
+}
+
+/// The short names a crowded cell lists policies by.
+fn short_policy(policy: &str) -> &str {
+    match policy {
+        "round-robin" => "RR",
+        "least-outstanding" => "LO",
+        "session-affinity" => "SA",
+        "session-bounded" => "SB",
+        "prefix-hash" => "PH",
+        "prefix-affinity" => "PA",
+        "prefix-affinity-spill-off" => "PA-off",
+        "exact-residency" => "ER",
+        "exact-residency-spec" => "ER-spec",
+        other => other,
+    }
+}
+
+/// The split of the maps' canvas: the title block, then the capacity panel and the fixed-rate
+/// panel, each a header above a heatmap of `MAP_PX`.
+const MAP_PX: u32 = 720;
+
+/// Draws a map figure's two panels below its title: (a) capacity first, (b) the fixed-rate
+/// view second. `a` and `b` draw each panel's body.
+fn two_panels<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    title: &str,
+    lines: &[String],
+    (a_title, a_notes): (&str, &[String]),
+    (b_title, b_notes): (&str, &[String]),
+    a: impl FnOnce(&DrawingArea<DB, Shift>) -> Result<()>,
+    b: impl FnOnce(&DrawingArea<DB, Shift>) -> Result<()>,
+) -> Result<()> {
+    let body = header(root, title, lines)?;
+    let a_px = panel_header_px(panel_header_lines(a_title, a_notes.len())) + MAP_PX;
+    let (top, bottom) = body.split_vertically(a_px);
+    a(&panel_header(&top, a_title, a_notes)?)?;
+    b(&panel_header(&bottom, b_title, b_notes)?)
+}
+
+/// Height of a map figure: the title block, both panels' headers and their heatmaps.
+fn two_panel_height(lines: usize, a: (usize, usize), b: (usize, usize)) -> u32 {
+    (50 + 21 * lines + 8) as u32 + panel_header_px(a) + panel_header_px(b) + 2 * MAP_PX
+}
+
 /// Figure 1 ready to draw.
 pub struct PressureFigure<'a> {
-    /// Its numbers.
+    /// Its fixed-rate numbers (panel b).
     pub data: &'a PressureData,
-    /// Title context.
+    /// Its capacity numbers (panel a).
+    pub capacity: &'a CapacityRatioData,
+    /// Title context of the fixed-rate sweep.
     pub ctx: &'a Context,
+    /// What set the fixed-rate sweep's load (`GridInput::drive`).
+    pub drive: &'a str,
+}
+
+const FIG1_TITLE: &str = "Pressure map: prefix-affinity vs session-affinity";
+
+impl PressureFigure<'_> {
+    fn lines(&self) -> Vec<String> {
+        vec![
+            "(a) first: each policy's own capacity at the SLO; (b) second: goodput when both run at one rate per point"
+                .to_string(),
+        ]
+    }
+
+    fn a_title(&self) -> String {
+        "(a) Capacity: prefix-affinity's own capacity ÷ session-affinity's (medians over plan seeds)"
+            .to_string()
+    }
+
+    fn a_notes(&self) -> Vec<String> {
+        let mut l = capacity_lines(&self.capacity.context, NOTE_CHARS);
+        l.push(
+            "cell: the report's ratio of medians and its verdict, then each side's capacity, req/s (model time): median [min–max] over seeds"
+                .to_string(),
+        );
+        l
+    }
+
+    fn b_title(&self) -> String {
+        format!(
+            "(b) Secondary: prefix-affinity's goodput margin over session-affinity {}",
+            self.drive
+        )
+    }
+
+    fn b_notes(&self) -> Vec<String> {
+        let mut l = context_lines(self.ctx, &self.data.reps.text());
+        l.push(attainment_note());
+        l
+    }
 }
 
 impl Figure for PressureFigure<'_> {
     fn size(&self) -> (u32, u32) {
-        (1300, 950)
+        let h = two_panel_height(
+            self.lines().len(),
+            panel_header_lines(&self.a_title(), self.a_notes().len()),
+            panel_header_lines(&self.b_title(), self.b_notes().len()),
+        );
+        (1300, h)
     }
 
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
-        let d = self.data;
-        let mut lines = context_lines(self.ctx, &d.reps.text());
-        lines.push(attainment_note());
-        let body = header(
+        two_panels(
             root,
-            "Pressure map: prefix-affinity's goodput margin over session-affinity",
-            &lines,
-        )?;
+            FIG1_TITLE,
+            &self.lines(),
+            (&self.a_title(), &self.a_notes()),
+            (&self.b_title(), &self.b_notes()),
+            |area| self.capacity_panel(area),
+            |area| self.fixed_rate_panel(area),
+        )
+    }
+}
+
+impl PressureFigure<'_> {
+    fn capacity_panel<DB: DrawingBackend>(&self, body: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.capacity;
+        let (w, _) = body.dim_in_pixel();
+        let (grid, bar) = body.split_horizontally(w - 190);
+        let log = |r: Option<f64>| r.filter(|r| *r > 0.0).map_or(0.0, f64::ln);
+        let max = d
+            .cells
+            .iter()
+            .map(|c| log(c.ratio).abs())
+            .fold(0.0, f64::max);
+        let cells: Vec<HeatCell> = d
+            .cells
+            .iter()
+            .map(|c| HeatCell {
+                col: index_of(&d.s_values, c.zipf_s),
+                row: index_of(&d.ws_values, c.working_set_ratio),
+                fill: diverging(log(c.ratio), max),
+                lines: vec![
+                    c.ratio
+                        .map_or_else(|| "—".to_string(), |r| format!("×{r:.3}")),
+                    c.verdict.as_str().to_string(),
+                    format!("PA {}", capacity_text(c.prefix_affinity)),
+                    format!("SA {}", capacity_text(c.session_affinity)),
+                ],
+                marking: Marking::of_capacity(c.verdict),
+            })
+            .collect();
+        heatmap(&grid, &d.ws_values, &d.s_values, &cells, &[])?;
+        colorbar(
+            &bar,
+            max,
+            |v| format!("×{:.2}", v.exp()),
+            &[
+                "× session-affinity",
+                "  (log scale)",
+                "red: prefix-affinity",
+                "  higher",
+                "blue: session-affinity",
+                "  higher",
+                "hatched: within",
+                "  spread or within",
+                "  resolution",
+                "dotted frame: too",
+                "  few seeds or not",
+                "  bracketed",
+            ],
+        )
+    }
+
+    fn fixed_rate_panel<DB: DrawingBackend>(&self, body: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
         let (w, _) = body.dim_in_pixel();
         let (grid, bar) = body.split_horizontally(w - 190);
         let max = d
@@ -443,18 +719,43 @@ impl Figure for PressureFigure<'_> {
                     row: index_of(&d.ws_values, c.working_set_ratio),
                     fill: diverging(c.margin_rps, max),
                     lines,
-                    verdict: c.verdict,
+                    marking: Marking::of(c.verdict),
                 }
             })
             .collect();
         heatmap(&grid, &d.ws_values, &d.s_values, &cells, &d.no_data)?;
-        colorbar(&bar, max)
+        colorbar(
+            &bar,
+            max,
+            |v| format!("{v:+.2}"),
+            &[
+                "req/s",
+                "red: prefix-affinity",
+                "  ahead",
+                "blue: session-affinity",
+                "  ahead",
+                "hatched: within",
+                "  spread (min–max",
+                "  ranges overlap)",
+                "dotted frame: too",
+                "  few reps (< 2 on",
+                "  a side, no spread)",
+            ],
+        )
     }
 }
 
-fn colorbar<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, max: f64) -> Result<()> {
+/// A diverging colour bar from −`max` to +`max` with its three values labelled by `label` and
+/// `notes` below it.
+fn colorbar<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    max: f64,
+    label: impl Fn(f64) -> String,
+    notes: &[&str],
+) -> Result<()> {
     let (_, h) = area.dim_in_pixel();
-    let (x0, x1, y0, y1) = (20i32, 50i32, 30i32, h as i32 - 260);
+    let (x0, x1, y0) = (20i32, 50i32, 30i32);
+    let y1 = h as i32 - 40 - 20 * notes.len() as i32;
     let steps = (y1 - y0).max(1);
     for i in 0..steps {
         let v = max - 2.0 * max * f64::from(i) / f64::from(steps);
@@ -468,25 +769,12 @@ fn colorbar<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, max: f64) -> Resu
         .map_err(de)?;
     for (v, y) in [(max, y0), (0.0, (y0 + y1) / 2), (-max, y1)] {
         area.draw(&Text::new(
-            format!("{v:+.2}"),
+            label(v),
             (x1 + 6, y),
             style(14.0, &INK, HPos::Left, VPos::Center),
         ))
         .map_err(de)?;
     }
-    let notes = [
-        "req/s",
-        "red: prefix-affinity",
-        "  ahead",
-        "blue: session-affinity",
-        "  ahead",
-        "hatched: within",
-        "  spread (min–max",
-        "  ranges overlap)",
-        "dotted frame: too",
-        "  few reps (< 2 on",
-        "  a side, no spread)",
-    ];
     for (i, l) in notes.iter().enumerate() {
         area.draw(&Text::new(
             *l,
@@ -500,31 +788,194 @@ fn colorbar<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, max: f64) -> Resu
 
 /// Figure 2 ready to draw.
 pub struct WinnersFigure<'a> {
-    /// Its numbers.
+    /// Its fixed-rate numbers (panel b).
     pub data: &'a WinnersData,
-    /// Title context.
+    /// Its capacity numbers (panel a).
+    pub capacity: &'a CapacityWinnersData,
+    /// Title context of the fixed-rate sweep.
     pub ctx: &'a Context,
+    /// What set the fixed-rate sweep's load (`GridInput::drive`).
+    pub drive: &'a str,
+}
+
+const FIG2_TITLE: &str = "Winners map: the highest capacity, and the highest goodput at one rate";
+
+/// Names per line where a cell lists tied policies.
+const TIED_PER_LINE: usize = 4;
+
+impl WinnersFigure<'_> {
+    fn lines(&self) -> Vec<String> {
+        vec![
+            "(a) first: the policy with the highest median capacity at the SLO; (b) second: the highest median goodput when every policy runs at one rate per point"
+                .to_string(),
+        ]
+    }
+
+    fn a_title(&self) -> String {
+        "(a) Capacity: the policy with the highest median own capacity, against session-affinity and the runner-up"
+            .to_string()
+    }
+
+    fn a_notes(&self) -> Vec<String> {
+        let mut l = capacity_lines(&self.capacity.context, NOTE_CHARS);
+        l.push(
+            "cell: winner, its capacity (req/s, model time: median [min–max]), its ratio to session-affinity (SA) and verdict, the runner-up and the verdict between the two"
+                .to_string(),
+        );
+        l.push(
+            "hatched: the winner does not separate from the runner-up (within spread or resolution), or several share the highest median; dotted frame: not every policy bracketed"
+                .to_string(),
+        );
+        let mut seen: Vec<&str> = Vec::new();
+        for c in &self.capacity.cells {
+            if c.best.len() > 1 {
+                for b in &c.best {
+                    if !seen.contains(&b.as_str()) {
+                        seen.push(b);
+                    }
+                }
+            }
+        }
+        seen.sort_by_key(|p| crate::input::policy_rank(p));
+        let named: Vec<String> = seen
+            .iter()
+            .filter(|p| short_policy(p) != **p)
+            .map(|p| format!("{} {p}", short_policy(p)))
+            .collect();
+        if !named.is_empty() {
+            l.extend(wrap(
+                &format!("tied policies: {}", named.join(", ")),
+                NOTE_CHARS,
+            ));
+        }
+        l
+    }
+
+    fn b_title(&self) -> String {
+        format!(
+            "(b) Secondary: highest median goodput, with runner-up, {}",
+            self.drive
+        )
+    }
+
+    fn b_notes(&self) -> Vec<String> {
+        let mut l = context_lines(self.ctx, &self.data.reps.text());
+        l.push(
+            "hatched: winner and runner-up within spread (no clear winner); dotted frame: too few reps to judge (under 2 reps on a side, so no spread)"
+                .to_string(),
+        );
+        l.push(attainment_note());
+        l
+    }
 }
 
 impl Figure for WinnersFigure<'_> {
     fn size(&self) -> (u32, u32) {
-        (1300, 950)
+        let h = two_panel_height(
+            self.lines().len(),
+            panel_header_lines(&self.a_title(), self.a_notes().len()),
+            panel_header_lines(&self.b_title(), self.b_notes().len()),
+        );
+        (1300, h)
     }
 
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
-        let d = self.data;
-        let mut lines = context_lines(self.ctx, &d.reps.text());
-        lines.push("hatched: winner and runner-up within spread (no clear winner)".to_string());
-        lines.push(
-            "dotted frame: too few reps to judge (under 2 reps on a side, so no spread)"
-                .to_string(),
-        );
-        lines.push(attainment_note());
-        let body = header(
+        two_panels(
             root,
-            "Winners map: highest median goodput, with runner-up",
-            &lines,
-        )?;
+            FIG2_TITLE,
+            &self.lines(),
+            (&self.a_title(), &self.a_notes()),
+            (&self.b_title(), &self.b_notes()),
+            |area| self.capacity_panel(area),
+            |area| self.fixed_rate_panel(area),
+        )
+    }
+}
+
+impl WinnersFigure<'_> {
+    fn capacity_panel<DB: DrawingBackend>(&self, body: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.capacity;
+        let cells: Vec<HeatCell> = d
+            .cells
+            .iter()
+            .map(|c| {
+                let (fill, lines, marking) = match c.best.as_slice() {
+                    [] => (
+                        EMPTY_CELL,
+                        vec![
+                            "no winner:".to_string(),
+                            "not every policy bracketed".to_string(),
+                        ],
+                        Marking::Dotted,
+                    ),
+                    [w] => {
+                        let mut l = vec![w.clone(), format!("{} req/s", capacity_text(c.spread))];
+                        l.push(if c.baseline_among_best {
+                            "is session-affinity (the baseline)".to_string()
+                        } else {
+                            format!(
+                                "{} SA: {}",
+                                c.ratio
+                                    .map_or_else(|| "—".to_string(), |r| format!("×{r:.3}")),
+                                c.vs_baseline_text()
+                            )
+                        });
+                        match &c.runner_up {
+                            Some((ru, s)) => {
+                                l.push(format!("runner-up: {ru} {:.3}", s.median));
+                                l.push(c.verdict_text().to_string());
+                            }
+                            None => l.push("no runner-up".to_string()),
+                        }
+                        (
+                            lighten(policy_color(w), 0.55),
+                            l,
+                            c.verdict.map_or(Marking::Dotted, Marking::of_capacity),
+                        )
+                    }
+                    tied => {
+                        let mut l = vec![format!("{} tied", tied.len())];
+                        for chunk in tied.chunks(TIED_PER_LINE) {
+                            l.push(
+                                chunk
+                                    .iter()
+                                    .map(|p| short_policy(p))
+                                    .collect::<Vec<_>>()
+                                    .join(", "),
+                            );
+                        }
+                        l.push(format!(
+                            "{} req/s (median)",
+                            c.median
+                                .map_or_else(|| "—".to_string(), |m| format!("{m:.3}"))
+                        ));
+                        l.push(if c.baseline_among_best {
+                            "session-affinity among them".to_string()
+                        } else {
+                            format!(
+                                "{} SA: {}",
+                                c.ratio
+                                    .map_or_else(|| "—".to_string(), |r| format!("×{r:.3}")),
+                                c.vs_baseline_text()
+                            )
+                        });
+                        (RGBColor(240, 240, 240), l, Marking::Hatched)
+                    }
+                };
+                HeatCell {
+                    col: index_of(&d.s_values, c.zipf_s),
+                    row: index_of(&d.ws_values, c.working_set_ratio),
+                    fill,
+                    lines,
+                    marking,
+                }
+            })
+            .collect();
+        heatmap(body, &d.ws_values, &d.s_values, &cells, &[])
+    }
+
+    fn fixed_rate_panel<DB: DrawingBackend>(&self, body: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
         let cells: Vec<HeatCell> = d
             .cells
             .iter()
@@ -553,10 +1004,10 @@ impl Figure for WinnersFigure<'_> {
                     }
                     l
                 },
-                verdict: c.verdict,
+                marking: Marking::of(c.verdict),
             })
             .collect();
-        heatmap(&body, &d.ws_values, &d.s_values, &cells, &d.no_data)
+        heatmap(body, &d.ws_values, &d.s_values, &cells, &d.no_data)
     }
 }
 
@@ -1930,6 +2381,225 @@ impl Figure for TraceFigure<'_> {
                 .map_err(de)?;
         }
         Ok(())
+    }
+}
+
+/// Figure 10 ready to draw.
+pub struct CapacityFigure<'a> {
+    /// Its numbers.
+    pub data: &'a PolicyCapacityData,
+}
+
+/// Width of one point's panel in figure 10, px: policy names, bars, labels.
+const CAP_NAMES_PX: u32 = 190;
+const CAP_BARS_PX: u32 = 400;
+const CAP_LABELS_PX: u32 = 230;
+/// Height of one policy's bar row in figure 10, px.
+const CAP_ROW_PX: u32 = 30;
+/// A panel's title, x-axis and margins in figure 10, px.
+const CAP_PANEL_EXTRA_PX: u32 = 100;
+
+impl CapacityFigure<'_> {
+    fn lines(&self) -> Vec<String> {
+        let c = &self.data.context;
+        let mut l = capacity_lines(c, WIDE_NOTE_CHARS);
+        l.push(format!(
+            "bar: median over seeds, whisker: min–max; {b}'s bar outlined and its median dashed across the panel (the reference); label: median req/s, × {b} (ratio of medians) and the report's verdict",
+            b = c.baseline
+        ));
+        l.push(format!(
+            "verdicts: separates = seed ranges apart and medians more than {r}% apart; within resolution = ranges apart by less; within spread = ranges overlap; best = the highest median at the point",
+            r = num(c.resolution * 100.0)
+        ));
+        l
+    }
+
+    fn rows(&self) -> usize {
+        self.data
+            .panels
+            .iter()
+            .map(|p| p.bars.len())
+            .max()
+            .unwrap_or(1)
+    }
+
+    fn panel_px(&self) -> (u32, u32) {
+        (
+            CAP_NAMES_PX + CAP_BARS_PX + CAP_LABELS_PX,
+            CAP_PANEL_EXTRA_PX + CAP_ROW_PX * self.rows() as u32,
+        )
+    }
+}
+
+impl Figure for CapacityFigure<'_> {
+    fn size(&self) -> (u32, u32) {
+        let (pw, ph) = self.panel_px();
+        let cols = self.data.s_values.len() as u32;
+        let rows = self.data.ws_values.len() as u32;
+        let head = (50 + 21 * self.lines().len() + 8) as u32;
+        ((40 + cols * pw).max(1300), (head + rows * ph + 20).max(850))
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        let d = self.data;
+        let body = header(
+            root,
+            "Policy capacity: each policy's own capacity at the SLO, per point",
+            &self.lines(),
+        )?;
+        let (pw, ph) = self.panel_px();
+        let ny = d.ws_values.len();
+        for p in &d.panels {
+            let col = index_of(&d.s_values, p.zipf_s) as i32;
+            // the largest working set on top, as in the maps
+            let row = (ny - 1 - index_of(&d.ws_values, p.working_set_ratio)) as i32;
+            let x0 = 20 + col * pw as i32;
+            let y0 = row * ph as i32;
+            let area = body.clone().shrink((x0, y0), (pw, ph));
+            self.panel(&area, p, row as usize + 1 == ny)?;
+        }
+        Ok(())
+    }
+}
+
+impl CapacityFigure<'_> {
+    fn panel<DB: DrawingBackend>(
+        &self,
+        area: &DrawingArea<DB, Shift>,
+        p: &crate::data::CapacityPanel,
+        bottom: bool,
+    ) -> Result<()> {
+        let title = format!(
+            "{} · working set {}× · skew {}",
+            p.point,
+            num(p.working_set_ratio),
+            num(p.zipf_s)
+        );
+        let area = panel_title(area, &title)?;
+        let (names, rest) = area.split_horizontally(CAP_NAMES_PX);
+        let (bars, labels) = rest.split_horizontally(CAP_BARS_PX);
+        let n = self.rows();
+        let xmax = p
+            .bars
+            .iter()
+            .filter_map(|b| b.spread.map(|s| s.max))
+            .fold(0.0, f64::max)
+            * 1.08;
+        let mut chart = ChartBuilder::on(&bars)
+            .margin_top(4)
+            .margin_bottom(6)
+            .margin_left(6)
+            .margin_right(10)
+            .x_label_area_size(if bottom { 44 } else { 26 })
+            .y_label_area_size(0)
+            .build_cartesian_2d(0.0..xmax.max(0.1), 0.0..n as f64)
+            .map_err(de)?;
+        let plain = |v: &f64| num((v * 100.0).round() / 100.0);
+        let mut mesh = chart.configure_mesh();
+        mesh.disable_y_mesh()
+            .y_labels(0)
+            .x_labels(5)
+            .x_label_formatter(&plain);
+        if bottom {
+            mesh.x_desc("capacity, req/s (model time)");
+        }
+        quiet_mesh(&mut mesh, 12, 14).draw().map_err(de)?;
+        let reference = p
+            .bars
+            .iter()
+            .find(|b| b.is_reference())
+            .and_then(|b| b.spread);
+        if let Some(r) = reference {
+            chart
+                .draw_series([DashedPathElement::new(
+                    vec![(r.median, 0.0), (r.median, n as f64)],
+                    5,
+                    4,
+                    INK.stroke_width(1),
+                )])
+                .map_err(de)?;
+        }
+        let (_, names_y0) = names.get_base_pixel();
+        let (_, labels_y0) = labels.get_base_pixel();
+        for (k, b) in p.bars.iter().enumerate() {
+            // the first policy on top
+            let y = (n - 1 - k) as f64;
+            let row_px = chart.backend_coord(&(0.0, y + 0.5)).1;
+            if let Some(v) = b.spread {
+                let color = policy_color(&b.policy);
+                chart
+                    .draw_series(std::iter::once(Rectangle::new(
+                        [(0.0, y + 0.18), (v.median, y + 0.82)],
+                        color.filled(),
+                    )))
+                    .map_err(de)?;
+                if b.is_reference() {
+                    chart
+                        .draw_series(std::iter::once(Rectangle::new(
+                            [(0.0, y + 0.18), (v.median, y + 0.82)],
+                            INK.stroke_width(2),
+                        )))
+                        .map_err(de)?;
+                }
+                chart
+                    .draw_series([
+                        PathElement::new(
+                            vec![(v.min, y + 0.5), (v.max, y + 0.5)],
+                            INK.stroke_width(2),
+                        ),
+                        PathElement::new(
+                            vec![(v.min, y + 0.3), (v.min, y + 0.7)],
+                            INK.stroke_width(2),
+                        ),
+                        PathElement::new(
+                            vec![(v.max, y + 0.3), (v.max, y + 0.7)],
+                            INK.stroke_width(2),
+                        ),
+                    ])
+                    .map_err(de)?;
+            }
+            names
+                .draw(&Text::new(
+                    b.policy.clone(),
+                    (CAP_NAMES_PX as i32 - 8, row_px - names_y0),
+                    style(14.0, &INK, HPos::Right, VPos::Center),
+                ))
+                .map_err(de)?;
+            let (text, color) = capacity_label(b);
+            labels
+                .draw(&Text::new(
+                    text,
+                    (4, row_px - labels_y0),
+                    style(13.0, &color, HPos::Left, VPos::Center),
+                ))
+                .map_err(de)?;
+        }
+        Ok(())
+    }
+}
+
+/// A bar's label in figure 10 and its colour (ink where it separates from the reference or is
+/// the reference, muted otherwise).
+fn capacity_label(b: &crate::data::CapacityBar) -> (String, RGBColor) {
+    let Some(s) = b.spread else {
+        return ("not bracketed".to_string(), MUTED);
+    };
+    let best = if b.best { " · best" } else { "" };
+    match (b.ratio, b.verdict) {
+        (_, None) => (format!("{:.3}  reference{best}", s.median), INK),
+        (ratio, Some(v)) => (
+            format!(
+                "{:.3}  {} {}{best}",
+                s.median,
+                ratio.map_or_else(|| "—".to_string(), |r| format!("×{r:.3}")),
+                v.as_str()
+            ),
+            if v == CapacityVerdict::Separates {
+                INK
+            } else {
+                MUTED
+            },
+        ),
     }
 }
 

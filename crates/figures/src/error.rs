@@ -89,6 +89,22 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
+    /// A per-policy capacity report (`policy-capacity.json`) could not be read.
+    #[error("figures: cannot read the per-policy capacity report {}", path.display())]
+    CapacityRead {
+        /// The file.
+        path: PathBuf,
+        /// The underlying I/O error.
+        source: std::io::Error,
+    },
+    /// A per-policy capacity report is not what `analysis::capacity` writes.
+    #[error("figures: {} is not a per-policy capacity report (`analysis::capacity::CapacityReport`)", path.display())]
+    CapacityParse {
+        /// The file.
+        path: PathBuf,
+        /// The JSON reader's error.
+        source: serde_json::Error,
+    },
     /// A field a figure's title needs is absent from meta.json's `fleet`.
     #[error("`{0}` is missing")]
     MissingField(&'static str),

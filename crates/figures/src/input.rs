@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::fail;
 use crate::{Error, Result};
+use analysis::capacity::CapacityReport;
 use analysis::{Report, ReportConfig, Slo, SweepData};
 
 /// The description every figure's subtitle carries.
@@ -48,6 +49,23 @@ pub struct GridInput {
     pub report: Report,
     /// Title context.
     pub context: Context,
+    /// How its cells were driven, in words ([`drive_text`]): what set the one load at which
+    /// every policy of a point ran, for the titles of the fixed-rate panels.
+    pub drive: String,
+}
+
+/// The file of a per-policy capacity report in its sweep directory (written by `cargo xtask
+/// sweep … --policy-capacity`, `analysis::capacity::CapacityReport` as JSON).
+pub const CAPACITY_FILE: &str = "policy-capacity.json";
+
+/// A per-policy capacity report (figures 1, 2 and 10): each policy's own capacity at every
+/// point over plan seeds, as `analysis::capacity` built it.
+#[derive(Debug, Clone)]
+pub struct CapacityInput {
+    /// The sweep directory holding [`CAPACITY_FILE`].
+    pub dir: PathBuf,
+    /// The report, parsed with the `analysis` crate's own types.
+    pub report: CapacityReport,
 }
 
 /// One row of `timeline.csv` (docs/CONTRACTS.md, "Fault timeline").
@@ -98,11 +116,101 @@ pub fn num(x: f64) -> String {
 /// comparability guard refused a point), points with different SLOs, or repetitions measured
 /// on different fleets.
 pub fn load_grid(dir: &Path) -> Result<GridInput> {
-    let (_, report, context) = analysed(dir)?;
+    let (sweep, report, context) = analysed(dir)?;
     Ok(GridInput {
         dir: dir.to_path_buf(),
         report,
         context,
+        drive: drive_text(&sweep),
+    })
+}
+
+/// What set the one load every policy of a point ran at, in words, from the used repetitions'
+/// `meta.json` `run`: an open loop at a fraction of the calibrated capacity (`load_fraction`,
+/// `capacity_scope`), an open loop at a rate of its own, or a closed loop of N users
+/// (`arrival.Closed.users`); "at one load per point" when the repetitions record none of these
+/// or disagree.
+pub fn drive_text(sweep: &SweepData) -> String {
+    let used: Vec<&schema::Run> = sweep
+        .reps
+        .iter()
+        .filter(|r| r.meta.accepted)
+        .filter_map(|r| r.meta.run.as_ref())
+        .collect();
+    let all_used = used.len() == sweep.reps.iter().filter(|r| r.meta.accepted).count();
+    let same = |values: Vec<Option<String>>| -> Option<String> {
+        let first = values.first()?.clone()?;
+        values
+            .iter()
+            .all(|v| v.as_deref() == Some(first.as_str()))
+            .then_some(first)
+    };
+    if used.is_empty() || !all_used {
+        return "at one load per point, the same for every policy".to_string();
+    }
+    let fractions = same(
+        used.iter()
+            .map(|r| r.load_fraction.get().map(|f| num(*f)))
+            .collect(),
+    );
+    let scope = same(
+        used.iter()
+            .map(|r| r.capacity_scope.get().cloned())
+            .collect(),
+    );
+    let users = same(
+        used.iter()
+            .map(|r| {
+                r.other
+                    .get("arrival")
+                    .and_then(|a| a.get("Closed"))
+                    .and_then(|c| c.get("users"))
+                    .and_then(|u| u.as_u64())
+                    .map(|u| u.to_string())
+            })
+            .collect(),
+    );
+    let open = used.iter().all(|r| r.offered_rps.get().is_some());
+    match (fractions, scope.as_deref(), users) {
+        (Some(f), Some("per-point"), _) => format!(
+            "at one open-loop rate per point, set by the calibration: {f}× that point's capacity, the same for every policy"
+        ),
+        (Some(f), Some("reference"), _) => format!(
+            "at one open-loop rate, set by the calibration: {f}× its reference capacity, the same for every policy"
+        ),
+        (Some(f), _, _) => format!(
+            "at one open-loop rate per point, set by the calibration: {f}× the calibrated capacity, the same for every policy"
+        ),
+        (None, _, _) if open => {
+            "at one open-loop rate per point, the same for every policy".to_string()
+        }
+        (None, _, Some(u)) => {
+            format!("at one closed-loop load, {u} users at every point, the same for every policy")
+        }
+        (None, _, None) => "at one load per point, the same for every policy".to_string(),
+    }
+}
+
+/// Loads a per-policy capacity report from `dir` ([`CAPACITY_FILE`]) with the `analysis`
+/// crate's types. Fails naming the file when it is missing, is not such a report, or has no
+/// point.
+pub fn load_capacity(dir: &Path) -> Result<CapacityInput> {
+    let path = dir.join(CAPACITY_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|source| Error::CapacityRead {
+        path: path.clone(),
+        source,
+    })?;
+    let report: CapacityReport =
+        serde_json::from_str(&text).map_err(|source| Error::CapacityParse {
+            path: path.clone(),
+            source,
+        })?;
+    if report.points.is_empty() {
+        fail!(Invalid, "figures: {}: no point to draw", path.display());
+    }
+    Ok(CapacityInput {
+        dir: dir.to_path_buf(),
+        report,
     })
 }
 

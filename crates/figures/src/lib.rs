@@ -1,11 +1,15 @@
 //! kvroute's figures (docs/ARCHITECTURE.md, "Figures", and the load curve of the operating point), each as PNG,
 //! SVG and a CSV of exactly the numbers drawn, from published measurements.
 //!
-//! Figures 1–5 come from a grid sweep analysed by the `analysis` crate; figure 6 from a fault
+//! Figures 1–5 come from a grid sweep analysed by the `analysis` crate; figures 1 and 2 lead with
+//! a capacity panel from a per-policy capacity report (`policy-capacity.json`,
+//! `analysis::capacity`), which figure 10 draws whole; figure 6 from a fault
 //! sweep's `timeline.csv` (docs/CONTRACTS.md); figure 7 from a `load` sweep, analysed the same
-//! way, with each point's offered load from its `meta.json`; figure 8 from an N-router sweep. The figures never compute a metric themselves:
-//! they pick numbers out of `analysis::Report` and fail, naming what is missing, when a number
-//! they need is not there. Text is drawn with an embedded font (no fontconfig).
+//! way, with each point's offered load from its `meta.json`; figure 8 from an N-router sweep;
+//! figure 9 from a trace replay. The figures never compute a metric themselves:
+//! they pick numbers out of `analysis::Report` and `analysis::capacity::CapacityReport` and fail,
+//! naming what is missing, when a number they need is not there. Text is drawn with an embedded
+//! font (no fontconfig).
 //!
 //! ```no_run
 //! let files = figures::render_all("docs/measurements".as_ref(), "docs/figures".as_ref())?;
@@ -24,7 +28,8 @@ use std::path::{Path, PathBuf};
 pub use error::{Error, Result};
 
 pub use input::{
-    Context, FaultInput, GridInput, LoadInput, load_fault, load_grid, load_load_sweep,
+    CapacityInput, Context, FaultInput, GridInput, LoadInput, load_capacity, load_fault, load_grid,
+    load_load_sweep,
 };
 
 /// Sweep directories looked for (in order) under the measurements directory for figures 1–5.
@@ -45,6 +50,13 @@ pub const LOAD_SWEEPS: [&str; 3] = ["load", "load-quick", "load-virtual"];
 pub const ROUTERS_SWEEPS: [&str; 2] = ["routers", "routers-quick"];
 /// Sweep directories looked for (in order) for figure 9: a trace replay (`xtask sweep trace`).
 pub const TRACE_SWEEPS: [&str; 2] = ["trace", "trace-quick"];
+/// Sweep directories looked for (in order) for the capacity panels of figures 1 and 2 and for
+/// figure 10: a per-policy capacity report ([`input::CAPACITY_FILE`]) over the full grid (`xtask
+/// sweep pressure-grid --virtual --policy-capacity`), else over the quick grid.
+pub const CAPACITY_SWEEPS: [&str; 2] = [
+    "pressure-grid-virtual-policy-capacity",
+    "pressure-grid-quick-policy-capacity-virtual",
+];
 
 /// The figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -67,11 +79,14 @@ pub enum FigureId {
     Routers,
     /// 9: goodput, SLO attainment and engine prefix-hit rate of every policy replaying a trace.
     TraceReplay,
+    /// 10: each policy's own capacity at every point (median with the seed range), its ratio
+    /// to session-affinity and the verdict.
+    PolicyCapacity,
 }
 
 impl FigureId {
     /// All of them, in order.
-    pub const ALL: [FigureId; 9] = [
+    pub const ALL: [FigureId; 10] = [
         FigureId::PressureMap,
         FigureId::WinnersMap,
         FigureId::Mechanism,
@@ -81,6 +96,7 @@ impl FigureId {
         FigureId::LoadCurve,
         FigureId::Routers,
         FigureId::TraceReplay,
+        FigureId::PolicyCapacity,
     ];
 
     /// File stem of its outputs (`<stem>.png`, `.svg`, `.csv`).
@@ -95,10 +111,20 @@ impl FigureId {
             FigureId::LoadCurve => "fig7-load-curve",
             FigureId::Routers => "fig8-routers",
             FigureId::TraceReplay => "fig9-trace-replay",
+            FigureId::PolicyCapacity => "fig10-policy-capacity",
         }
     }
 
-    /// Parses `1`…`9` or a stem (`fig3-mechanism`) or its tail (`mechanism`).
+    /// Whether the figure draws a per-policy capacity report (figures 1 and 2 lead with it,
+    /// figure 10 is it).
+    pub fn needs_capacity(&self) -> bool {
+        matches!(
+            self,
+            FigureId::PressureMap | FigureId::WinnersMap | FigureId::PolicyCapacity
+        )
+    }
+
+    /// Parses `1`…`10` or a stem (`fig3-mechanism`) or its tail (`mechanism`).
     pub fn parse(s: &str) -> Option<FigureId> {
         FigureId::ALL.into_iter().enumerate().find_map(|(i, f)| {
             let stem = f.stem();
@@ -127,6 +153,8 @@ pub struct Sources {
     pub routers: PathBuf,
     /// The trace replay sweep directory (figure 9).
     pub trace: PathBuf,
+    /// The directory of the per-policy capacity report (figures 1, 2 and 10).
+    pub capacity: PathBuf,
 }
 
 /// Whether the sweep in `dir` is published part-way: its `report.json` says `in_progress`
@@ -139,10 +167,11 @@ fn in_progress(dir: &Path) -> bool {
 }
 
 impl Sources {
-    /// The first of [`GRID_SWEEPS`], of [`FAULT_SWEEPS`] and of [`LOAD_SWEEPS`] that exists under
+    /// The first of [`GRID_SWEEPS`], of [`FAULT_SWEEPS`], of [`LOAD_SWEEPS`], … that exists under
     /// `measurements_dir` and is not in progress (its `report.json` has no `in_progress`: a grid
     /// published part-way, to be resumed, is not drawn as if it were whole); the first name when
-    /// none is, so that errors name it.
+    /// none is, so that errors name it. Of [`CAPACITY_SWEEPS`], the first that holds its
+    /// report ([`input::CAPACITY_FILE`]).
     pub fn discover(measurements_dir: &Path) -> Sources {
         let pick = |names: &[&str]| {
             names
@@ -157,6 +186,11 @@ impl Sources {
             load: pick(&LOAD_SWEEPS),
             routers: pick(&ROUTERS_SWEEPS),
             trace: pick(&TRACE_SWEEPS),
+            capacity: CAPACITY_SWEEPS
+                .iter()
+                .map(|n| measurements_dir.join(n))
+                .find(|p| p.join(input::CAPACITY_FILE).is_file())
+                .unwrap_or_else(|| measurements_dir.join(CAPACITY_SWEEPS[0])),
         }
     }
 }
@@ -186,6 +220,7 @@ pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<V
                 | FigureId::LoadCurve
                 | FigureId::Routers
                 | FigureId::TraceReplay
+                | FigureId::PolicyCapacity
         )
     });
     let grid = if needs_grid {
@@ -193,6 +228,8 @@ pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<V
     } else {
         None
     };
+    let needs_capacity = which.iter().any(|f| f.needs_capacity());
+    let capacity = needs_capacity.then(|| capacity_input(&sources.capacity));
     let mut files = Vec::new();
     let mut failures = Vec::new();
     for &fig in which {
@@ -206,6 +243,16 @@ pub fn render(sources: &Sources, out_dir: &Path, which: &[FigureId]) -> Result<V
                     .and_then(|r| render_one(fig, Input::Routers(&r), out_dir)),
                 (FigureId::TraceReplay, _) => trace_input(&sources.trace)
                     .and_then(|t| render_one(fig, Input::Trace(&t), out_dir)),
+                (FigureId::PolicyCapacity, _) => match &capacity {
+                    Some(Ok(c)) => render_one(fig, Input::Capacity(c), out_dir),
+                    Some(Err(e)) => Err(Error::Missing(e.chain())),
+                    None => unreachable!("the capacity report is loaded for figure 10"),
+                },
+                (FigureId::PressureMap | FigureId::WinnersMap, Some(Ok(g))) => match &capacity {
+                    Some(Ok(c)) => render_one(fig, Input::Maps(g, c), out_dir),
+                    Some(Err(e)) => Err(Error::Missing(e.chain())),
+                    None => unreachable!("the capacity report is loaded for figures 1 and 2"),
+                },
                 (_, Some(Ok(g))) => render_one(fig, Input::Grid(g), out_dir),
                 (_, Some(Err(e))) => {
                     failures.push(format!("{fig}: {}", e.chain()));
@@ -275,11 +322,30 @@ fn grid_input(dir: &Path) -> Result<GridInput> {
     load_grid(dir)
 }
 
+fn capacity_input(dir: &Path) -> Result<CapacityInput> {
+    let make = "; `cargo xtask sweep pressure-grid --virtual --policy-capacity` writes one, published as `pressure-grid-virtual-policy-capacity/`";
+    let file = dir.join(input::CAPACITY_FILE);
+    if !file.is_file() {
+        return Err(Error::NoSweep {
+            figure: "figures 1, 2 and 10 need a per-policy capacity report",
+            dir: file,
+            looked_for: CAPACITY_SWEEPS.to_vec(),
+            also: make,
+        });
+    }
+    load_capacity(dir)
+}
+
 /// What one figure is drawn from.
 #[derive(Debug, Clone, Copy)]
 pub enum Input<'a> {
-    /// A loaded grid sweep (figures 1–5).
+    /// A loaded grid sweep (figures 3–5).
     Grid(&'a GridInput),
+    /// A loaded grid sweep and a per-policy capacity report (figures 1 and 2: the capacity
+    /// panel first, the grid's fixed-rate panel second).
+    Maps(&'a GridInput, &'a CapacityInput),
+    /// A per-policy capacity report (figure 10).
+    Capacity(&'a CapacityInput),
     /// A loaded fault sweep (figure 6).
     Fault(&'a FaultInput),
     /// A loaded `load` sweep (figure 7).
@@ -358,6 +424,53 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
                 needs: "a trace replay",
             });
         }
+        (FigureId::PolicyCapacity, Input::Capacity(c)) => {
+            let d = data::policy_capacity(&c.report)?;
+            draw::render_files(&draw::CapacityFigure { data: &d }, &png, &svg)?;
+            d.table()
+        }
+        (FigureId::PolicyCapacity, _) => {
+            return Err(Error::WrongInput {
+                fig,
+                needs: "a per-policy capacity report",
+            });
+        }
+        (FigureId::PressureMap, Input::Maps(g, c)) => {
+            let d = data::pressure(&g.report)?;
+            let cap = data::pressure_capacity(&c.report)?;
+            draw::render_files(
+                &draw::PressureFigure {
+                    data: &d,
+                    capacity: &cap,
+                    ctx: &g.context,
+                    drive: &g.drive,
+                },
+                &png,
+                &svg,
+            )?;
+            data::with_panels(cap.table(), d.table())
+        }
+        (FigureId::WinnersMap, Input::Maps(g, c)) => {
+            let d = data::winners(&g.report)?;
+            let cap = data::capacity_winners(&c.report)?;
+            draw::render_files(
+                &draw::WinnersFigure {
+                    data: &d,
+                    capacity: &cap,
+                    ctx: &g.context,
+                    drive: &g.drive,
+                },
+                &png,
+                &svg,
+            )?;
+            data::with_panels(cap.table(), d.table())
+        }
+        (FigureId::PressureMap | FigureId::WinnersMap, _) => {
+            return Err(Error::WrongInput {
+                fig,
+                needs: "a grid sweep and a per-policy capacity report",
+            });
+        }
         (FigureId::FaultTimeline, _) => {
             return Err(Error::WrongInput {
                 fig,
@@ -370,7 +483,15 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
                 needs: "a load sweep",
             });
         }
-        (_, Input::Fault(_) | Input::Load(_) | Input::Routers(_) | Input::Trace(_)) => {
+        (
+            _,
+            Input::Fault(_)
+            | Input::Load(_)
+            | Input::Routers(_)
+            | Input::Trace(_)
+            | Input::Maps(..)
+            | Input::Capacity(_),
+        ) => {
             return Err(Error::WrongInput {
                 fig,
                 needs: "a grid sweep",
@@ -379,16 +500,6 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
         (fig, Input::Grid(g)) => {
             let (r, ctx) = (&g.report, &g.context);
             match fig {
-                FigureId::PressureMap => {
-                    let d = data::pressure(r)?;
-                    draw::render_files(&draw::PressureFigure { data: &d, ctx }, &png, &svg)?;
-                    d.table()
-                }
-                FigureId::WinnersMap => {
-                    let d = data::winners(r)?;
-                    draw::render_files(&draw::WinnersFigure { data: &d, ctx }, &png, &svg)?;
-                    d.table()
-                }
                 FigureId::Mechanism => {
                     let d = data::mechanism(r)?;
                     draw::render_files(&draw::MechanismFigure { data: &d, ctx }, &png, &svg)?;
@@ -404,10 +515,13 @@ pub fn render_one(fig: FigureId, input: Input<'_>, out_dir: &Path) -> Result<Vec
                     draw::render_files(&draw::BeliefFigure { data: &d, ctx }, &png, &svg)?;
                     d.table()
                 }
-                FigureId::FaultTimeline
+                FigureId::PressureMap
+                | FigureId::WinnersMap
+                | FigureId::FaultTimeline
                 | FigureId::LoadCurve
                 | FigureId::Routers
-                | FigureId::TraceReplay => {
+                | FigureId::TraceReplay
+                | FigureId::PolicyCapacity => {
                     unreachable!("matched above")
                 }
             }

@@ -2,10 +2,13 @@
 //! golden file, and missing or mismatched data fails with a message naming what is missing.
 //!
 //! Regenerate the goldens deliberately with `UPDATE_GOLDEN=1 cargo test -p figures --test
-//! fixtures`, then review the diff.
+//! fixtures`, then review the diff. The same variable rewrites the fixture capacity report
+//! (`fixtures/figures/pressure-grid-virtual-policy-capacity/policy-capacity.json`) from
+//! [`capacity_fixture`] through `analysis::capacity::report`.
 
 use std::path::{Path, PathBuf};
 
+use analysis::capacity::{CapacityReport, SeedCapacity};
 use figures::{FigureId, Sources, render, render_all};
 
 fn fixtures() -> PathBuf {
@@ -42,6 +45,7 @@ fn measurements_copy(name: &str) -> PathBuf {
         "load",
         "routers",
         "trace-quick",
+        CAPACITY_SWEEP,
     ] {
         copy_tree(&fixtures().join(sweep), &root.join(sweep));
     }
@@ -60,11 +64,136 @@ fn png_size(bytes: &[u8]) -> (u32, u32) {
     (be(16), be(20))
 }
 
+/// The fixture's per-policy capacity report, under the name [`Sources::discover`] looks for first.
+const CAPACITY_SWEEP: &str = "pressure-grid-virtual-policy-capacity";
+
+/// The fixture capacity searches: the fixture grid's four points, four policies, seeds 7, 8, 9,
+/// each failing rate 4% above its capacity. Designed so that every verdict the figures mark
+/// appears:
+///
+/// | point | what it shows |
+/// |---|---|
+/// | ws1-s0 | prefix-affinity separates below session-affinity (×0.879); exact-residency best, within spread of session-affinity (runner-up) |
+/// | ws1-s1.4 | all four tied at 1.25 |
+/// | ws3-s0 | exact-residency best, separating from session-affinity and from the runner-up prefix-affinity |
+/// | ws3-s1.4 | prefix-affinity within resolution of session-affinity (ranges apart, medians 2.9% apart); round-robin's seed 8 unbracketed, so no best |
+fn capacity_fixture() -> CapacityReport {
+    let seeds = |caps: [f64; 3]| -> Vec<SeedCapacity> {
+        caps.iter()
+            .zip(7..)
+            .map(|(&c, seed)| SeedCapacity {
+                seed,
+                capacity_rps: Some(c),
+                failing_rps: Some((c * 1.04 * 1000.0).round() / 1000.0),
+                steps: 7,
+                unbracketed: None,
+            })
+            .collect()
+    };
+    let mut rr_unbracketed = seeds([1.3, 0.0, 1.35]);
+    rr_unbracketed[1] = SeedCapacity {
+        seed: 8,
+        capacity_rps: None,
+        failing_rps: Some(0.5),
+        steps: 6,
+        unbracketed: Some("met the SLO at no rate tried, down to 0.5 req/s".into()),
+    };
+    let point = |name: &str, rr, sa, pa, er| {
+        (
+            name.to_string(),
+            vec![
+                ("round-robin".to_string(), rr),
+                ("session-affinity".to_string(), seeds(sa)),
+                ("prefix-affinity".to_string(), seeds(pa)),
+                ("exact-residency".to_string(), seeds(er)),
+            ],
+        )
+    };
+    analysis::capacity::report(
+        "pressure-grid-virtual",
+        "virtual time (fixture: the simulator; one fleet, 3 replicas), each step an open-loop cell",
+        "session-affinity",
+        0.05,
+        &[7, 8, 9],
+        vec![
+            point(
+                "ws1-s0",
+                seeds([4.5, 4.6, 4.4]),
+                [9.0, 9.3, 9.1],
+                [8.0, 8.2, 7.8],
+                [9.2, 9.0, 9.4],
+            ),
+            point(
+                "ws1-s1.4",
+                seeds([1.25, 1.1, 1.3]),
+                [1.2, 1.25, 1.3],
+                [1.25, 1.2, 1.3],
+                [1.25, 1.2, 1.28],
+            ),
+            point(
+                "ws3-s0",
+                seeds([4.1, 4.0, 4.2]),
+                [2.7, 2.2, 3.0],
+                [4.3, 4.4, 4.2],
+                [5.0, 5.2, 5.1],
+            ),
+            point(
+                "ws3-s1.4",
+                rr_unbracketed,
+                [1.36, 1.37, 1.38],
+                [1.40, 1.42, 1.41],
+                [1.5, 1.6, 1.55],
+            ),
+        ],
+    )
+}
+
 #[test]
-fn all_nine_render_from_fixtures_and_their_data_match_the_goldens() {
+fn the_capacity_fixture_is_what_the_analysis_crate_writes() {
+    let path = fixtures()
+        .join(CAPACITY_SWEEP)
+        .join(figures::input::CAPACITY_FILE);
+    let mut want = capacity_fixture();
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, serde_json::to_string_pretty(&want).unwrap()).unwrap();
+    }
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_GOLDEN=1 writes it)", path.display()));
+    let got: CapacityReport = serde_json::from_str(&text).unwrap();
+    // The rules version moves with the analysis crate; the searches and verdicts must not.
+    want.rules = got.rules.clone();
+    assert_eq!(
+        got,
+        want,
+        "{} is not what analysis::capacity::report makes of the fixture searches (UPDATE_GOLDEN=1 rewrites it)",
+        path.display()
+    );
+    let p = |name: &str| got.points.iter().find(|p| p.point == name).unwrap();
+    let verdict = |point: &str, policy: &str| {
+        p(point)
+            .margins
+            .iter()
+            .find(|m| m.policy == policy)
+            .unwrap()
+            .verdict
+            .as_str()
+    };
+    // the design in `capacity_fixture`'s table
+    assert_eq!(verdict("ws1-s0", "prefix-affinity"), "separates");
+    assert_eq!(verdict("ws1-s0", "exact-residency"), "within spread");
+    assert_eq!(p("ws1-s0").best, ["exact-residency"]);
+    assert_eq!(p("ws1-s1.4").best.len(), 4);
+    assert_eq!(p("ws3-s0").best, ["exact-residency"]);
+    assert_eq!(verdict("ws3-s1.4", "prefix-affinity"), "within resolution");
+    assert!(p("ws3-s1.4").best.is_empty());
+}
+
+#[test]
+fn all_ten_render_from_fixtures_and_their_data_match_the_goldens() {
     let out = scratch("all").join("out");
     let files = render_all(&fixtures(), &out).unwrap();
-    assert_eq!(files.len(), 27, "{files:?}");
+    assert_eq!(files.len(), 30, "{files:?}");
     let update = std::env::var_os("UPDATE_GOLDEN").is_some();
     let golden_dir = fixtures().join("golden");
     let titles = [
@@ -77,6 +206,7 @@ fn all_nine_render_from_fixtures_and_their_data_match_the_goldens() {
         "Load curve",
         "N routers",
         "Trace replay",
+        "Policy capacity",
     ];
     for (fig, title) in FigureId::ALL.iter().zip(titles) {
         let base = out.join(fig.stem());
@@ -99,7 +229,21 @@ fn all_nine_render_from_fixtures_and_their_data_match_the_goldens() {
                     | FigureId::Routers
                     | FigureId::TraceReplay
             );
+            if *fig == FigureId::PolicyCapacity {
+                // drawn from the capacity report alone: its sweep, seeds and resolution
+                continue;
+            }
             if !own_sweep || context != "pressure-grid" {
+                assert!(svg.contains(context), "{fig}: SVG lacks `{context}`");
+            }
+        }
+        if fig.needs_capacity() {
+            for context in [
+                "sweep pressure-grid-virtual",
+                "3 plan seeds (7, 8, 9)",
+                "resolution 5%",
+                "Held equal",
+            ] {
                 assert!(svg.contains(context), "{fig}: SVG lacks `{context}`");
             }
         }
@@ -168,11 +312,12 @@ fn cells_whose_reps_were_all_set_aside_are_drawn_as_such_not_refused() {
     let fig1 = csv(FigureId::PressureMap);
     assert!(
         fig1.lines()
-            .any(|l| l == "ws1-s0,1,0,,,no accepted reps,,,"),
+            .any(|l| l == "fixed-rate,ws1-s0,1,0,,,,,,,,no accepted reps,,,,,"),
         "the set-aside point is a row saying so: {fig1}"
     );
     assert!(
-        fig1.lines().any(|l| l.starts_with("ws3-s1.4,3,1.4,")),
+        fig1.lines()
+            .any(|l| l.starts_with("fixed-rate,ws3-s1.4,3,1.4,")),
         "{fig1}"
     );
     assert!(svg(FigureId::PressureMap).contains("all reps set aside:"));
@@ -192,6 +337,7 @@ fn cells_whose_reps_were_all_set_aside_are_drawn_as_such_not_refused() {
 #[test]
 fn the_heatmaps_state_both_sides_attainment_and_flag_points_below_pressure() {
     let mut grid = figures::input::load_grid(&fixtures().join("pressure-grid")).unwrap();
+    let capacity = figures::load_capacity(&fixtures().join(CAPACITY_SWEEP)).unwrap();
     // ws1-s0 as a point where every policy met its SLO: the report's flag, set by hand
     let p = grid
         .report
@@ -202,7 +348,12 @@ fn the_heatmaps_state_both_sides_attainment_and_flag_points_below_pressure() {
     p.below_pressure = true;
     let out = scratch("below-pressure-out");
     for fig in [FigureId::PressureMap, FigureId::WinnersMap] {
-        figures::render_one(fig, figures::Input::Grid(&grid), &out).unwrap();
+        figures::render_one(fig, figures::Input::Maps(&grid, &capacity), &out).unwrap();
+        let err = figures::render_one(fig, figures::Input::Grid(&grid), &out).unwrap_err();
+        assert!(
+            err.to_string().contains("a per-policy capacity report"),
+            "{err}"
+        );
     }
     let read = |f: FigureId, ext: &str| {
         std::fs::read_to_string(out.join(f.stem()).with_extension(ext)).unwrap()
@@ -210,13 +361,13 @@ fn the_heatmaps_state_both_sides_attainment_and_flag_points_below_pressure() {
     let fig1 = read(FigureId::PressureMap, "csv");
     // prefix-affinity 19 of 24 measured requests within the SLO, session-affinity 13 of 24
     assert!(
-        fig1.lines().any(|l| l.starts_with("ws1-s0,")
+        fig1.lines().any(|l| l.starts_with("fixed-rate,ws1-s0,")
             && l.ends_with(",0.7916666666666667,0.5416666666666667,true")),
         "{fig1}"
     );
     assert!(
         fig1.lines()
-            .filter(|l| !l.starts_with("point,"))
+            .filter(|l| !l.starts_with("panel,"))
             .filter(|l| l.ends_with(",true"))
             .count()
             == 1,
@@ -227,9 +378,10 @@ fn the_heatmaps_state_both_sides_attainment_and_flag_points_below_pressure() {
     assert_eq!(svg1.matches("\nbelow pressure\n").count(), 1, "{svg1}");
     let fig2 = read(FigureId::WinnersMap, "csv");
     assert!(
-        fig2.lines()
-            .any(|l| l.starts_with("ws1-s0,1,0,exact-residency-spec,")
-                && l.ends_with(",0.9583333333333333,0.7916666666666667,true")),
+        fig2.lines().any(
+            |l| l.starts_with("fixed-rate,ws1-s0,1,0,exact-residency-spec,")
+                && l.ends_with(",0.9583333333333333,0.7916666666666667,true")
+        ),
         "{fig2}"
     );
     let svg2 = read(FigureId::WinnersMap, "svg");
@@ -381,7 +533,15 @@ fn missing_sweeps_are_named() {
     std::fs::create_dir_all(&empty).unwrap();
     let out = scratch("empty-out");
     let err = format!("{:#}", render_all(&empty, &out).unwrap_err());
-    assert!(err.contains("9 of 9 figures not drawn"), "{err}");
+    assert!(err.contains("10 of 10 figures not drawn"), "{err}");
+    assert!(
+        err.contains(
+            "fig10-policy-capacity: figures 1, 2 and 10 need a per-policy capacity report"
+        ) && err
+            .contains("pressure-grid-virtual-policy-capacity/policy-capacity.json does not exist")
+            && err.contains("cargo xtask sweep pressure-grid --virtual --policy-capacity"),
+        "{err}"
+    );
     assert!(
         err.contains("figure 9 needs a trace replay") && err.contains("trace-quick"),
         "{err}"
@@ -465,7 +625,12 @@ fn figure_ids_parse_from_numbers_and_names() {
     assert_eq!(FigureId::parse("load-curve"), Some(FigureId::LoadCurve));
     assert_eq!(FigureId::parse("8"), Some(FigureId::Routers));
     assert_eq!(FigureId::parse("9"), Some(FigureId::TraceReplay));
-    assert_eq!(FigureId::parse("10"), None);
+    assert_eq!(FigureId::parse("10"), Some(FigureId::PolicyCapacity));
+    assert_eq!(
+        FigureId::parse("policy-capacity"),
+        Some(FigureId::PolicyCapacity)
+    );
+    assert_eq!(FigureId::parse("11"), None);
 }
 
 #[test]
@@ -691,4 +856,250 @@ fn the_load_curve_draws_the_same_bytes_whatever_order_the_report_lists_its_cells
             "{name} depends on the report's cell order"
         );
     }
+}
+
+/// Figure 10's rows, by (point, policy): every field as written.
+fn fig10_rows(csv: &str) -> Vec<std::collections::BTreeMap<String, String>> {
+    let mut r = csv::Reader::from_reader(csv.as_bytes());
+    let header: Vec<String> = r.headers().unwrap().iter().map(str::to_string).collect();
+    r.records()
+        .map(|rec| {
+            header
+                .iter()
+                .cloned()
+                .zip(rec.unwrap().iter().map(str::to_string))
+                .collect()
+        })
+        .collect()
+}
+
+/// Every row of figure 10's table is the report's: one per point and policy, in the report's
+/// order, with the policy's median, min, max and seed count, and its margin's ratio and verdict
+/// (the baseline `reference`).
+fn assert_fig10_rows_are_the_reports(csv: &str, report: &CapacityReport) {
+    let rows = fig10_rows(csv);
+    let want: Vec<(&str, &str)> = report
+        .points
+        .iter()
+        .flat_map(|p| {
+            p.policies
+                .iter()
+                .map(move |c| (p.point.as_str(), c.policy.as_str()))
+        })
+        .collect();
+    let got: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| (r["point"].as_str(), r["policy"].as_str()))
+        .collect();
+    assert_eq!(
+        got, want,
+        "one row per point and policy, in the report's order"
+    );
+    let f = |s: &str| -> Option<f64> { (!s.is_empty()).then(|| s.parse().unwrap()) };
+    for r in &rows {
+        let p = report
+            .points
+            .iter()
+            .find(|p| p.point == r["point"])
+            .unwrap();
+        let c = p.policies.iter().find(|c| c.policy == r["policy"]).unwrap();
+        let at = format!("{} {}", r["point"], r["policy"]);
+        assert_eq!(
+            f(&r["capacity_median_rps"]),
+            c.spread.map(|s| s.median),
+            "{at}"
+        );
+        assert_eq!(f(&r["capacity_min_rps"]), c.spread.map(|s| s.min), "{at}");
+        assert_eq!(f(&r["capacity_max_rps"]), c.spread.map(|s| s.max), "{at}");
+        assert_eq!(
+            r["seeds"],
+            c.spread.map(|s| s.n.to_string()).unwrap_or_default(),
+            "{at}"
+        );
+        assert_eq!(r["best"], p.best.contains(&c.policy).to_string(), "{at}");
+        match p.margins.iter().find(|m| m.policy == c.policy) {
+            None => {
+                assert_eq!(
+                    c.policy, report.baseline,
+                    "{at}: only the baseline has no margin"
+                );
+                assert_eq!(r["verdict"], "reference", "{at}");
+                assert_eq!(r["ratio_to_session_affinity"], "", "{at}");
+            }
+            Some(m) => {
+                assert_eq!(r["verdict"], m.verdict.as_str(), "{at}");
+                assert_eq!(f(&r["ratio_to_session_affinity"]), m.ratio, "{at}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_policy_capacity_figure_draws_each_policys_capacity_as_the_report_gives_it() {
+    let out = scratch("policy-capacity");
+    let files = render(
+        &Sources::discover(&fixtures()),
+        &out,
+        &[FigureId::PolicyCapacity],
+    )
+    .unwrap();
+    assert_eq!(files.len(), 3);
+    let report = figures::load_capacity(&fixtures().join(CAPACITY_SWEEP))
+        .unwrap()
+        .report;
+    let csv = std::fs::read_to_string(out.join("fig10-policy-capacity.csv")).unwrap();
+    assert_fig10_rows_are_the_reports(&csv, &report);
+    // the design of the fixture, as drawn
+    assert!(
+        csv.contains(
+            "\nws1-s0,1,0,prefix-affinity,8,7.8,8.2,3,0.8791208791208791,separates,false\n"
+        ),
+        "{csv}"
+    );
+    assert!(
+        csv.contains("\nws1-s0,1,0,session-affinity,9.1,9,9.3,3,,reference,false\n"),
+        "{csv}"
+    );
+    assert!(
+        csv.lines()
+            .any(|l| l.starts_with("ws3-s1.4,3,1.4,round-robin,1.32") && l.contains(",1.3,1.35,2,")),
+        "only the bracketed seeds count: {csv}"
+    );
+    let svg = std::fs::read_to_string(out.join("fig10-policy-capacity.svg")).unwrap();
+    for text in [
+        "Policy capacity",
+        "ws3-s0 · working set 3× · skew 0",
+        "×0.879 separates",
+        "×1.029 within resolution",
+        "reference",
+        "· best",
+        "Held equal per seed: the same plans",
+    ] {
+        assert!(svg.contains(text), "SVG lacks `{text}`");
+    }
+    // The published report, when this checkout has it: its table is the report's too.
+    let published = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../docs/measurements")
+        .join(CAPACITY_SWEEP);
+    if published.join(figures::input::CAPACITY_FILE).is_file() {
+        let report = figures::load_capacity(&published).unwrap().report;
+        let table = figures::data::policy_capacity(&report).unwrap().table();
+        assert_fig10_rows_are_the_reports(&table.to_csv().unwrap(), &report);
+    }
+}
+
+#[test]
+fn the_maps_lead_with_capacity_and_keep_the_fixed_rate_view_second() {
+    let out = scratch("maps-capacity");
+    render(
+        &Sources::discover(&fixtures()),
+        &out,
+        &[FigureId::PressureMap, FigureId::WinnersMap],
+    )
+    .unwrap();
+    let read = |f: FigureId, ext: &str| {
+        std::fs::read_to_string(out.join(f.stem()).with_extension(ext)).unwrap()
+    };
+    let fig1 = read(FigureId::PressureMap, "csv");
+    let rows = fig10_rows(&fig1);
+    let panels: Vec<&str> = rows.iter().map(|r| r["panel"].as_str()).collect();
+    assert_eq!(
+        panels,
+        [
+            "capacity",
+            "capacity",
+            "capacity",
+            "capacity",
+            "fixed-rate",
+            "fixed-rate",
+            "fixed-rate",
+            "fixed-rate"
+        ],
+        "capacity rows first: {fig1}"
+    );
+    let ws1 = &rows[0];
+    assert_eq!(
+        (
+            ws1["point"].as_str(),
+            ws1["prefix_affinity_capacity_median_rps"].as_str(),
+            ws1["session_affinity_capacity_min_rps"].as_str(),
+            ws1["capacity_ratio"].as_str(),
+            ws1["verdict"].as_str(),
+            ws1["margin_rps"].as_str(),
+        ),
+        ("ws1-s0", "8", "9", "0.8791208791208791", "separates", "")
+    );
+    assert_eq!(rows[3]["verdict"], "within resolution", "{fig1}");
+    let svg1 = read(FigureId::PressureMap, "svg");
+    let a = svg1.find("(a) Capacity").expect("capacity panel");
+    let b = svg1.find("(b) Secondary").expect("fixed-rate panel");
+    assert!(a < b, "the capacity panel is drawn first");
+    assert!(svg1.contains("PA 8.000 [7.800–8.200]"), "{svg1}");
+    assert!(
+        svg1.contains("at one load per point"),
+        "the fixed-rate panel says what set its load: {svg1}"
+    );
+    let fig2 = fig10_rows(&read(FigureId::WinnersMap, "csv"));
+    let cap = |point: &str| {
+        fig2.iter()
+            .find(|r| r["panel"] == "capacity" && r["point"] == point)
+            .unwrap()
+    };
+    let ws3 = cap("ws3-s0");
+    assert_eq!(
+        (
+            ws3["winner"].as_str(),
+            ws3["winner_capacity_median_rps"].as_str(),
+            ws3["winner_vs_session_affinity_verdict"].as_str(),
+            ws3["runner_up"].as_str(),
+            ws3["verdict"].as_str(),
+        ),
+        (
+            "exact-residency",
+            "5.1",
+            "separates",
+            "prefix-affinity",
+            "separates"
+        )
+    );
+    let ws1 = cap("ws1-s0");
+    assert_eq!(
+        (ws1["runner_up"].as_str(), ws1["verdict"].as_str()),
+        ("session-affinity", "within spread")
+    );
+    let tied = cap("ws1-s1.4");
+    assert_eq!(
+        (
+            tied["winner"].as_str(),
+            tied["verdict"].as_str(),
+            tied["winner_vs_session_affinity_verdict"].as_str()
+        ),
+        (
+            "round-robin;session-affinity;prefix-affinity;exact-residency",
+            "tied",
+            "baseline among the best"
+        )
+    );
+    assert_eq!(cap("ws3-s1.4")["verdict"], "not bracketed");
+    let svg2 = read(FigureId::WinnersMap, "svg");
+    for text in [
+        "(a) Capacity",
+        "(b) Secondary",
+        "4 tied",
+        "RR, SA, PA, ER",
+        "runner-up: prefix-affinity 4.300",
+        "not every policy bracketed",
+    ] {
+        assert!(svg2.contains(text), "SVG lacks `{text}`");
+    }
+    // Without the capacity report neither map is drawn, and the error says how to make one.
+    let m = measurements_copy("maps-no-capacity");
+    std::fs::remove_dir_all(m.join(CAPACITY_SWEEP)).unwrap();
+    let err = render_err(
+        &m,
+        &[FigureId::PressureMap, FigureId::WinnersMap],
+        "maps-no-capacity",
+    );
+    assert!(err.contains("2 of 2 figures not drawn"), "{err}");
+    assert!(err.contains("--policy-capacity"), "{err}");
 }

@@ -149,11 +149,13 @@ pub enum Branch {
     Rr,
     /// Least outstanding.
     Least,
+    /// A seeded uniform draw over the eligible replicas.
+    Random,
 }
 
 impl Branch {
     /// The row value: `match`, `tie`, `miss`, `spill-load`, `spill-residency`, `ring`,
-    /// `ring-walk`, `rr`, `least`.
+    /// `ring-walk`, `rr`, `least`, `random`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Branch::Match => "match",
@@ -165,6 +167,7 @@ impl Branch {
             Branch::RingWalk => "ring-walk",
             Branch::Rr => "rr",
             Branch::Least => "least",
+            Branch::Random => "random",
         }
     }
 }
@@ -317,6 +320,22 @@ impl Chooser {
         Chooser {
             rng: Pcg64Mcg::new(0xcafe_f00d_d15e_a5e5_u128 ^ ((seed as u128) << 64 | seed as u128)),
         }
+    }
+
+    /// Index (into `fleet`) of an eligible replica drawn uniformly (one draw per decision, so
+    /// the choices are the seed's whatever the loads).
+    pub(crate) fn uniform(&mut self, fleet: &[ReplicaView]) -> Option<usize> {
+        let eligible = fleet.iter().filter(|r| r.eligible()).count();
+        if eligible == 0 {
+            return None;
+        }
+        let k = self.rng.random_range(0..eligible);
+        fleet
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.eligible())
+            .nth(k)
+            .map(|(i, _)| i)
     }
 
     /// Index (into `fleet`) of the eligible replica with the fewest outstanding, ties broken

@@ -1,5 +1,5 @@
-//! Policies without a residency index: `round-robin`, `least-outstanding`, `session-affinity`,
-//! `session-bounded`, `prefix-hash`.
+//! Policies without a residency index: `round-robin`, `random`, `least-outstanding`,
+//! `session-affinity`, `session-bounded`, `prefix-hash`.
 
 use crate::ring::{Ring, bound, session_point};
 use crate::{
@@ -46,6 +46,49 @@ impl Policy for RoundRobin {
             }
         }
         Err(RouteError::NoEligibleReplica)
+    }
+}
+
+/// `random`: a seeded uniform draw over the eligible replicas, the usual baseline of published
+/// router comparisons. Unlike round-robin it does not lock into a cyclic prompt order: with 8
+/// replicas and prompts cycled in a stage whose length is a multiple of 8, round-robin sends
+/// each prompt to the same replica every time, which a random draw does not.
+#[derive(Clone, Debug)]
+pub struct Random {
+    chooser: Chooser,
+}
+
+impl Random {
+    /// Draws from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Random {
+            chooser: Chooser::new(seed),
+        }
+    }
+}
+
+impl Policy for Random {
+    fn name(&self) -> &str {
+        "random"
+    }
+    fn keying(&self) -> Keying {
+        Keying::None
+    }
+
+    fn served_needs(&self) -> ServedNeeds {
+        // No `on_served`: the draw is all this policy keeps.
+        ServedNeeds::Never
+    }
+    fn decide(
+        &mut self,
+        _: &RouteRequest<'_>,
+        fleet: &[ReplicaView],
+    ) -> Result<Decision, RouteError> {
+        let i = self
+            .chooser
+            .uniform(fleet)
+            .ok_or(RouteError::NoEligibleReplica)?;
+        Ok(plain(fleet, i, Branch::Random))
     }
 }
 

@@ -2,10 +2,10 @@
 
 use crate::Policy;
 use crate::prefix::{IndexMode, PrefixPolicy};
-use crate::simple::{LeastOutstanding, PrefixHash, RoundRobin, SessionAffinity};
+use crate::simple::{LeastOutstanding, PrefixHash, Random, RoundRobin, SessionAffinity};
 
 /// Every policy name [`build`] accepts (CLI `--policy`, the `policy` row column).
-pub const POLICY_NAMES: [&str; 9] = [
+pub const POLICY_NAMES: [&str; 10] = [
     "round-robin",
     "least-outstanding",
     "session-affinity",
@@ -15,6 +15,7 @@ pub const POLICY_NAMES: [&str; 9] = [
     "prefix-affinity-spill-off",
     "exact-residency",
     "exact-residency-spec",
+    "random",
 ];
 
 /// A policy's name and parameters. Every field has a default ([`PolicySpec::default`] is
@@ -175,6 +176,7 @@ pub fn build_typed(spec: &PolicySpec) -> Result<Box<dyn Policy>, SpecError> {
     spec.validate()?;
     Ok(match spec.name.as_str() {
         "round-robin" => Box::new(RoundRobin::new()),
+        "random" => Box::new(Random::new(spec.seed)),
         "least-outstanding" => Box::new(LeastOutstanding::new(spec.seed)),
         "session-affinity" => Box::new(SessionAffinity::new(spec, false)),
         "session-bounded" => Box::new(SessionAffinity::new(spec, true)),

@@ -197,6 +197,61 @@ fn round_robin_cycles_over_eligible_replicas() {
 }
 
 #[test]
+fn random_draws_uniformly_over_eligible_replicas_from_its_seed() {
+    let mut p = policy("random");
+    let mut f = fleet(4);
+    f[2].draining = true;
+    // Load does not move it.
+    f[0].outstanding = 50;
+    let mut seen = HashMap::new();
+    for _ in 0..3_000 {
+        let d = p.decide(&req(None, &[], 0), &f).unwrap();
+        assert_eq!(d.branch, Branch::Random);
+        *seen.entry(d.replica).or_insert(0) += 1;
+    }
+    // Three eligible replicas, 1,000 expected each (binomial sd ≈ 26): within ±10%.
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert!(!seen.contains_key(&2));
+    assert!(
+        seen.values().all(|&c| (900..=1_100).contains(&c)),
+        "{seen:?}"
+    );
+    let run = |seed| {
+        let mut p = build(&PolicySpec {
+            seed,
+            ..PolicySpec::named("random")
+        })
+        .unwrap();
+        let f = fleet(8);
+        (0..64)
+            .map(|_| p.decide(&req(None, &[], 0), &f).unwrap().replica)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(1), run(1));
+    assert_ne!(run(1), run(2));
+}
+
+#[test]
+fn a_cyclic_prompt_order_locks_round_robin_but_not_random() {
+    // 8 replicas, 16 prompts cycled in order: round-robin sends prompt k to replica k mod 8 on
+    // every pass (a cache-affine placement by accident); a random draw does not.
+    let f = fleet(8);
+    let passes = |name: &str| {
+        let mut p = policy(name);
+        let mut homes: HashMap<usize, std::collections::HashSet<u32>> = HashMap::new();
+        for _ in 0..4 {
+            for prompt in 0..16 {
+                let d = p.decide(&req(None, &[], 0), &f).unwrap();
+                homes.entry(prompt).or_default().insert(d.replica);
+            }
+        }
+        homes.values().map(|h| h.len()).max().unwrap()
+    };
+    assert_eq!(passes("round-robin"), 1);
+    assert!(passes("random") > 1);
+}
+
+#[test]
 fn least_outstanding_picks_the_minimum_and_spreads_seeded_ties() {
     let mut p = policy("least-outstanding");
     let mut f = fleet(5);

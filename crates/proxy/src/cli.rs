@@ -228,7 +228,7 @@ mod tests {
             Cli::try_parse_from(["x"]).unwrap().routing.policy.as_str(),
             "prefix-affinity"
         );
-        assert!(Cli::try_parse_from(["x", "--policy", "random"]).is_err());
+        assert!(Cli::try_parse_from(["x", "--policy", "fastest"]).is_err());
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Decision branch names in a fixed order (the policies contract's `Branch::as_str` values).
-pub const BRANCHES: [&str; 9] = [
+pub const BRANCHES: [&str; 10] = [
     "match",
     "tie",
     "miss",
@@ -18,6 +18,7 @@ pub const BRANCHES: [&str; 9] = [
     "ring-walk",
     "rr",
     "least",
+    "random",
 ];
 
 /// Upper bounds (µs) of the overhead histogram's buckets; `+Inf` is implicit.

@@ -758,7 +758,14 @@ impl Sim<'_> {
                     belief.then_some(&mut self.trace_keys),
                 );
             }
-            (Source::Plan { book, .. }, _) => {
+            (Source::Plan { plan, book }, _) => {
+                // A prime (`workload::Arrival::prime`) asks for one token, as the driver sends it.
+                if let (Origin::Open { index }, Schedule::Open { arrivals }) =
+                    (origin, &plan.schedule)
+                    && arrivals.get(index as usize).is_some_and(|a| a.prime)
+                {
+                    max_tokens = 1;
+                }
                 if let Err(e) = book.prompt_into(conversation, turn, &mut prompt) {
                     self.fail(r, t, 400, format!("http: {e}"));
                     return;

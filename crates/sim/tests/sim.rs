@@ -819,3 +819,52 @@ fn llama_slots_replicas_cache_per_slot_and_refuse_kv_event_policies() {
         ),
     }
 }
+
+#[test]
+fn a_prime_generates_one_token_and_leaves_its_history_cached() {
+    let fresh = open_plan(6, 8.0, 20.0, 4);
+    let plan = workload::Plan::build(
+        &fresh.spec,
+        &workload::ArrivalSpec::Open {
+            rate_rps: 8.0,
+            duration_s: 20.0,
+            start: workload::OpenStart::Primed {
+                tokens_per_s: 20_000,
+            },
+        },
+    )
+    .expect("plan");
+    let Schedule::Open { arrivals } = &plan.schedule else {
+        panic!("open plan");
+    };
+    assert!(arrivals.iter().any(|a| a.prime));
+    let out = simulate(&small(2, "session-affinity"), &plan).expect("simulate");
+    assert_eq!(out.outcomes.len(), arrivals.len());
+    let mut primed_then_resumed = 0;
+    for o in &out.outcomes {
+        let sim::rows::Origin::Open { index } = o.origin else {
+            panic!("open origin");
+        };
+        let a = arrivals[index as usize];
+        if a.prime {
+            assert_eq!(o.output_tokens, 1, "{a:?}");
+            // The next turn of the same conversation finds the prime's prompt cached (session
+            // affinity sends it to the same replica).
+            let next = out
+                .outcomes
+                .iter()
+                .filter(|n| n.conversation == o.conversation && n.scheduled_us > o.scheduled_us)
+                .min_by_key(|n| n.scheduled_us);
+            if let Some(n) = next {
+                assert!(
+                    n.cached_tokens >= o.prompt_tokens.unwrap_or(0) / 2,
+                    "{n:?} after {o:?}"
+                );
+                primed_then_resumed += 1;
+            }
+        } else {
+            assert_eq!(o.output_tokens, plan.spec.output_tokens, "{a:?}");
+        }
+    }
+    assert!(primed_then_resumed > 0);
+}

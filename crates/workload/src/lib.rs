@@ -17,8 +17,8 @@ pub mod zipf;
 
 pub use plan::{
     Arrival, Conversation, Layout, Message, PLAN_FORMAT, Plan, Role, Schedule, Step,
-    closed_request_id, cold_resume_share, layout, open_request_id, prefix_lengths, steadily_cached,
-    steady_state_warmup_s,
+    closed_request_id, cold_resume_share, layout, open_request_id, prefix_lengths, prime_period_s,
+    steadily_cached, steady_state_warmup_s,
 };
 pub use spec::{ArrivalSpec, OpenStart, PrefixGroups, Sharing, Sizing, WorkloadSpec};
 pub use walk::{Pick, SKIP_WINDOW_DRAWS, Walk, WalkCursor, walks};

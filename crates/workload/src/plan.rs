@@ -2,7 +2,7 @@
 
 use std::borrow::Cow;
 
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
@@ -18,8 +18,9 @@ use crate::zipf::Zipf;
 /// fields or their encoding change (3: prefix groups and conversation sharing in the spec, each
 /// conversation's group; 4: the open loop's start; 5: MessagePack (`rmp-serde`) after the
 /// format byte, in place of bincode 2 — formats 1–4 were bincode, whose first byte was the
-/// format number too, so [`Plan::from_bytes`] names an old plan's format).
-pub const PLAN_FORMAT: u8 = 5;
+/// format number too, so [`Plan::from_bytes`] names an old plan's format; 6: an arrival's
+/// `prime` flag, [`OpenStart::Primed`]).
+pub const PLAN_FORMAT: u8 = 6;
 
 /// The last plan format written with bincode (`=2.0.1`, `config::standard()`).
 const LAST_BINCODE_FORMAT: u8 = 4;
@@ -93,6 +94,9 @@ pub struct Arrival {
     pub conversation: u32,
     /// Turn, 1-based.
     pub turn: u32,
+    /// A priming send ([`OpenStart::Primed`]): the turn is sent with `max_tokens` 1, to put its
+    /// history in the cache before the run's Poisson arrivals begin; always in the warm-up.
+    pub prime: bool,
 }
 
 /// When requests are sent.
@@ -150,6 +154,7 @@ mod tag {
     pub const GROUP_TEXT: u64 = 7;
     pub const GROUP_OF: u64 = 8;
     pub const OPEN_START: u64 = 9;
+    pub const PRIME_ORDER: u64 = 10;
 }
 
 /// A seed for one stream, independent of how many other streams exist, so that (for example)
@@ -434,7 +439,7 @@ impl Plan {
                 duration_s,
                 start,
             } => Schedule::Open {
-                arrivals: spec_arrivals(spec, &zipf, rate_rps, duration_s, start),
+                arrivals: spec_arrivals(spec, &layout, &zipf, rate_rps, duration_s, start),
             },
         };
         Ok(Plan {
@@ -552,6 +557,9 @@ impl Plan {
                 }
                 if arrivals.windows(2).any(|w| w[1].at_us < w[0].at_us) {
                     return bad("arrivals are not in time order".into());
+                }
+                if arrivals.windows(2).any(|w| w[1].prime && !w[0].prime) {
+                    return bad("a priming arrival comes after the run's arrivals began".into());
                 }
             }
         }
@@ -734,50 +742,132 @@ fn closed_script(
 }
 
 /// `spec`'s open-loop arrivals: [`open_arrivals`] on its own streams (the one draw
-/// [`Plan::build`] and [`steady_state_warmup_s`] share).
+/// [`Plan::build`] and [`steady_state_warmup_s`] share), after the primes of an
+/// [`OpenStart::Primed`] start ([`primes`]).
 fn spec_arrivals(
     spec: &WorkloadSpec,
+    layout: &Layout,
     zipf: &Zipf,
     rate_rps: f64,
     duration_s: f64,
     start: OpenStart,
 ) -> Vec<Arrival> {
-    open_arrivals(
+    let stationary_seed = match start {
+        OpenStart::Fresh => None,
+        OpenStart::Stationary | OpenStart::Primed { .. } => Some(spec.seed),
+    };
+    let cursor = first_cursors(zipf.len(), spec.turns, stationary_seed);
+    let (mut out, begin_s) = match start {
+        OpenStart::Primed { tokens_per_s } => {
+            primes(spec, layout, zipf, &cursor, f64::from(tokens_per_s))
+        }
+        OpenStart::Fresh | OpenStart::Stationary => (Vec::new(), 0.0),
+    };
+    out.extend(open_arrivals(
         derive_seed(spec.seed, tag::OPEN, 0, 0),
         zipf,
         spec.turns,
         rate_rps,
+        begin_s,
         duration_s,
-        match start {
-            OpenStart::Fresh => None,
-            OpenStart::Stationary => Some(spec.seed),
-        },
-    )
+        cursor,
+    ));
+    out
 }
 
-/// Poisson arrivals; each goes to a Zipf-drawn conversation's next turn, and a conversation
-/// that has sent its last turn starts again from turn 1 (the same bytes: a returning user).
+/// Each conversation's turn before its first arrival (0: it starts at turn 1).
 /// `stationary_seed`: each conversation's first turn is drawn uniformly from its own stream of
 /// that seed ([`OpenStart::Stationary`]); `None`, every conversation starts at turn 1.
+fn first_cursors(conversations: usize, turns: u32, stationary_seed: Option<u64>) -> Vec<u32> {
+    // A stream per conversation, so a conversation's start does not move when the sizing adds
+    // conversations.
+    match stationary_seed {
+        None => vec![0; conversations],
+        Some(s) => (0..conversations as u64)
+            .map(|c| (derive_seed(s, tag::OPEN_START, c, 0) % u64::from(turns)) as u32)
+            .collect(),
+    }
+}
+
+/// The primes of an [`OpenStart::Primed`] start and the time (s) the Poisson arrivals begin.
+/// One prime per conversation the steady state would hold ([`steadily_cached`]) whose first turn
+/// (`cursor + 1`) is past turn 1: turn `cursor`, in a seeded random order. Each is scheduled at
+/// the estimated prompt tokens of the primes before it ÷ `tokens_per_s` (shared group prefixes
+/// counted in every prompt, as each prime's prompt holds them), and the arrivals begin at all
+/// their tokens ÷ `tokens_per_s`.
+fn primes(
+    spec: &WorkloadSpec,
+    layout: &Layout,
+    zipf: &Zipf,
+    cursor: &[u32],
+    tokens_per_s: f64,
+) -> (Vec<Arrival>, f64) {
+    let counted = steadily_cached(spec, zipf);
+    let mut order: Vec<u32> = (0..cursor.len() as u32)
+        .filter(|&c| counted[c as usize] && cursor[c as usize] >= 1)
+        .collect();
+    let mut rng = Pcg64::seed_from_u64(derive_seed(spec.seed, tag::PRIME_ORDER, 0, 0));
+    // Fisher–Yates by hand on the crate's own stream, so the order is this code's, not a
+    // library version's.
+    for i in (1..order.len()).rev() {
+        let j = (rng.random::<u64>() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    let mut out = Vec::with_capacity(order.len());
+    let mut tokens_before = 0u64;
+    for c in order {
+        let turn = cursor[c as usize];
+        out.push(Arrival {
+            at_us: (tokens_before as f64 / tokens_per_s * 1e6).round() as u64,
+            conversation: c,
+            turn,
+            prime: true,
+        });
+        tokens_before += spec.turn_tokens(context_tokens(spec, layout, c), turn);
+    }
+    (out, tokens_before as f64 / tokens_per_s)
+}
+
+/// Estimated tokens of conversation `c`'s context at turn 1: its private context and, with
+/// prefix groups, its group's shared prefix.
+fn context_tokens(spec: &WorkloadSpec, layout: &Layout, c: u32) -> u64 {
+    layout.private_tokens[c as usize] + spec.group_prefix_tokens()
+}
+
+/// How long the primes of `spec` under `start` take at their pace (s of the plan's clock): the
+/// time the Poisson arrivals begin. 0 for a start without primes.
+pub fn prime_period_s(spec: &WorkloadSpec, start: OpenStart) -> Result<f64, WorkloadError> {
+    let OpenStart::Primed { tokens_per_s } = start else {
+        return Ok(0.0);
+    };
+    if tokens_per_s == 0 {
+        return Err(WorkloadError::InvalidSpec(
+            "the primes' pace must be > 0 tokens/s".into(),
+        ));
+    }
+    spec.validate()?;
+    let layout = layout(spec)?;
+    let zipf = Zipf::new(layout.private_tokens.len(), spec.zipf_s)?;
+    let cursor = first_cursors(zipf.len(), spec.turns, Some(spec.seed));
+    Ok(primes(spec, &layout, &zipf, &cursor, f64::from(tokens_per_s)).1)
+}
+
+/// Poisson arrivals from `begin_s` to `duration_s`; each goes to a Zipf-drawn conversation's
+/// next turn after `cursor` (its last turn sent), and a conversation that has sent its last
+/// turn starts again from turn 1 (the same bytes: a returning user).
 fn open_arrivals(
     seed: u64,
     zipf: &Zipf,
     turns: u32,
     rate_rps: f64,
+    begin_s: f64,
     duration_s: f64,
-    stationary_seed: Option<u64>,
+    mut cursor: Vec<u32>,
 ) -> Vec<Arrival> {
     let mut rng = Pcg64::seed_from_u64(seed);
-    // A stream per conversation, so a conversation's start does not move when the sizing adds
-    // conversations.
-    let mut cursor: Vec<u32> = match stationary_seed {
-        None => vec![0; zipf.len()],
-        Some(s) => (0..zipf.len() as u64)
-            .map(|c| (derive_seed(s, tag::OPEN_START, c, 0) % u64::from(turns)) as u32)
-            .collect(),
-    };
-    let mut out = Vec::with_capacity((rate_rps * duration_s * 1.1) as usize + 16);
-    let mut t_s = 0.0f64;
+    let expected = rate_rps * (duration_s - begin_s).max(0.0);
+    let mut out = Vec::with_capacity((expected * 1.1) as usize + 16);
+    let mut t_s = begin_s;
     loop {
         t_s += exponential(&mut rng, 1.0 / rate_rps);
         if t_s >= duration_s {
@@ -790,6 +880,7 @@ fn open_arrivals(
             at_us: (t_s * 1e6).round() as u64,
             conversation: c as u32,
             turn,
+            prime: false,
         });
     }
     out
@@ -851,8 +942,9 @@ pub fn cold_resume_share(
 }
 
 /// The warm-up an open loop of `spec` at `rate_rps` needs before a window of `measure_s` holds
-/// at most `max_share` cold resumes ([`cold_resume_share`]): `base_s`, doubled until it does, at
-/// most `max_doublings` times. The schedule alone is drawn (no texts), the same draws
+/// at most `max_share` cold resumes ([`cold_resume_share`]): the primes' period
+/// ([`prime_period_s`], 0 without primes) and `base_s`, the latter doubled until the window
+/// holds no more, at most `max_doublings` times. The schedule alone is drawn (no texts), the same draws
 /// [`Plan::build`] makes, so the plan of the chosen length has exactly these arrivals. Returns
 /// the warm-up (s) and the window's share under it; the share may still exceed `max_share`
 /// after the last doubling (the caller says so). Seconds are the plan's own (the rate's).
@@ -866,12 +958,14 @@ pub fn steady_state_warmup_s(
     max_doublings: u32,
 ) -> Result<(f64, f64), WorkloadError> {
     spec.validate()?;
-    let conversations = layout(spec)?.private_tokens.len();
-    let zipf = Zipf::new(conversations, spec.zipf_s)?;
+    let layout = layout(spec)?;
+    let zipf = Zipf::new(layout.private_tokens.len(), spec.zipf_s)?;
     let counted = steadily_cached(spec, &zipf);
-    let mut warmup_s = base_s;
+    let prime_s = prime_period_s(spec, start)?;
+    let mut settle_s = base_s;
     let mut doublings = 0;
     loop {
+        let warmup_s = prime_s + settle_s;
         let duration_s = warmup_s + measure_s;
         ArrivalSpec::Open {
             rate_rps,
@@ -879,7 +973,7 @@ pub fn steady_state_warmup_s(
             start,
         }
         .validate()?;
-        let arrivals = spec_arrivals(spec, &zipf, rate_rps, duration_s, start);
+        let arrivals = spec_arrivals(spec, &layout, &zipf, rate_rps, duration_s, start);
         let share = cold_resume_share(
             &arrivals,
             &counted,
@@ -890,7 +984,7 @@ pub fn steady_state_warmup_s(
         if share <= max_share || doublings >= max_doublings {
             return Ok((warmup_s, share));
         }
-        warmup_s *= 2.0;
+        settle_s *= 2.0;
         doublings += 1;
     }
 }

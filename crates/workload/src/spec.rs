@@ -243,6 +243,16 @@ impl WorkloadSpec {
         self.prefix_groups.map_or(0, |g| u64::from(g.prefix_tokens))
     }
 
+    /// Estimated tokens of turn `turn`'s prompt (1-based) of a conversation whose context at
+    /// turn 1 is `context_tokens` (with prefix groups: the group's shared prefix and the private
+    /// context): the context, every earlier user turn and reply, and this turn's user message.
+    pub fn turn_tokens(&self, context_tokens: u64, turn: u32) -> u64 {
+        let earlier = u64::from(turn.saturating_sub(1));
+        context_tokens
+            + earlier * u64::from(self.user_tokens + self.output_tokens)
+            + u64::from(self.user_tokens)
+    }
+
     /// Estimated tokens of one conversation's last-turn prompt with a context prefix of
     /// `prefix_tokens`: the prefix, every user turn and every reply but the last. With prefix
     /// groups `prefix_tokens` is the private context and the group's shared prefix is not
@@ -327,6 +337,13 @@ pub enum ArrivalSpec {
 /// seeded stream), which is the steady state's turn mix: a conversation at turn `k` after `n`
 /// visits stands at `(k + n) mod turns`, uniform whenever `k` is, whatever the skew. What stays
 /// is the caches' own warm-up, which a cell's warm-up covers.
+///
+/// That warm-up is long when the caches turn over slowly: a conversation whose first visit in
+/// the run resumes it past turn 1 finds its history nowhere, where the steady state would have
+/// found it cached (a *cold resume*, `crate::cold_resume_share`), and waiting until every such
+/// conversation has been visited once took up to 8 minutes of a quick-grid cell (4 Dec 2026).
+/// [`OpenStart::Primed`] sends those histories first, at a stated pace, so the caches hold what
+/// the steady state would hold before the Poisson arrivals begin.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum OpenStart {
@@ -335,6 +352,18 @@ pub enum OpenStart {
     Fresh,
     /// Every conversation at a uniformly drawn turn (the arrival name ends `-steady`).
     Stationary,
+    /// As [`OpenStart::Stationary`], and first a *priming* send for every conversation the
+    /// steady state would hold in the cache (`crate::steadily_cached`) whose first turn is past
+    /// turn 1: its previous turn, sent with `max_tokens` 1 (prefill only), so that the cache
+    /// holds the history the first turn resumes. The primes go in a seeded random order (in the
+    /// steady state a conversation's last visit says nothing about its next), each at the time
+    /// the prompt tokens of the primes before it take at `tokens_per_s`; the Poisson arrivals
+    /// begin when the last prime's share of that time is over (`crate::prime_period_s`). The
+    /// arrival name ends `-primed<tokens_per_s>`.
+    Primed {
+        /// The pace of the primes, prompt tokens per second (of the plan's clock).
+        tokens_per_s: u32,
+    },
 }
 
 impl ArrivalSpec {
@@ -360,8 +389,11 @@ impl ArrivalSpec {
             ArrivalSpec::Open {
                 rate_rps,
                 duration_s,
-                ..
+                start,
             } => {
+                if let OpenStart::Primed { tokens_per_s: 0 } = start {
+                    return bad("the primes' pace must be > 0 tokens/s".into());
+                }
                 if !rate_rps.is_finite() || rate_rps <= 0.0 {
                     return bad(format!("rate must be > 0 req/s, got {rate_rps}"));
                 }
@@ -397,8 +429,9 @@ impl ArrivalSpec {
                 num(rate_rps),
                 num(duration_s),
                 match start {
-                    OpenStart::Fresh => "",
-                    OpenStart::Stationary => "-steady",
+                    OpenStart::Fresh => String::new(),
+                    OpenStart::Stationary => "-steady".to_owned(),
+                    OpenStart::Primed { tokens_per_s } => format!("-primed{tokens_per_s}"),
                 }
             ),
         }

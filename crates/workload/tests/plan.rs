@@ -811,3 +811,125 @@ fn only_conversations_the_steady_state_would_hold_count_as_cold_resumes() {
         "counting every conversation, the {warmup_s}-s warm-up would not do ({counting_all})"
     );
 }
+
+/// The quick grid's ws3-s0 at the quick fleet's size: 3 × the KV capacity, no skew.
+fn ws3_quick() -> WorkloadSpec {
+    WorkloadSpec {
+        prefix_tokens: 1100,
+        user_tokens: 150,
+        output_tokens: 128,
+        turns: 6,
+        sizing: workload::Sizing::WorkingSet {
+            capacity_tokens: 196_608,
+            ratio: 3.0,
+        },
+        zipf_s: 0.0,
+        ..WorkloadSpec::default()
+    }
+}
+
+#[test]
+fn primes_send_each_held_conversations_previous_turn_first_then_the_stationary_arrivals() {
+    let spec = ws3_quick();
+    let pace = 30_000;
+    let primed = workload::OpenStart::Primed { tokens_per_s: pace };
+    let open = |start| ArrivalSpec::Open {
+        rate_rps: 6.0,
+        duration_s: 60.0,
+        start,
+    };
+    let plan = Plan::build(&spec, &open(primed)).unwrap();
+    let steady = Plan::build(&spec, &open(workload::OpenStart::Stationary)).unwrap();
+    assert!(plan.arrival.name().ends_with("-primed30000"));
+    let (
+        Schedule::Open { arrivals },
+        Schedule::Open {
+            arrivals: stationary,
+        },
+    ) = (&plan.schedule, &steady.schedule)
+    else {
+        panic!("open plans")
+    };
+    let primes: Vec<_> = arrivals.iter().filter(|a| a.prime).collect();
+    let prime_s = workload::prime_period_s(&spec, primed).unwrap();
+    // Every prime comes before the first Poisson arrival, which comes after the primes' period.
+    let first_run = arrivals.iter().position(|a| !a.prime).unwrap();
+    assert_eq!(first_run, primes.len());
+    assert!(arrivals[first_run].at_us as f64 >= prime_s * 1e6);
+    assert!(primes.iter().all(|p| (p.at_us as f64) < prime_s * 1e6));
+    // One prime per conversation, at the turn before the one its first run arrival sends.
+    let mut seen = std::collections::HashSet::new();
+    for p in &primes {
+        assert!(seen.insert(p.conversation), "one prime per conversation");
+        assert!(p.turn >= 1);
+        let first = arrivals[first_run..]
+            .iter()
+            .find(|a| a.conversation == p.conversation);
+        if let Some(first) = first {
+            assert_eq!(first.turn, p.turn % spec.turns + 1, "{p:?} then {first:?}");
+        }
+    }
+    // Without skew every conversation is held, and those starting past turn 1 are primed: about
+    // five in six (turns 2–6 of 6).
+    let n = plan.conversations.len();
+    assert!(
+        primes.len() * 6 > n * 4 && primes.len() < n,
+        "{} primes of {n}",
+        primes.len()
+    );
+    // The pace: the primes' estimated prompt tokens ÷ the period is the pace given.
+    let layout = workload::layout(&spec).unwrap();
+    let tokens: u64 = primes
+        .iter()
+        .map(|p| spec.turn_tokens(layout.private_tokens[p.conversation as usize], p.turn))
+        .sum();
+    assert!((tokens as f64 / prime_s - f64::from(pace)).abs() < 1.0);
+    // The run's arrivals are the stationary plan's draws, begun after the primes.
+    for (a, b) in arrivals[first_run..].iter().zip(stationary.iter()).take(50) {
+        assert_eq!(
+            (a.conversation, a.turn, a.prime),
+            (b.conversation, b.turn, false)
+        );
+        let shifted = b.at_us as f64 + prime_s * 1e6;
+        assert!((a.at_us as f64 - shifted).abs() <= 1.0, "{a:?} vs {b:?}");
+    }
+    // The bytes round-trip with the flags.
+    let back = Plan::from_bytes(&plan.to_bytes().unwrap()).unwrap();
+    assert_eq!(back, plan);
+    // A zero pace is refused.
+    let err = Plan::build(
+        &spec,
+        &open(workload::OpenStart::Primed { tokens_per_s: 0 }),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("pace"), "{err}");
+}
+
+#[test]
+fn primed_runs_need_only_the_primes_period_and_the_base_warm_up() {
+    // At ws3-s0 of the quick fleet at 6 req/s, the stationary start needs its 5-s base warm-up
+    // doubled several times (a KV-cache turnover) before the window is free of cold resumes; a
+    // primed start is free of them after the primes and the base.
+    let spec = ws3_quick();
+    let stationary = workload::OpenStart::Stationary;
+    let (w_stationary, _) =
+        workload::steady_state_warmup_s(&spec, 6.0, stationary, 5.0, 10.0, 0.01, 16).unwrap();
+    let primed = workload::OpenStart::Primed {
+        tokens_per_s: 30_000,
+    };
+    let prime_s = workload::prime_period_s(&spec, primed).unwrap();
+    let (w_primed, share) =
+        workload::steady_state_warmup_s(&spec, 6.0, primed, 5.0, 10.0, 0.01, 16).unwrap();
+    assert_eq!(share, 0.0);
+    assert!(
+        (w_primed - (prime_s + 5.0)).abs() < 1e-9,
+        "{w_primed} vs {prime_s} + 5"
+    );
+    assert!(
+        w_stationary >= 4.0 * w_primed,
+        "stationary {w_stationary} s, primed {w_primed} s"
+    );
+    // Without primes the period is 0.
+    assert_eq!(workload::prime_period_s(&spec, stationary).unwrap(), 0.0);
+}
