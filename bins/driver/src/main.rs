@@ -162,8 +162,8 @@ struct PlanArgs {
     /// Open loop: where the conversations stand at the first arrival.
     #[arg(long, value_enum, default_value_t = OpenStartArg::Stationary)]
     open_start: OpenStartArg,
-    /// Open loop, `--open-start primed`: the primes' pace, prompt tokens per second (e.g. the
-    /// cache inflow the fleet sustains; the experiment takes its calibration's).
+    /// Open loop, `--open-start primed`: the primes' pace, prompt tokens per second (the
+    /// experiment takes replicas × floor prompt tokens ÷ TTFT floor from its calibration).
     #[arg(long, default_value_t = 20_000)]
     prime_tokens_per_s: u32,
 }

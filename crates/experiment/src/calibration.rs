@@ -444,26 +444,15 @@ impl Calibration {
         }
     }
 
-    /// The primes' pace, prompt tokens per wall second:
-    /// - the cache inflow the reference run measured (`index.ttl_evidence.inflow`: the new
-    ///   prompt and output tokens the fleet took in per second while it served the reference
-    ///   load within the SLO's reach), a rate the fleet is known to sustain;
-    /// - else, when the engines report no cached tokens, the replicas in use × the floor
-    ///   prompt's tokens ÷ the TTFT floor: an unseen prompt's prefill at concurrency 1.
+    /// The primes' pace, prompt tokens per wall second: the replicas in use × the floor
+    /// prompt's tokens ÷ the TTFT floor, the rate at which the fleet prefilled unseen prompts of
+    /// the reference length one at a time per replica (`floors`, measured by this calibration).
+    /// A prime is such a prefill (one output token), and the primes are spread evenly, so each
+    /// replica meets them at about the rate it served them alone, while a batch prefills faster
+    /// than that. Not the reference run's cache inflow (`index.ttl_evidence.inflow`): that rate
+    /// carries the decode of a loaded fleet, which primes do not ask for, and paced at it the
+    /// primes took 26.4 s of every quick ws3-s0 cell (4 Dec 2026).
     pub fn prime_pace(&self) -> PrimePace {
-        if let Some(rate) = self
-            .index
-            .ttl_evidence
-            .as_ref()
-            .and_then(|e| e.inflow.tokens_per_s)
-            .filter(|r| r.is_finite() && *r >= 1.0)
-        {
-            return PrimePace {
-                tokens_per_s: rate.round().min(f64::from(u32::MAX)) as u32,
-                rule: "the reference run's cache inflow (index.ttl_evidence.inflow.tokens_per_s)"
-                    .into(),
-            };
-        }
         let prompt_tokens = self
             .floor_prompts
             .as_ref()
@@ -473,7 +462,7 @@ impl Calibration {
         PrimePace {
             tokens_per_s: rate.round().clamp(1.0, f64::from(u32::MAX)) as u32,
             rule: format!(
-                "{replicas} replicas × the {prompt_tokens}-token floor prompt ÷ the TTFT floor {} ms (no cache inflow measured)",
+                "{replicas} replicas × the {prompt_tokens}-token floor prompt ÷ the TTFT floor {} ms: the fleet's prefill of unseen prompts, one at a time per replica",
                 self.floors.ttft_ms
             ),
         }

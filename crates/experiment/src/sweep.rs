@@ -1030,6 +1030,8 @@ mod tests {
         let names: Vec<&str> = points.iter().map(|p| p.name.as_str()).collect();
         assert_eq!(names, ["ws1-s0-load0.5", "ws1-s0-load1.5"]);
         assert_eq!(points[1].arrival, Arrival::Open { rate_rps: 6.0 });
+        // The primes' pace: 3 replicas × the 1,100-token floor prompt ÷ the 50-ms TTFT floor.
+        assert_eq!(cal.prime_pace().tokens_per_s, 66_000);
         // Every step primed the caches first, then settled within 5 s.
         let prime_s =
             workload::prime_period_s(&s.spec_for(&points[0], &cal), cal.open_start()).unwrap();
