@@ -366,22 +366,17 @@ impl<W> Shared<W> {
 }
 
 impl Shared {
-    /// Sends one planned request and records its row; a prime (`workload::Arrival::prime`) asks
-    /// for one token, the rest for the plan's output length.
+    /// Sends one planned request, asking for `max_tokens` (`workload::Arrival::max_tokens` for
+    /// an open loop's arrival), and records its row.
     async fn fire(
         &self,
         request_id: &str,
         conversation: u32,
         turn: u32,
-        prime: bool,
+        max_tokens: u32,
         scheduled: Duration,
     ) {
         let session_id = self.plan.session_id(conversation);
-        let max_tokens = if prime {
-            1
-        } else {
-            self.plan.spec.output_tokens
-        };
         let body = match self.plan.messages(conversation, turn) {
             Ok(m) => chat_body(&self.model, &m, max_tokens),
             Err(e) => {
@@ -588,7 +583,13 @@ pub async fn run_closed(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driv
                 sleep_until(scheduled_at).await;
                 let id = closed_request_id(u, k);
                 shared
-                    .fire(&id, conversation, step.turn, false, scheduled)
+                    .fire(
+                        &id,
+                        conversation,
+                        step.turn,
+                        shared.plan.spec.output_tokens,
+                        scheduled,
+                    )
                     .await;
                 sent += 1;
                 if ends_walk {
@@ -615,11 +616,11 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
     if !plan.spec.sharing.one_turn_at_a_time() {
         return run_open_shared(shared, cfg, arrivals).await;
     }
-    let mut per_conversation: Vec<Vec<(usize, u64, u32, bool)>> =
+    let mut per_conversation: Vec<Vec<(usize, u64, u32, u32)>> =
         vec![Vec::new(); plan.conversations.len()];
     for (i, a) in arrivals.iter().enumerate() {
         if let Some(list) = per_conversation.get_mut(a.conversation as usize) {
-            list.push((i, a.at_us, a.turn, a.prime));
+            list.push((i, a.at_us, a.turn, a.max_tokens(plan.spec.output_tokens)));
         }
     }
     let plan_end = Duration::from_micros(arrivals.last().map_or(0, |a| a.at_us));
@@ -633,7 +634,7 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
         let shared = shared.clone();
         tasks.push(tokio::spawn(async move {
             let mut sent = 0u64;
-            for (i, at_us, turn, prime) in list {
+            for (i, at_us, turn, max_tokens) in list {
                 let scheduled = Duration::from_micros(at_us);
                 if shared.stopped(scheduled) {
                     break;
@@ -653,7 +654,7 @@ pub async fn run_open(plan: &Plan, cfg: &RunConfig) -> Result<RunSummary, Driver
                 }
                 sleep_until(start + scheduled).await;
                 shared
-                    .fire(&open_request_id(i), c as u32, turn, prime, scheduled)
+                    .fire(&open_request_id(i), c as u32, turn, max_tokens, scheduled)
                     .await;
                 sent += 1;
             }
@@ -698,7 +699,7 @@ async fn run_open_shared(
                             &open_request_id(i),
                             a.conversation,
                             a.turn,
-                            a.prime,
+                            a.max_tokens(shared.plan.spec.output_tokens),
                             scheduled,
                         )
                         .await;

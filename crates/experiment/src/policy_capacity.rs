@@ -429,7 +429,7 @@ fn search_one(
     let record = job.work.join("capacity.json");
     let unbracketed = job.work.join("unbracketed.json");
     let workload = job.spec.name();
-    if let Some(c) = PointCapacity::reusable(&record, &workload, cal.slo, cal.open_start()) {
+    if let Some(c) = PointCapacity::reusable(&record, &workload, cal) {
         return Ok(seed_capacity(job.seed, &c.capacity));
     }
     if let Some(c) = std::fs::read_to_string(&unbracketed)

@@ -464,23 +464,22 @@ fn searches_by_workload(
 }
 
 /// Runs `search` for each named workload, as many at once as there are cores, each recorded in
-/// `<records>/<name>/capacity.json`; a record of the same workload under the same SLO, searched
-/// on open loops that start as `start`, is reused (a resume). Returns `(name, capacity)` in the order given.
+/// `<records>/<name>/capacity.json`; a record `cal` may reuse ([`PointCapacity::reusable`]) is
+/// reused (a resume). Returns `(name, capacity)` in the order given.
 fn searched_in_parallel(
     searches: &[Search],
-    slo: Slo,
-    start: workload::OpenStart,
+    cal: &Calibration,
     records: &Path,
     search: &(dyn Fn(&str, &WorkloadSpec) -> Result<Capacity> + Sync),
 ) -> Result<Vec<(String, Capacity)>> {
     let record = |name: &str| records.join(name).join("capacity.json");
     let one = |name: &String, spec: &WorkloadSpec| -> Result<(String, Capacity)> {
-        if let Some(c) = PointCapacity::reusable(&record(name), &spec.name(), slo, start) {
+        if let Some(c) = PointCapacity::reusable(&record(name), &spec.name(), cal) {
             return Ok((name.clone(), c.capacity));
         }
         let c = search(name, spec)?;
         PointCapacity {
-            slo,
+            slo: cal.slo,
             capacity: c.clone(),
             simulated: None,
         }
@@ -546,30 +545,24 @@ fn point_capacities(
         ),
     );
     let runs = dir.join("calibration-runs");
-    let mut found = searched_in_parallel(
-        &to_search,
-        cal.slo,
-        cal.open_start(),
-        &runs,
-        &|name, spec| {
-            find_capacity_of(
-                s,
-                base,
-                cal,
-                &runs.join(name),
-                SearchTarget {
-                    spec,
-                    point: name,
-                    start: start.clone(),
-                    resolution: None,
-                    policies: None,
-                    min_window_requests: None,
-                    tuning: None,
-                },
-            )
-            .with_context(|| format!("the capacity of point {name}"))
-        },
-    )?;
+    let mut found = searched_in_parallel(&to_search, cal, &runs, &|name, spec| {
+        find_capacity_of(
+            s,
+            base,
+            cal,
+            &runs.join(name),
+            SearchTarget {
+                spec,
+                point: name,
+                start: start.clone(),
+                resolution: None,
+                policies: None,
+                min_window_requests: None,
+                tuning: None,
+            },
+        )
+        .with_context(|| format!("the capacity of point {name}"))
+    })?;
     found.extend(given.into_iter().map(|(name, _)| (name, reference.clone())));
     found.sort_by_key(|(name, _)| order.iter().position(|n| n == name));
     for (name, c) in &found {
@@ -618,16 +611,13 @@ impl PointCapacity {
             .and_then(|t| serde_json::from_str(&t).ok())
     }
 
-    /// The record at `path` when a resume may reuse it: searched on `workload` under `slo`,
-    /// with today's open-loop start (`start`, [`Calibration::open_start`]).
-    pub fn reusable(
-        path: &Path,
-        workload: &str,
-        slo: Slo,
-        start: workload::OpenStart,
-    ) -> Option<PointCapacity> {
+    /// The record at `path` when a resume may reuse it: searched on `workload` under `cal`'s
+    /// SLO, on open loops that start as `cal`'s do ([`Calibration::open_start`]).
+    pub fn reusable(path: &Path, workload: &str, cal: &Calibration) -> Option<PointCapacity> {
         PointCapacity::read(path).filter(|c| {
-            c.capacity.workload == workload && c.slo == slo && c.capacity.stale(start).is_none()
+            c.capacity.workload == workload
+                && c.slo == cal.slo
+                && c.capacity.stale(cal.open_start()).is_none()
         })
     }
 
@@ -725,31 +715,25 @@ pub fn simulated_point_capacities(
         ),
     );
     let runs = dir.join("calibration-runs").join("simulated");
-    let found = searched_in_parallel(
-        &to_search,
-        cal.slo,
-        cal.open_start(),
-        &runs,
-        &|name, spec| {
-            let res = Some(SIMULATED_RESOLUTION);
-            find_capacity_of(
-                s,
-                &base,
-                cal,
-                &runs.join(name),
-                SearchTarget {
-                    spec,
-                    point: name,
-                    start: start.clone(),
-                    resolution: res,
-                    policies: None,
-                    min_window_requests: None,
-                    tuning: None,
-                },
-            )
-            .with_context(|| format!("the simulated capacity of {name}"))
-        },
-    )?;
+    let found = searched_in_parallel(&to_search, cal, &runs, &|name, spec| {
+        let res = Some(SIMULATED_RESOLUTION);
+        find_capacity_of(
+            s,
+            &base,
+            cal,
+            &runs.join(name),
+            SearchTarget {
+                spec,
+                point: name,
+                start: start.clone(),
+                resolution: res,
+                policies: None,
+                min_window_requests: None,
+                tuning: None,
+            },
+        )
+        .with_context(|| format!("the simulated capacity of {name}"))
+    })?;
     let simulated_reference = found
         .iter()
         .find(|(n, _)| n == "reference")

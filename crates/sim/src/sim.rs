@@ -759,12 +759,13 @@ impl Sim<'_> {
                 );
             }
             (Source::Plan { plan, book }, _) => {
-                // A prime (`workload::Arrival::prime`) asks for one token, as the driver sends it.
+                // An open loop's arrival asks for what the driver sends it with (one token for
+                // a prime).
                 if let (Origin::Open { index }, Schedule::Open { arrivals }) =
                     (origin, &plan.schedule)
-                    && arrivals.get(index as usize).is_some_and(|a| a.prime)
+                    && let Some(a) = arrivals.get(index as usize)
                 {
-                    max_tokens = 1;
+                    max_tokens = a.max_tokens(max_tokens);
                 }
                 if let Err(e) = book.prompt_into(conversation, turn, &mut prompt) {
                     self.fail(r, t, 400, format!("http: {e}"));

@@ -99,6 +99,14 @@ pub struct Arrival {
     pub prime: bool,
 }
 
+impl Arrival {
+    /// The `max_tokens` this arrival is sent with: 1 for a prime (a prefill), else the plan's
+    /// `output_tokens`. The drivers and the simulator both ask here, so they send the same.
+    pub fn max_tokens(&self, output_tokens: u32) -> u32 {
+        if self.prime { 1 } else { output_tokens }
+    }
+}
+
 /// When requests are sent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Schedule {
@@ -848,8 +856,16 @@ pub fn prime_period_s(spec: &WorkloadSpec, start: OpenStart) -> Result<f64, Work
     spec.validate()?;
     let layout = layout(spec)?;
     let zipf = Zipf::new(layout.private_tokens.len(), spec.zipf_s)?;
+    Ok(prime_period_with(spec, &layout, &zipf, start))
+}
+
+/// [`prime_period_s`] with the layout and Zipf law already drawn (`start` already validated).
+fn prime_period_with(spec: &WorkloadSpec, layout: &Layout, zipf: &Zipf, start: OpenStart) -> f64 {
+    let OpenStart::Primed { tokens_per_s } = start else {
+        return 0.0;
+    };
     let cursor = first_cursors(zipf.len(), spec.turns, Some(spec.seed));
-    Ok(primes(spec, &layout, &zipf, &cursor, f64::from(tokens_per_s)).1)
+    primes(spec, layout, zipf, &cursor, f64::from(tokens_per_s)).1
 }
 
 /// Poisson arrivals from `begin_s` to `duration_s`; each goes to a Zipf-drawn conversation's
@@ -961,7 +977,7 @@ pub fn steady_state_warmup_s(
     let layout = layout(spec)?;
     let zipf = Zipf::new(layout.private_tokens.len(), spec.zipf_s)?;
     let counted = steadily_cached(spec, &zipf);
-    let prime_s = prime_period_s(spec, start)?;
+    let prime_s = prime_period_with(spec, &layout, &zipf, start);
     let mut settle_s = base_s;
     let mut doublings = 0;
     loop {
