@@ -151,11 +151,13 @@ pub struct SweepArgs {
     /// (`cargo xtask crosscheck`). The fleet flags must be the live sweep's.
     #[arg(long, requires = "virtual_time")]
     pub live_calibration: Option<PathBuf>,
-    /// With `--virtual`: instead of the cells, search each policy's own capacity at every point
-    /// (the highest rate at which that policy alone meets the SLO, to 5%) for `--seeds` plan
-    /// seeds (`--seed`, `--seed`+1, …), and write `policy-capacity.{md,json}`
-    /// (`experiment::policy_capacity`).
-    #[arg(long, requires = "virtual_time")]
+    /// Instead of the cells, search each policy's own capacity at every point (the highest rate
+    /// at which that policy alone meets the SLO, to 5%) for `--seeds` plan seeds (`--seed`,
+    /// `--seed`+1, …), and write `policy-capacity.{md,json}` (`experiment::policy_capacity`).
+    /// With `--virtual`, in the simulator; without, live on the fleet, each search starting at
+    /// the simulator's prediction of it (also written: `predicted-capacity.{md,json}` and the
+    /// comparison `predicted-vs-live.json`).
+    #[arg(long)]
     pub policy_capacity: bool,
     /// Plan seeds of `--policy-capacity`.
     #[arg(long, default_value_t = 3, requires = "policy_capacity")]
@@ -195,9 +197,12 @@ impl SweepArgs {
     pub fn settings(&self) -> Result<SweepSettings> {
         // The closed loop or an absolute rate, asked for explicitly, keep the earlier sweeps'
         // arrivals; otherwise the sweep runs at `--load` fractions of the capacity.
+        // A trace replay's load is the trace's own arrivals (× its time scale): no capacity
+        // sizes it, so none is searched or required of the calibration.
         let explicit_arrival = self.users.is_some()
             || self.open_loop
-            || (self.name == SweepName::Load && !self.rates.is_empty());
+            || (self.name == SweepName::Load && !self.rates.is_empty())
+            || self.name == SweepName::Trace;
         Ok(SweepSettings {
             name: self.name,
             quick: self.quick,
@@ -281,6 +286,32 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
     std::fs::create_dir_all(&sweep_dir)?;
     if args.reps == 0 {
         bail!("--reps must be at least 1");
+    }
+    if args.policy_capacity {
+        if args.variants() != experiment::policy_capacity::Variants::default() {
+            bail!(
+                "--ttl-scale, --spill-abs and --spill-ratio vary the virtual searches (add --virtual); the live searches run each policy at its defaults"
+            );
+        }
+        let started = Instant::now();
+        let outcome = experiment::policy_capacity::run_live(
+            &settings,
+            bins,
+            &sweep_dir,
+            args.seeds,
+            &interrupt::requested,
+        )?;
+        println!("{}", analysis::capacity::markdown(&outcome.live));
+        println!(
+            "{}",
+            analysis::capacity::prediction_markdown(&outcome.checks)
+        );
+        eprintln!(
+            "xtask: each policy's own capacity, live, in {}: {}",
+            experiment::progress::fmt_duration(started.elapsed()),
+            sweep_dir.join("policy-capacity.md").display()
+        );
+        return Ok(sweep_dir);
     }
     let mut live = LiveSweep::start(&settings, bins, &sweep_dir, &interrupt::requested)?;
     let (cal, points) = (&live.calibration, &live.points);

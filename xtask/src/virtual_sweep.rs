@@ -36,6 +36,13 @@ pub fn sweep(args: &SweepArgs) -> Result<PathBuf> {
         std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    if args.policy_capacity && experiment::trace_sweep::settings_of(&settings)?.is_some() {
+        let report = experiment::trace_capacity::run_virtual(&settings, &dir, args.seeds, &|| {
+            interrupt::requested()
+        })?;
+        println!("{}", analysis::capacity::markdown(&report));
+        return Ok(dir);
+    }
     if args.policy_capacity {
         let report = experiment::policy_capacity::run_virtual(
             &settings,

@@ -148,6 +148,77 @@ fn tiny_sweep_then_report_then_resume() {
     interrupt_leaves_no_half_cell(&root, &calibration);
 }
 
+/// A live per-policy capacity search on the quick fleet: the simulator's prediction first, then
+/// the live search starting at it, recorded and reported beside it; a rerun reuses the records.
+#[test]
+#[ignore = "needs the release binaries: cargo build --release"]
+fn a_live_per_policy_search_starts_at_the_simulators_prediction_and_resumes() {
+    build_bins();
+    let scratch = temp_dir("xtask-live-policy-capacity");
+    let out = scratch.path().to_string_lossy().into_owned();
+    let calibration = scratch.path().join("calibration.json");
+    let calibration = calibration.to_string_lossy().into_owned();
+    // Either form of the point's name chooses it. The test machine is shared and noisy:
+    // evidence is recorded, not used to reject here.
+    let line = format!(
+        "sweep pressure-grid --quick --no-build --out {out} --calibration {calibration} \
+         --sweep-dir-name live-capacity --policy-capacity --seeds 1 --points ws1-s0-load1.0 \
+         --policies session-affinity --replicas 3 --users 8 --warmup-s 1 --measure-s 3 \
+         --lateness-share-of-itl-floor 10000"
+    );
+    let args: Vec<&str> = line.split_whitespace().collect();
+    let (ok, stdout, stderr) = xtask(&args);
+    assert!(ok, "live per-policy capacity failed:\n{stderr}");
+    let dir = scratch.path().join("live-capacity");
+    let search = dir.join("policy-capacity/ws1-s0/session-affinity/seed-7");
+    // The prediction, searched in the simulator under the same calibration.
+    let predicted = json(&search.join("predicted/capacity.json"));
+    let predicted_rps = predicted["capacity"]["rate_rps"].as_f64().unwrap();
+    // The live search, from the prediction, its steps' rows kept.
+    let live = json(&search.join("capacity.json"));
+    let curve = live["capacity"]["curve"].as_array().unwrap();
+    assert_eq!(curve[0]["rate_rps"].as_f64(), Some(predicted_rps));
+    assert!(
+        live["capacity"]["search"]["start_rule"]
+            .as_str()
+            .unwrap()
+            .contains("the simulator's prediction"),
+        "{live:#}"
+    );
+    assert_eq!(live["capacity"]["policies"][0], "session-affinity");
+    let first_step = curve[0]["dir"].as_str().unwrap();
+    let meta = json(&Path::new(first_step).join("meta.json"));
+    assert_ne!(meta["virtual_time"], true);
+    assert_eq!(meta["fleet"]["replicas"], 3);
+    assert!(
+        std::fs::read_to_string(Path::new(first_step).join("client.csv"))
+            .unwrap()
+            .lines()
+            .count()
+            > 5
+    );
+    // Both reports and the comparison, one check for the one search.
+    let report = json(&dir.join("policy-capacity.json"));
+    assert_eq!(report["points"][0]["point"], "ws1-s0");
+    assert!(report["basis"].as_str().unwrap().starts_with("live"));
+    let checks = json(&dir.join("predicted-vs-live.json"));
+    assert_eq!(checks.as_array().unwrap().len(), 1);
+    assert!(checks[0]["verdict"].is_string());
+    assert!(dir.join("predicted-capacity.md").exists());
+    let md = std::fs::read_to_string(dir.join("policy-capacity.md")).unwrap();
+    assert!(md.contains("## Live vs the simulator's prediction"), "{md}");
+    assert!(stdout.contains("Live vs the simulator's prediction"));
+    // A rerun reuses both records: no step runs again.
+    let before = std::fs::read(search.join("capacity.json")).unwrap();
+    let (ok, _, stderr) = xtask(&args);
+    assert!(ok, "rerun failed:\n{stderr}");
+    assert!(
+        !stderr.contains("capacity step"),
+        "a rerun measured again:\n{stderr}"
+    );
+    assert_eq!(before, std::fs::read(search.join("capacity.json")).unwrap());
+}
+
 /// Every file under `dir`, recursively.
 fn files(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();

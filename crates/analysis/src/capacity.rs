@@ -185,6 +185,29 @@ pub struct CapacityReport {
     pub rule: String,
     /// The points, in order.
     pub points: Vec<PointCapacities>,
+    /// The unit of every capacity: model req/s ([`REQ_PER_S`]), or for a trace a rate
+    /// multiplier of its own arrivals.
+    #[serde(default = "req_per_s", skip_serializing_if = "is_req_per_s")]
+    pub unit: String,
+}
+
+/// The unit of a workload's capacities: requests per second of model time.
+pub const REQ_PER_S: &str = "req/s";
+
+fn req_per_s() -> String {
+    REQ_PER_S.to_string()
+}
+
+fn is_req_per_s(unit: &str) -> bool {
+    unit == REQ_PER_S
+}
+
+impl CapacityReport {
+    /// The report with its capacities in `unit` instead of model req/s.
+    pub fn with_unit(mut self, unit: &str) -> CapacityReport {
+        self.unit = unit.to_string();
+        self
+    }
 }
 
 /// One point's searches: its name, and per policy its seeds' results.
@@ -256,6 +279,7 @@ pub fn report(
         basis: basis.to_string(),
         rule: CAPACITY_VERDICT_RULE.to_string(),
         points,
+        unit: req_per_s(),
     }
 }
 
@@ -271,7 +295,7 @@ pub fn markdown(r: &CapacityReport) -> String {
     out.push_str(&crate::markdown::rules_line(&r.rules));
     let _ = writeln!(
         out,
-        "{} Seeds: {}. Resolution: each seed's failing rate is within {:.0}% above its capacity, so no margin under {:.0}% is a verdict. Basis: {}.\n",
+        "{}. Seeds: {}. Resolution: each seed's failing rate is within {:.0}% above its capacity, so no margin under {:.0}% is a verdict. Basis: {}.\n",
         capitalise(&r.rule),
         r.seeds
             .iter()
@@ -285,8 +309,8 @@ pub fn markdown(r: &CapacityReport) -> String {
     let _ = writeln!(out, "## Summary\n");
     let _ = writeln!(
         out,
-        "| point | best | {} capacity req/s | best vs {} |\n|---|---|---|---|",
-        r.baseline, r.baseline
+        "| point | best | {} capacity {} | best vs {} |\n|---|---|---|---|",
+        r.baseline, r.unit, r.baseline
     );
     for p in &r.points {
         let base = p.policies.iter().find(|x| x.policy == r.baseline);
@@ -317,8 +341,8 @@ pub fn markdown(r: &CapacityReport) -> String {
         let _ = writeln!(out, "\n## `{}`\n", p.point);
         let _ = writeln!(
             out,
-            "| policy | capacity req/s median [min–max] | vs {} | per seed: capacity / failing |\n|---|---|---|---|",
-            r.baseline
+            "| policy | capacity {} median [min–max] | vs {} | per seed: capacity / failing |\n|---|---|---|---|",
+            r.unit, r.baseline
         );
         for pc in &p.policies {
             let margin = p.margins.iter().find(|m| m.policy == pc.policy);
@@ -375,6 +399,136 @@ fn capitalise(s: &str) -> String {
         Some(f) => f.to_uppercase().collect::<String>() + c.as_str(),
         None => String::new(),
     }
+}
+
+/// The rule by which a live search's capacity is judged against the simulator's prediction of
+/// the same search, as every prediction check states it.
+pub const PREDICTION_RULE: &str = "each live search started at the simulator's prediction of the same policy, point and plan seed under the same calibration; the prediction agrees when its bracket [capacity, failing rate] overlaps the live bracket (both are known only to their resolution), else the live capacity is above or below it; ratio = live capacity ÷ predicted capacity";
+
+/// How a live capacity compares with the simulator's prediction of it ([`PREDICTION_RULE`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PredictionVerdict {
+    /// The brackets overlap.
+    Agrees,
+    /// The live bracket lies wholly above the predicted one.
+    LiveAbove,
+    /// The live bracket lies wholly below the predicted one.
+    LiveBelow,
+    /// One side found no bracket.
+    NotBracketed,
+}
+
+impl PredictionVerdict {
+    /// The words the reports use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PredictionVerdict::Agrees => "agrees",
+            PredictionVerdict::LiveAbove => "live above",
+            PredictionVerdict::LiveBelow => "live below",
+            PredictionVerdict::NotBracketed => "not bracketed",
+        }
+    }
+}
+
+/// One search: the simulator's prediction beside the live result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PredictionCheck {
+    /// The point.
+    pub point: String,
+    /// The policy.
+    pub policy: String,
+    /// The simulator's search.
+    pub predicted: SeedCapacity,
+    /// The live search (same seed).
+    pub live: SeedCapacity,
+    /// Live capacity ÷ predicted capacity, when both are bracketed.
+    pub ratio: Option<f64>,
+    /// [`PREDICTION_RULE`]'s verdict.
+    pub verdict: PredictionVerdict,
+}
+
+/// Judges one live search against its prediction ([`PREDICTION_RULE`]).
+pub fn prediction_check(
+    point: &str,
+    policy: &str,
+    predicted: SeedCapacity,
+    live: SeedCapacity,
+) -> PredictionCheck {
+    let bracket = |s: &SeedCapacity| s.capacity_rps.zip(s.failing_rps);
+    let (verdict, ratio) = match (bracket(&predicted), bracket(&live)) {
+        (Some((p_lo, p_hi)), Some((l_lo, l_hi))) => {
+            let verdict = if l_lo >= p_hi {
+                PredictionVerdict::LiveAbove
+            } else if l_hi <= p_lo {
+                PredictionVerdict::LiveBelow
+            } else {
+                PredictionVerdict::Agrees
+            };
+            (verdict, (p_lo > 0.0).then(|| l_lo / p_lo))
+        }
+        _ => (PredictionVerdict::NotBracketed, None),
+    };
+    PredictionCheck {
+        point: point.to_string(),
+        policy: policy.to_string(),
+        predicted,
+        live,
+        ratio,
+        verdict,
+    }
+}
+
+/// The prediction checks as Markdown: one row per search, then how many agree.
+pub fn prediction_markdown(checks: &[PredictionCheck]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "## Live vs the simulator's prediction
+"
+    );
+    let _ = writeln!(
+        out,
+        "{}.
+",
+        capitalise(PREDICTION_RULE)
+    );
+    let _ = writeln!(
+        out,
+        "| point | policy | seed | predicted capacity / failing | live capacity / failing | live ÷ predicted | verdict |\n|---|---|---|---|---|---|---|"
+    );
+    let bracket = |s: &SeedCapacity| match &s.unbracketed {
+        Some(why) => why.clone(),
+        None => format!("{} / {}", rate(s.capacity_rps), rate(s.failing_rps)),
+    };
+    for c in checks {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            c.point,
+            c.policy,
+            c.live.seed,
+            bracket(&c.predicted),
+            bracket(&c.live),
+            c.ratio
+                .map_or_else(|| "—".to_string(), |r| format!("×{r:.3}")),
+            c.verdict.as_str()
+        );
+    }
+    let agree = checks
+        .iter()
+        .filter(|c| c.verdict == PredictionVerdict::Agrees)
+        .count();
+    let judged = checks
+        .iter()
+        .filter(|c| c.verdict != PredictionVerdict::NotBracketed)
+        .count();
+    let _ = writeln!(
+        out,
+        "\n{agree} of {judged} bracketed searches agree with their prediction ({} searches in all).",
+        checks.len()
+    );
+    out
 }
 
 #[cfg(test)]
@@ -478,5 +632,51 @@ mod tests {
         let md = markdown(&r);
         assert!(md.contains("| ws1-s0 | prefix-affinity | 10.200 [10.000–10.400] | ×1.196 (+19.6%) separates (resolution 5%) |"), "{md}");
         assert!(md.contains("seed 8: 12.400 / 13.000"), "{md}");
+    }
+
+    fn bracket(capacity: f64, failing: f64) -> SeedCapacity {
+        SeedCapacity {
+            seed: 7,
+            capacity_rps: Some(capacity),
+            failing_rps: Some(failing),
+            steps: 4,
+            unbracketed: None,
+        }
+    }
+
+    #[test]
+    fn a_prediction_agrees_when_the_brackets_overlap_and_is_judged_by_side_otherwise() {
+        let check = |p: SeedCapacity, l: SeedCapacity| prediction_check("ws1-s0", "a", p, l);
+        let c = check(bracket(10.0, 10.5), bracket(10.3, 10.8));
+        assert_eq!(c.verdict, PredictionVerdict::Agrees);
+        assert!((c.ratio.unwrap() - 1.03).abs() < 1e-12);
+        assert_eq!(
+            check(bracket(10.0, 10.5), bracket(10.5, 11.0)).verdict,
+            PredictionVerdict::LiveAbove
+        );
+        assert_eq!(
+            check(bracket(10.0, 10.5), bracket(9.0, 9.5)).verdict,
+            PredictionVerdict::LiveBelow
+        );
+        let none = SeedCapacity {
+            capacity_rps: None,
+            unbracketed: Some("fails at every rate tried".into()),
+            ..bracket(0.0, 1.0)
+        };
+        let c = check(bracket(10.0, 10.5), none);
+        assert_eq!(
+            (c.verdict, c.ratio),
+            (PredictionVerdict::NotBracketed, None)
+        );
+        let text = prediction_markdown(&[c, check(bracket(10.0, 10.5), bracket(10.3, 10.8))]);
+        assert!(
+            text.contains(
+                "| ws1-s0 | a | 7 | 10.000 / 10.500 | 10.300 / 10.800 | ×1.030 | agrees |"
+            )
+        );
+        assert!(text.contains("fails at every rate tried"));
+        assert!(text.contains(
+            "1 of 1 bracketed searches agree with their prediction (2 searches in all)."
+        ));
     }
 }

@@ -847,7 +847,7 @@ pub fn reference_spec(seed: u64, capacity_tokens: u64) -> WorkloadSpec {
 
 /// The step's point name: `ws1-s0-rate<r>`, `-long<k>` for its k-th re-run.
 pub fn step_point(rate_rps: f64, lengthening: u32) -> String {
-    step_point_of("ws1-s0", rate_rps, lengthening)
+    step_point_of(REFERENCE_POINT, rate_rps, lengthening)
 }
 
 /// The step's point name for a search at grid point `base`: `<base>-rate<r>[-long<k>]`.
@@ -872,10 +872,11 @@ pub fn step_timeout_s(slo: &schema::Slo, output_tokens: u32) -> f64 {
     (4.0 * (slo.ttft_ms + f64::from(output_tokens) * slo.itl_ms) / 1e3).max(10.0)
 }
 
-/// The live capacity search: on the replicas the calibration uses, each step one open-loop cell
-/// of the reference point's workload through the router (`<work>/capacity/<step>/<policy>/rep-1/`,
-/// a repetition directory like a sweep's), judged by [`step_from_rep`]; then [`search`].
-/// Prints one line per step on stderr.
+/// The live capacity search of the calibration: on the replicas the calibration uses, each step
+/// one open-loop cell of the reference point's workload through the router
+/// (`<work>/capacity/<step>/<policy>/rep-1/`, a repetition directory like a sweep's), judged by
+/// [`step_from_rep`]; then [`search`] ([`search_live`] on the reference workload from
+/// [`start_estimate`]). Prints one line per step on stderr.
 pub fn find_live(
     s: &CalibrateSettings,
     c: &CapacitySettings,
@@ -884,20 +885,17 @@ pub fn find_live(
     work: &Path,
     should_stop: &dyn Fn() -> bool,
 ) -> Result<Capacity> {
-    let started = Instant::now();
     // Unknown names are refused before anything runs.
     grid::policies(&c.policies, false)?;
     s.fleet.check_policies(&c.policies)?;
     let speed = s.fleet.effective_speed();
-    let routing = cal.routing()?;
-    let cell_bounds = bounds(cal, s.fleet.kind, speed, c.lateness_share_of_itl_floor);
     let spec = reference_spec(s.seed, cal.capacity_tokens);
     let (estimate, estimate_rule) = start_estimate(cal, speed, spec.output_tokens)?;
     let (start_rps, start_rule) = match c.start_rps {
         Some(r) => (r, "given (--capacity-start-rps)".to_string()),
         None => (estimate, estimate_rule),
     };
-    let cfg = SearchConfig {
+    let search = SearchConfig {
         start_rps,
         start_rule,
         step_factor: c.step_factor,
@@ -907,56 +905,147 @@ pub fn find_live(
         policies: c.policies.clone(),
         open_start: cal.open_start(),
     };
-    let kv_events = c.policies.iter().any(|p| grid::needs_kv_events(p));
-    let source = s
-        .fleet
-        .source(&bins.engine, kv_events, Some(&cal.used_replicas))?;
-    let sweep_dir = work.join("capacity");
-    // A calibration measures afresh: the steps of a calibration being replaced are not evidence.
+    search_live(
+        &LiveSearch {
+            fleet: &s.fleet,
+            bins,
+            cal,
+            spec: &spec,
+            search,
+            warmup_s: c.warmup_s,
+            measure_s: c.measure_s,
+            min_window_requests: 0,
+            lateness_share_of_itl_floor: c.lateness_share_of_itl_floor,
+            seed: s.seed,
+            point: REFERENCE_POINT,
+            sweep: "calibration-capacity",
+            git_rev: s.git_rev.clone(),
+            versions: s.versions.clone(),
+            work,
+        },
+        should_stop,
+    )
+}
+
+/// The reference point's name, the prefix of the calibration's capacity steps.
+pub const REFERENCE_POINT: &str = "ws1-s0";
+
+/// One live capacity search: a workload searched on a fleet, judged by a calibration (its SLO,
+/// routing values, evidence bounds and the primes' pace). The calibration's own search
+/// ([`find_live`]) and each policy's own live search (`crate::policy_capacity::run_live`) are
+/// this.
+#[derive(Debug, Clone)]
+pub struct LiveSearch<'a> {
+    /// The fleet; its replicas in use are the calibration's.
+    pub fleet: &'a crate::fleet_spec::FleetSpec,
+    /// The release binaries.
+    pub bins: &'a Bins,
+    /// The calibration every step is judged by.
+    pub cal: &'a Calibration,
+    /// The workload searched.
+    pub spec: &'a WorkloadSpec,
+    /// The search: start, steps, resolution, the policies whose best decides, the open start.
+    pub search: SearchConfig,
+    /// Base warm-up of a step, wall s, after the primes (doubled per re-run).
+    pub warmup_s: f64,
+    /// Base measured window of a step, wall s.
+    pub measure_s: f64,
+    /// Each step's window is sized for at least this many requests (and the drift check's
+    /// minimum), × [`WINDOW_REQUEST_MARGIN`] through [`window_for_requests`].
+    pub min_window_requests: usize,
+    /// The engine-lateness bound as a share of the ITL floor (the cells' rule).
+    pub lateness_share_of_itl_floor: f64,
+    /// The router's seed.
+    pub seed: u64,
+    /// The steps are named `<point>-rate<r>[-long<k>]`.
+    pub point: &'a str,
+    /// The `sweep` each step's `meta.json` names.
+    pub sweep: &'a str,
+    /// Git revision recorded in each step's `meta.json`.
+    pub git_rev: Option<String>,
+    /// Tool versions recorded beside it.
+    pub versions: serde_json::Value,
+    /// The steps go to `<work>/capacity/` (cleared first: a search measures afresh), the fleet's
+    /// logs to `<work>/logs/`.
+    pub work: &'a Path,
+}
+
+/// Runs [`LiveSearch`]: each step primes the caches, warms up ([`steady_step_warmup_s`], the
+/// virtual search's rule) and measures one open-loop cell through the router on a fleet started
+/// afresh, judged by [`step_from_rep`] with the evidence gate; then [`search`]. Prints one line
+/// per step on stderr.
+pub fn search_live(run: &LiveSearch<'_>, should_stop: &dyn Fn() -> bool) -> Result<Capacity> {
+    let started = Instant::now();
+    let LiveSearch {
+        fleet: fleet_spec,
+        bins,
+        cal,
+        spec,
+        search: cfg,
+        ..
+    } = run;
+    grid::policies(&cfg.policies, false)?;
+    fleet_spec.check_policies(&cfg.policies)?;
+    let speed = fleet_spec.effective_speed();
+    let routing = cal.routing()?;
+    let cell_bounds = bounds(cal, fleet_spec.kind, speed, run.lateness_share_of_itl_floor);
+    let kv_events = cfg.policies.iter().any(|p| grid::needs_kv_events(p));
+    let source = fleet_spec.source(&bins.engine, kv_events, Some(&cal.used_replicas))?;
+    let sweep_dir = run.work.join("capacity");
+    // A search measures afresh: the steps of a search being replaced are not evidence.
     cell::clear(&sweep_dir)?;
-    let mut fleet = Fleet::new(source, s.fleet.options(&work.join("logs")))?;
+    let mut fleet = Fleet::new(source, fleet_spec.options(&run.work.join("logs")))?;
     eprintln!(
-        "calibrate: capacity search over [{}] from {start_rps} req/s (model time; {}), steps ×{}, resolution {:.0}%",
+        "capacity search of {} over [{}] from {} req/s (model time; {}), steps ×{}, resolution {:.0}%",
+        run.point,
         cfg.policies.join(", "),
+        cfg.start_rps,
         cfg.start_rule,
         cfg.step_factor,
         cfg.resolution * 100.0
     );
-    let min_requests = analysis::DriftConfig::default().min_requests;
+    let min_requests = analysis::DriftConfig::default()
+        .min_requests
+        .max(run.min_window_requests);
     let timeout_s = step_timeout_s(&cal.slo, spec.output_tokens);
-    // Every step primes the caches first (the same primes at every rate: they depend on the
-    // workload and the pace, not on the rate), then warms up as before.
-    let prime_s = workload::prime_period_s(&spec, cfg.open_start)
-        .map_err(|e| anyhow!("the primes of the reference workload: {e}"))?;
     let mut workload_name = String::new();
     let mut steps = 0u32;
     let mut measure = |step: &StepRequest| -> Result<StepMeasurement> {
         if should_stop() {
             bail!("interrupted");
         }
-        let warmup_s = prime_s + step_warmup_s(c.warmup_s, step.lengthening);
         let wall_rate = step.rate_rps * speed;
-        let measure_s = c
+        let measure_s = run
             .measure_s
             .max(window_for_requests(wall_rate, min_requests));
+        // The primes (the same at every rate: they depend on the workload and the pace), then
+        // the base warm-up doubled per re-run, and as long as the window still holds cold
+        // resumes.
+        let warmup_s = steady_step_warmup_s(
+            spec,
+            wall_rate,
+            cfg.open_start,
+            step_warmup_s(run.warmup_s, step.lengthening),
+            measure_s,
+        )?;
         let run_s = warmup_s + measure_s;
-        let point = step_point(step.rate_rps, step.lengthening);
+        let point = step_point_of(run.point, step.rate_rps, step.lengthening);
         let arrival = ArrivalSpec::Open {
             rate_rps: wall_rate,
             duration_s: run_s,
             start: cfg.open_start,
         };
-        let plan = ensure_plan(&sweep_dir.join(&point), &spec, &arrival)?;
+        let plan = ensure_plan(&sweep_dir.join(&point), spec, &arrival)?;
         workload_name = plan.workload_name.clone();
         let dir = cell::rep_dir(&sweep_dir, &point, &step.policy, 1);
         // The calibration's routing, as every sweep cell gets it.
-        let router = routing.router_settings(&step.policy, &s.fleet.model, s.seed);
+        let router = routing.router_settings(&step.policy, &fleet_spec.model, run.seed);
         let driver = DriverSettings {
             mode: "open",
             warmup_s,
             duration_s: Some(run_s),
             timeout_s,
-            model: s.fleet.model.clone(),
+            model: fleet_spec.model.clone(),
             // A turn still queued past the TTFT bound after the step's end has missed already.
             abandon_after_ms: Some(cal.slo.ttft_ms),
             // Through the router or HAProxy, which keep connections alive.
@@ -978,12 +1067,12 @@ pub fn find_live(
                     evidence: EvidenceConfig {
                         lateness_urls: vec![],
                         fleet_process_groups: vec![],
-                        check_foreign: !matches!(s.fleet.kind, FleetKind::Static),
+                        check_foreign: !matches!(fleet_spec.kind, FleetKind::Static),
                         gpu: true,
                         interval: Duration::from_secs(1),
                         fleet_gpus: Default::default(),
                     },
-                    sample_lateness: matches!(s.fleet.kind, FleetKind::Emulated),
+                    sample_lateness: matches!(fleet_spec.kind, FleetKind::Emulated),
                     ingress: fleet::Ingress::Router,
                     haproxy: fleet::ingress::HaproxySettings::default(),
                     limit: Duration::from_secs_f64(run_s * 3.0 + 90.0),
@@ -997,7 +1086,7 @@ pub fn find_live(
             Err(e) if should_stop() => return Err(e.context("interrupted")),
             Err(e) => {
                 eprintln!(
-                    "calibrate: capacity step {point} {}: {e:#}; retrying once",
+                    "capacity step {point} {}: {e:#}; retrying once",
                     step.policy
                 );
                 attempt(&mut fleet)?
@@ -1016,18 +1105,18 @@ pub fn find_live(
         .err();
         drop(client);
         let meta = Meta {
-            sweep: "calibration-capacity".into(),
+            sweep: run.sweep.into(),
             point: point.clone(),
             policy: step.policy.clone(),
             rep: 1,
             workload_name: plan.workload_name.clone(),
             workload_fingerprint: plan.workload_fingerprint.clone(),
             plan_fingerprint: plan.plan_fingerprint.clone(),
-            fleet: serde_json::json!({"source": s.fleet.key().source, "engine": s.fleet.engine(), "engine_flags": s.fleet.engine_flags(), "replicas": cal.used_replicas.len(), "speed": speed, "capacity_tokens": cal.capacity_tokens}),
+            fleet: serde_json::json!({"source": fleet_spec.key().source, "engine": fleet_spec.engine(), "engine_flags": fleet_spec.engine_flags(), "replicas": cal.used_replicas.len(), "speed": speed, "capacity_tokens": cal.capacity_tokens}),
             slo: cal.slo,
             window: result.window,
-            git_rev: s.git_rev.clone(),
-            versions: s.versions.clone(),
+            git_rev: run.git_rev.clone(),
+            versions: run.versions.clone(),
             virtual_time: false,
             complete: true,
             accepted: true,
@@ -1066,7 +1155,7 @@ pub fn find_live(
         );
         Ok(m)
     };
-    let result = search(&cfg, &mut measure);
+    let result = search(cfg, &mut measure);
     fleet.stop();
     let mut cap = result?;
     cap.workload = workload_name;

@@ -28,7 +28,9 @@
 //! - [`virtual_sweep`]: the virtual sweep's fleet, calibration, preparation and cell.
 //! - [`trace_sweep`]: the trace sweep's settings, point, `trace-plan.json` and engine limits.
 //! - [`policy_capacity`]: each policy's own capacity at every point over several plan seeds,
-//!   in virtual time, judged by `analysis::capacity`.
+//!   in virtual time or live from the simulator's predictions, judged by `analysis::capacity`.
+//! - [`trace_capacity`]: each policy's own capacity on a trace — the fastest replay of it that
+//!   meets the SLO — over several slices, in virtual time.
 //! - [`publish`]: a finished sweep or fault run → `docs/measurements/<name>/`.
 //! - [`rebuild`]: the rebuild check — every published report, summary, timeline, cross-check and
 //!   figure rebuilt from its rows with today's code and compared byte for byte.
@@ -53,6 +55,7 @@ pub mod publish;
 pub mod rebuild;
 pub mod results_sources;
 pub mod sweep;
+pub mod trace_capacity;
 pub mod trace_sweep;
 pub mod virtual_sweep;
 

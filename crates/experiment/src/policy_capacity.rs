@@ -245,6 +245,8 @@ struct Job {
     seed: u64,
     spec: workload::WorkloadSpec,
     start_rps: f64,
+    /// Why the search starts there.
+    start_rule: String,
     work: PathBuf,
 }
 
@@ -299,6 +301,9 @@ pub fn run_virtual(
                     seed,
                     spec: with_seed.spec_for(p, cal),
                     start_rps,
+                    start_rule: format!(
+                        "the point's own capacity ({start_rps} req/s, the best of the calibration's policies)"
+                    ),
                     work: dir
                         .join("policy-capacity")
                         .join(&name)
@@ -319,45 +324,33 @@ pub fn run_virtual(
         cal.slo.itl_ms
     );
     let started = std::time::Instant::now();
-    let next = AtomicUsize::new(0);
     let done = AtomicUsize::new(0);
-    let found: Mutex<Vec<(usize, SeedCapacity)>> = Mutex::new(Vec::new());
-    let failures: Mutex<Vec<String>> = Mutex::new(Vec::new());
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    std::thread::scope(|scope| {
-        for _ in 0..threads.min(total.max(1)) {
-            scope.spawn(|| {
-                loop {
-                    if should_stop() {
-                        return;
-                    }
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(job) = jobs.get(i) else { return };
-                    match search_one(s, &base, cal, job) {
-                        Ok(c) => found.lock().unwrap_or_else(|p| p.into_inner()).push((i, c)),
-                        Err(e) => failures
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .push(format!(
-                                "{} {} seed {}: {e:#}",
-                                job.point, job.variant.label, job.seed
-                            )),
-                    }
-                    let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-                    if n.is_multiple_of(10) || n == total {
-                        eprintln!(
-                            "policy capacity: {n}/{total} searches, {:.0} s",
-                            started.elapsed().as_secs_f64()
-                        );
-                    }
-                }
-            });
+    let results = on_all_cores(&jobs, should_stop, |job| {
+        let r = search_one(s, &base, cal, job);
+        let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_multiple_of(10) || n == total {
+            eprintln!(
+                "policy capacity: {n}/{total} searches, {:.0} s",
+                started.elapsed().as_secs_f64()
+            );
         }
+        r
     });
     if should_stop() {
         bail!("interrupted; finished searches are kept, rerun the same command to resume");
     }
-    let failures = failures.into_inner().unwrap_or_else(|p| p.into_inner());
+    let mut found = Vec::new();
+    let mut failures = Vec::new();
+    for (i, r) in results {
+        let job = &jobs[i];
+        match r {
+            Ok(c) => found.push((i, c)),
+            Err(e) => failures.push(format!(
+                "{} {} seed {}: {e:#}",
+                job.point, job.variant.label, job.seed
+            )),
+        }
+    }
     if !failures.is_empty() {
         bail!(
             "{} of {total} per-policy capacity searches failed:\n  {}",
@@ -365,8 +358,6 @@ pub fn run_virtual(
             failures.join("\n  ")
         );
     }
-    let mut found = found.into_inner().unwrap_or_else(|p| p.into_inner());
-    found.sort_by_key(|(i, _)| *i);
     let mut points: Vec<analysis::capacity::PointSearches> = point_names
         .iter()
         .map(|p| {
@@ -400,14 +391,7 @@ pub fn run_virtual(
         basis.push_str(&Variants::describe(&searched, &cal.routing()?));
     }
     let report = analysis::capacity::report(&sweep, &basis, &baseline, RESOLUTION, &seeds, points);
-    cell::write_atomic(
-        &dir.join("policy-capacity.json"),
-        serde_json::to_string_pretty(&report)?.as_bytes(),
-    )?;
-    cell::write_atomic(
-        &dir.join("policy-capacity.md"),
-        analysis::capacity::markdown(&report).as_bytes(),
-    )?;
+    write_report(dir, &report)?;
     eprintln!(
         "policy capacity: {total} searches in {:.0} s; report in {}",
         started.elapsed().as_secs_f64(),
@@ -416,15 +400,359 @@ pub fn run_virtual(
     Ok(report)
 }
 
-/// One search, or its record from an earlier run of the same workload under the same SLO.
-/// A search that finds no bracket (the policy fails at every rate tried, or meets the SLO at
-/// every one) is a result, recorded with the search's own reason; only an error of the machinery
-/// (a plan, a file) is an error.
-fn search_one(
+/// The coarse step of a live search that starts at the simulator's prediction: twice the
+/// resolution. From a start near the answer the search brackets in one or two coarse steps and
+/// then bisects once or twice; a start far off costs more coarse steps (at most
+/// `CapacitySettings::max_coarse_steps`, ×1.1⁶ ≈ 1.77 either way), never a wrong bracket. A
+/// live step costs a minute or more, a simulated one a second.
+pub const LIVE_STEP_FACTOR: f64 = 1.0 + 2.0 * RESOLUTION;
+
+/// What [`run_live`] found: the live report, the simulator's report of the same searches, and
+/// each live search beside its prediction.
+#[derive(Debug, Clone)]
+pub struct LiveOutcome {
+    /// Each policy's live capacity (`<dir>/policy-capacity.{md,json}`).
+    pub live: CapacityReport,
+    /// The simulator's predictions (`<dir>/predicted-capacity.{md,json}`).
+    pub predicted: CapacityReport,
+    /// Each live search against its prediction (`<dir>/predicted-vs-live.json`, and a section of
+    /// `policy-capacity.md`).
+    pub checks: Vec<analysis::capacity::PredictionCheck>,
+}
+
+/// Each chosen policy's own capacity at each chosen point, **live** on the sweep's fleet, over
+/// `seed_count` plan seeds (issue #35): for each search, first the simulator's prediction (the
+/// same search in virtual time under the same calibration, recorded as
+/// `policy-capacity/<point>/<policy>/seed-<k>/predicted/capacity.json`), then the live search
+/// starting there with [`LIVE_STEP_FACTOR`] steps to [`RESOLUTION`], on a fleet started afresh
+/// for every step, recorded as `…/seed-<k>/capacity.json` with its steps' rows kept in
+/// `…/seed-<k>/capacity/`. Searches run one at a time (a live step is the whole machine's
+/// work), seed by seed, point by point, so an interrupted run holds whole comparisons; the
+/// report is rewritten after each search, and a rerun resumes from the records.
+///
+/// The calibration is the sweep's (`<dir>/calibration.json`, else `--calibration` when it is for
+/// this fleet, else a fresh one without the capacity search): its SLO, routing values and floors
+/// judge every step. Its reference capacity, when it has one, is only the predictions' first
+/// rate, never a value.
+pub fn run_live(
     s: &SweepSettings,
-    base: &sim::SimConfig,
-    cal: &crate::calibration::Calibration,
+    bins: &crate::bins::Bins,
+    dir: &Path,
+    seed_count: u32,
+    should_stop: &(dyn Fn() -> bool + Sync),
+) -> Result<LiveOutcome> {
+    if seed_count == 0 {
+        bail!("--seeds must be at least 1");
+    }
+    virtual_sweep::check(s).context("the live per-policy searches start from the simulator's predictions, so the fleet must be one it models")?;
+    // Closed-loop point names (`ws1-s0`): a search needs the workload, not a rate.
+    let closed = SweepSettings {
+        load_fractions: None,
+        points: s
+            .points
+            .iter()
+            .map(|p| p.split("-load").next().unwrap_or(p).to_string())
+            .collect(),
+        ..s.clone()
+    };
+    let chosen = crate::grid::policies(&s.policies, s.quick)?;
+    s.fleet.check_policies(&chosen)?;
+    let cal = closed.calibration_for(bins, dir, should_stop)?;
+    cal.routing()?;
+    cal.write(&dir.join("calibration.json"))?;
+    let points = closed.sweep_points(&cal)?;
+    let base = virtual_sweep::EmulatedFleet::of(&s.fleet)?.base_config(&cal.used_replicas)?;
+    let seeds = seeds(s, seed_count);
+    let speed = s.fleet.effective_speed();
+    let searched = Variants::default().expand(&chosen);
+    let mut jobs = Vec::new();
+    for &seed in &seeds {
+        for p in &points {
+            let with_seed = SweepSettings {
+                seed,
+                ..closed.clone()
+            };
+            let spec = with_seed.spec_for(p, &cal);
+            let (start_rps, start_rule) = match &cal.capacity {
+                Some(c) => (
+                    c.rate_rps,
+                    format!(
+                        "the calibration's reference capacity ({} req/s; a start only)",
+                        c.rate_rps
+                    ),
+                ),
+                None => crate::capacity::start_estimate(&cal, speed, spec.output_tokens)?,
+            };
+            for variant in &searched {
+                jobs.push(Job {
+                    point: p.name.clone(),
+                    variant: variant.clone(),
+                    seed,
+                    spec,
+                    start_rps,
+                    start_rule: start_rule.clone(),
+                    work: dir
+                        .join("policy-capacity")
+                        .join(&p.name)
+                        .join(&variant.slug)
+                        .join(format!("seed-{seed}")),
+                });
+            }
+        }
+    }
+    let total = jobs.len();
+    eprintln!(
+        "policy capacity (live): {} points × {} policies × {} seeds = {total} searches to {:.0}%, each from the simulator's prediction (SLO TTFT < {:.1} ms, ITL p50 < {:.2} ms)",
+        points.len(),
+        searched.len(),
+        seeds.len(),
+        RESOLUTION * 100.0,
+        cal.slo.ttft_ms,
+        cal.slo.itl_ms
+    );
+    // The predictions first, on all cores: seconds each, and every live search needs its own.
+    let started = std::time::Instant::now();
+    let predicted_jobs: Vec<Job> = jobs
+        .iter()
+        .map(|j| Job {
+            work: j.work.join("predicted"),
+            ..j.clone()
+        })
+        .collect();
+    let predictions: Vec<Result<SeedCapacity>> =
+        on_all_cores(&predicted_jobs, should_stop, |job| {
+            search_one(s, &base, &cal, job)
+        })
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect();
+    if should_stop() {
+        bail!("interrupted; finished searches are kept, rerun the same command to resume");
+    }
+    let predictions: Vec<SeedCapacity> = predictions
+        .into_iter()
+        .zip(&jobs)
+        .map(|(r, j)| {
+            r.with_context(|| {
+                format!(
+                    "the simulator's prediction for {} {} seed {}",
+                    j.point, j.variant.label, j.seed
+                )
+            })
+        })
+        .collect::<Result<_>>()?;
+    eprintln!(
+        "policy capacity (live): {total} predictions in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    let sweep = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let point_names: Vec<String> = points.iter().map(|p| p.name.clone()).collect();
+    let mut live: Vec<Option<SeedCapacity>> = vec![None; total];
+    let write = |live: &[Option<SeedCapacity>]| -> Result<LiveOutcome> {
+        let searches =
+            |of: &dyn Fn(usize) -> Option<SeedCapacity>| -> Vec<analysis::capacity::PointSearches> {
+                point_names
+                    .iter()
+                    .map(|p| {
+                        let by_policy = searched
+                            .iter()
+                            .map(|v| {
+                                let found = jobs
+                                    .iter()
+                                    .enumerate()
+                                    .filter(|(_, j)| j.point == *p && j.variant.label == v.label)
+                                    .filter_map(|(i, _)| of(i))
+                                    .collect();
+                                (v.label.clone(), found)
+                            })
+                            .collect();
+                        (p.clone(), by_policy)
+                    })
+                    .collect()
+            };
+        let ran = live.iter().filter(|l| l.is_some()).count();
+        let live_basis = format!(
+            "live: the {} fleet ({} replicas, speed {speed}) through the router, each step an open-loop cell primed and warmed up as the virtual searches' steps, on a fleet started afresh, with the evidence gate (engine lateness within {} × the ITL floor); each search started at the simulator's prediction of it and stepped ×{LIVE_STEP_FACTOR:.2}; {ran} of {total} searches run",
+            s.fleet.key().source,
+            cal.used_replicas.len(),
+            s.lateness_share_of_itl_floor,
+        );
+        let live_report = analysis::capacity::report(
+            &sweep,
+            &live_basis,
+            BASELINE,
+            RESOLUTION,
+            &seeds,
+            searches(&|i| live[i].clone()),
+        );
+        let predicted_report = analysis::capacity::report(
+            &sweep,
+            &format!(
+                "virtual time (the simulator, the same fleet's engine core, no step-time jitter), judged by the live calibration, each search from {}; the predictions the live searches started at",
+                match &cal.capacity {
+                    Some(c) => format!(
+                        "the calibration's reference capacity {} req/s (a start only)",
+                        c.rate_rps
+                    ),
+                    None => "the reference run's throughput".to_string(),
+                }
+            ),
+            BASELINE,
+            RESOLUTION,
+            &seeds,
+            searches(&|i| Some(predictions[i].clone())),
+        );
+        let checks: Vec<_> = jobs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, j)| {
+                live[i].clone().map(|l| {
+                    analysis::capacity::prediction_check(
+                        &j.point,
+                        &j.variant.label,
+                        predictions[i].clone(),
+                        l,
+                    )
+                })
+            })
+            .collect();
+        let mut md = analysis::capacity::markdown(&live_report);
+        md.push('\n');
+        md.push_str(&analysis::capacity::prediction_markdown(&checks));
+        cell::write_atomic(
+            &dir.join("policy-capacity.json"),
+            serde_json::to_string_pretty(&live_report)?.as_bytes(),
+        )?;
+        cell::write_atomic(&dir.join("policy-capacity.md"), md.as_bytes())?;
+        cell::write_atomic(
+            &dir.join("predicted-capacity.json"),
+            serde_json::to_string_pretty(&predicted_report)?.as_bytes(),
+        )?;
+        cell::write_atomic(
+            &dir.join("predicted-capacity.md"),
+            analysis::capacity::markdown(&predicted_report).as_bytes(),
+        )?;
+        cell::write_atomic(
+            &dir.join("predicted-vs-live.json"),
+            serde_json::to_string_pretty(&checks)?.as_bytes(),
+        )?;
+        Ok(LiveOutcome {
+            live: live_report,
+            predicted: predicted_report,
+            checks,
+        })
+    };
+    let mut outcome = write(&live)?;
+    for (i, job) in jobs.iter().enumerate() {
+        if should_stop() {
+            bail!("interrupted; finished searches are kept, rerun the same command to resume");
+        }
+        let predicted = &predictions[i];
+        let (start_rps, start_rule) = match predicted.capacity_rps {
+            Some(r) => (
+                r,
+                format!(
+                    "the simulator's prediction of this search ({r} req/s met, {} did not)",
+                    rate_text(predicted.failing_rps)
+                ),
+            ),
+            None => (
+                job.start_rps,
+                format!(
+                    "the simulator found no bracket ({}); from the predictions' own start",
+                    predicted
+                        .unbracketed
+                        .as_deref()
+                        .unwrap_or("no reason recorded")
+                ),
+            ),
+        };
+        let defaults = crate::capacity::CapacitySettings::defaults(s.quick);
+        let search = crate::capacity::SearchConfig {
+            start_rps,
+            start_rule,
+            step_factor: LIVE_STEP_FACTOR,
+            resolution: RESOLUTION,
+            max_coarse_steps: defaults.max_coarse_steps,
+            max_lengthenings: defaults.max_lengthenings,
+            policies: vec![job.variant.policy.clone()],
+            open_start: cal.open_start(),
+        };
+        let t0 = std::time::Instant::now();
+        let found = record_search(
+            job,
+            &cal,
+            |work| {
+                crate::capacity::search_live(
+                    &crate::capacity::LiveSearch {
+                        fleet: &s.fleet,
+                        bins,
+                        cal: &cal,
+                        spec: &job.spec,
+                        search: search.clone(),
+                        warmup_s: s.warmup_s,
+                        measure_s: s.measure_s,
+                        min_window_requests: MIN_WINDOW_REQUESTS,
+                        lateness_share_of_itl_floor: s.lateness_share_of_itl_floor,
+                        seed: s.seed,
+                        point: &job.point,
+                        sweep: &sweep,
+                        git_rev: s.git_rev.clone(),
+                        versions: s.versions.clone(),
+                        work,
+                    },
+                    should_stop,
+                )
+            },
+            false,
+        )?;
+        live[i] = Some(found);
+        outcome = write(&live)?;
+        eprintln!(
+            "policy capacity (live): {}/{total} {} {} seed {}: {} (predicted {}) in {:.0} s",
+            i + 1,
+            job.point,
+            job.variant.label,
+            job.seed,
+            live[i]
+                .as_ref()
+                .map_or_else(String::new, |c| match &c.unbracketed {
+                    Some(why) => why.clone(),
+                    None => format!(
+                        "{} / {} req/s",
+                        rate_text(c.capacity_rps),
+                        rate_text(c.failing_rps)
+                    ),
+                }),
+            rate_text(predicted.capacity_rps),
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    eprintln!(
+        "policy capacity (live): {total} searches in {:.0} s; report in {}",
+        started.elapsed().as_secs_f64(),
+        dir.join("policy-capacity.md").display()
+    );
+    Ok(outcome)
+}
+
+fn rate_text(r: Option<f64>) -> String {
+    r.map_or_else(|| "—".to_string(), |r| format!("{r:.3}"))
+}
+
+/// Runs `search` for `job` unless its record (`capacity.json`, or `unbracketed.json` for a
+/// search that found no bracket) is reusable, and records what it found. A search that finds no
+/// bracket (the policy fails at every rate tried, or meets the SLO at every one) is a result,
+/// recorded with the search's own reason; only an error of the machinery is an error. With
+/// `delete_steps`, the steps' rows are deleted once the search is recorded.
+fn record_search(
     job: &Job,
+    cal: &crate::calibration::Calibration,
+    search: impl FnOnce(&Path) -> Result<crate::capacity::Capacity>,
+    delete_steps: bool,
 ) -> Result<SeedCapacity> {
     let record = job.work.join("capacity.json");
     let unbracketed = job.work.join("unbracketed.json");
@@ -439,31 +767,14 @@ fn search_one(
     {
         return Ok(c.1);
     }
-    let result = virtual_sweep::find_capacity_of(
-        s,
-        base,
-        cal,
-        &job.work,
-        SearchTarget {
-            spec: &job.spec,
-            point: &job.point,
-            start: (
-                job.start_rps,
-                format!(
-                    "the point's own capacity ({} req/s, the best of the calibration's policies)",
-                    job.start_rps
-                ),
-            ),
-            resolution: Some(RESOLUTION),
-            policies: Some(vec![job.variant.policy.clone()]),
-            min_window_requests: Some(MIN_WINDOW_REQUESTS),
-            tuning: Some(job.variant.tuning),
-        },
-    );
-    // The steps' rows are evidence only while the search runs; its record keeps every step.
-    let steps = job.work.join("capacity");
-    if steps.exists() {
-        std::fs::remove_dir_all(&steps).with_context(|| format!("removing {}", steps.display()))?;
+    let result = search(&job.work);
+    if delete_steps {
+        // The steps' rows are evidence only while the search runs; its record keeps every step.
+        let steps = job.work.join("capacity");
+        if steps.exists() {
+            std::fs::remove_dir_all(&steps)
+                .with_context(|| format!("removing {}", steps.display()))?;
+        }
     }
     match result {
         Ok(c) => {
@@ -496,6 +807,38 @@ fn search_one(
     }
 }
 
+/// One simulated search, or its record from an earlier run of the same workload under the same
+/// SLO ([`record_search`]; its steps' rows deleted once recorded).
+fn search_one(
+    s: &SweepSettings,
+    base: &sim::SimConfig,
+    cal: &crate::calibration::Calibration,
+    job: &Job,
+) -> Result<SeedCapacity> {
+    record_search(
+        job,
+        cal,
+        |work| {
+            virtual_sweep::find_capacity_of(
+                s,
+                base,
+                cal,
+                work,
+                SearchTarget {
+                    spec: &job.spec,
+                    point: &job.point,
+                    start: (job.start_rps, job.start_rule.clone()),
+                    resolution: Some(RESOLUTION),
+                    policies: Some(vec![job.variant.policy.clone()]),
+                    min_window_requests: Some(MIN_WINDOW_REQUESTS),
+                    tuning: Some(job.variant.tuning),
+                },
+            )
+        },
+        true,
+    )
+}
+
 fn seed_capacity(seed: u64, c: &crate::capacity::Capacity) -> SeedCapacity {
     SeedCapacity {
         seed,
@@ -504,6 +847,46 @@ fn seed_capacity(seed: u64, c: &crate::capacity::Capacity) -> SeedCapacity {
         steps: c.curve.len(),
         unbracketed: None,
     }
+}
+
+/// Runs `f` on each of `jobs` on every core, taking the next job as a core frees, until all
+/// are done or `should_stop` says so; returns `(index, result)` of the jobs run, in the jobs'
+/// order (a stop leaves out those never started).
+pub(crate) fn on_all_cores<J: Sync, R: Send>(
+    jobs: &[J],
+    should_stop: &(dyn Fn() -> bool + Sync),
+    f: impl Fn(&J) -> R + Sync,
+) -> Vec<(usize, R)> {
+    let next = AtomicUsize::new(0);
+    let out: Mutex<Vec<(usize, R)>> = Mutex::new(Vec::new());
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::thread::scope(|scope| {
+        for _ in 0..threads.min(jobs.len().max(1)) {
+            scope.spawn(|| {
+                while !should_stop() {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(job) = jobs.get(i) else { return };
+                    let r = f(job);
+                    out.lock().unwrap_or_else(|p| p.into_inner()).push((i, r));
+                }
+            });
+        }
+    });
+    let mut out = out.into_inner().unwrap_or_else(|p| p.into_inner());
+    out.sort_by_key(|(i, _)| *i);
+    out
+}
+
+/// Writes a per-policy capacity report as `<dir>/policy-capacity.{json,md}`, each atomically.
+pub(crate) fn write_report(dir: &Path, report: &CapacityReport) -> Result<()> {
+    cell::write_atomic(
+        &dir.join("policy-capacity.json"),
+        serde_json::to_string_pretty(report)?.as_bytes(),
+    )?;
+    cell::write_atomic(
+        &dir.join("policy-capacity.md"),
+        analysis::capacity::markdown(report).as_bytes(),
+    )
 }
 
 #[cfg(test)]

@@ -32,16 +32,19 @@ pub struct Published {
 }
 
 /// Publishes the sweep or fault-run directory `src` into `to/<its name>`. A sweep must have its
-/// report (`report.json`: run `cargo xtask report` first) and a fault run its `summary.json`
-/// (written when the run finishes), so that what is published is what was analysed.
+/// report (`report.json`: run `cargo xtask report` first), a fault run its `summary.json`
+/// (written when the run finishes) and a per-policy capacity run its `policy-capacity.json`
+/// (each search's record, and a live search's steps as repetitions with their rows), so that
+/// what is published is what was analysed.
 pub fn publish(src: &Path, to: &Path) -> Result<Published> {
-    let analysed = ["report.json", "summary.json"]
+    let analysed = ["report.json", "summary.json", "policy-capacity.json"]
         .iter()
         .any(|f| src.join(f).is_file());
     if !analysed {
         bail!(
             "{} has no report.json (a sweep: run `cargo xtask report {}` first, or finish the \
-             sweep) and no summary.json (a fault run: finish it with the same command)",
+             sweep), no summary.json (a fault run: finish it with the same command) and no \
+             policy-capacity.json (a per-policy capacity run: finish it)",
             src.display(),
             src.display()
         );
@@ -141,7 +144,8 @@ fn copy_tree(src: &Path, dst: &Path, out: &mut Published, at: Where) -> Result<(
             )
             | (
                 Where::Inner,
-                "plan.json" | "capacity.json" | "discarded.json" | "meta.json" | "fault.json",
+                "plan.json" | "capacity.json" | "unbracketed.json" | "discarded.json" | "meta.json"
+                | "fault.json",
             )
             | (Where::Top, _)
                 if is_summary(&file_name) =>
@@ -300,6 +304,40 @@ mod tests {
             .unwrap();
             assert_eq!(text, rows, "{rep}'s rows survive");
         }
+    }
+
+    #[test]
+    fn publishes_a_per_policy_capacity_run_with_its_records_and_live_steps() {
+        let s = Scratch::new("publish-policy-capacity");
+        let run = s.0.join("measurements/live-capacity");
+        write(&run.join("policy-capacity.json"), "{}");
+        write(&run.join("predicted-vs-live.json"), "[]");
+        let search = run.join("policy-capacity/ws1-s0/session-affinity/seed-7");
+        write(&search.join("capacity.json"), "{}");
+        write(&search.join("predicted/capacity.json"), "{}");
+        write(
+            &run.join("policy-capacity/ws3-s0/round-robin/seed-7/unbracketed.json"),
+            "[]",
+        );
+        let step = search.join("capacity/ws1-s0-rate9.253/session-affinity/rep-1");
+        write(&step.join("meta.json"), "{}");
+        write(&step.join("client.csv"), "request_id\n");
+        write(&step.join("evidence.jsonl"), "{}\n");
+        let out = publish(&run, &s.0.join("docs")).unwrap();
+        let mut got = files_under(&out.dest);
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                "policy-capacity.json",
+                "policy-capacity/ws1-s0/session-affinity/seed-7/capacity.json",
+                "policy-capacity/ws1-s0/session-affinity/seed-7/capacity/ws1-s0-rate9.253/session-affinity/rep-1/client.csv.gz",
+                "policy-capacity/ws1-s0/session-affinity/seed-7/capacity/ws1-s0-rate9.253/session-affinity/rep-1/meta.json",
+                "policy-capacity/ws1-s0/session-affinity/seed-7/predicted/capacity.json",
+                "policy-capacity/ws3-s0/round-robin/seed-7/unbracketed.json",
+                "predicted-vs-live.json",
+            ]
+        );
     }
 
     #[test]

@@ -53,6 +53,18 @@ pub const EXEMPT: &[(&str, &str)] = &[
         "virtual per-policy capacity of the quick grid, judged by a live quick calibration, published as its report and each search's record (no rows); rebuilt by re-running `cargo xtask sweep pressure-grid --quick --virtual --policy-capacity --live-calibration docs/measurements/pressure-grid-quick-policy-capacity-virtual/calibration.json` (12 s)",
     ),
     (
+        "pressure-grid-live-policy-capacity",
+        "live per-policy capacity published as its reports, each search's record and prediction and each step's meta and rows; the reports are `analysis::capacity`'s of the records, rebuilt by re-running the same `cargo xtask sweep pressure-grid --policy-capacity` command, which reuses every record",
+    ),
+    (
+        "trace-quick-policy-capacity-virtual",
+        "virtual per-policy capacity on the trace, published as its report and each search's record (no rows: a search's steps are deleted once recorded); rebuilt by re-running `cargo xtask sweep trace --trace ../shared/traces/mooncake-conversation.jsonl --quick --virtual --policy-capacity` with its flags (docs/measurements/README.md; 12 s)",
+    ),
+    (
+        "trace-quick-b16-policy-capacity-virtual",
+        "the same at 16 tokens per hash id, published as its report and each search's record (no rows); rebuilt by re-running that command with `--trace-block-tokens 16` (9 s)",
+    ),
+    (
         "pressure-grid-virtual-policy-capacity",
         "virtual per-policy capacity published as its report and each search's record (no rows: a search's steps are deleted once recorded); rebuilt by re-running `cargo xtask sweep pressure-grid --virtual --policy-capacity` (57 min on the 2-core machine)",
     ),

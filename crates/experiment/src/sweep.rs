@@ -435,7 +435,7 @@ impl SweepSettings {
 
     /// The calibration for this sweep: the sweep directory's own (a resumed sweep keeps its SLO),
     /// else `calibration` when made for this fleet and by the current rules, else a fresh one.
-    fn calibration_for(
+    pub(crate) fn calibration_for(
         &self,
         bins: &Bins,
         sweep_dir: &Path,
