@@ -839,7 +839,8 @@ fn search_one(
     )
 }
 
-fn seed_capacity(seed: u64, c: &crate::capacity::Capacity) -> SeedCapacity {
+/// One seed's bracketed search as the report counts it.
+pub(crate) fn seed_capacity(seed: u64, c: &crate::capacity::Capacity) -> SeedCapacity {
     SeedCapacity {
         seed,
         capacity_rps: Some(c.rate_rps),

@@ -82,13 +82,7 @@ pub fn run_virtual(
     let prepared = virtual_sweep::prepare(s, dir)?;
     let cal = &prepared.calibration;
     let speed = s.fleet.effective_speed();
-    let path = t
-        .trace
-        .canonicalize()
-        .with_context(|| format!("the trace {}", t.trace.display()))?;
-    let bytes =
-        std::fs::read(&path).with_context(|| format!("reading the trace {}", path.display()))?;
-    let trace = trace::Trace::parse_bytes(&t.trace.display().to_string(), &bytes)?;
+    let (trace, _) = trace_sweep::read_trace(&t)?;
     let end_s = trace
         .records()
         .iter()
@@ -215,7 +209,7 @@ fn search_one(
     if let Some(c) = PointCapacity::read(&record)
         .filter(|c| c.capacity.workload == job.workload && c.slo == cal.slo)
     {
-        return Ok(seed_capacity(seed, &c.capacity));
+        return Ok(policy_capacity::seed_capacity(seed, &c.capacity));
     }
     if let Some(c) = std::fs::read_to_string(&unbracketed)
         .ok()
@@ -304,7 +298,7 @@ fn search_one(
                 simulated: None,
             }
             .write(&record)?;
-            Ok(seed_capacity(seed, &c))
+            Ok(policy_capacity::seed_capacity(seed, &c))
         }
         // Only a search still stepping up asks for more trace than the draw holds (a bisection
         // step lies below a failing rate that fitted): every rate it tried met the SLO.
@@ -434,16 +428,6 @@ pub fn what_no_multiplier_changes(
         cal.slo.ttft_ms,
         cal.floors.ttft_ms
     )
-}
-
-fn seed_capacity(seed: u64, c: &capacity::Capacity) -> SeedCapacity {
-    SeedCapacity {
-        seed,
-        capacity_rps: Some(c.rate_rps),
-        failing_rps: Some(c.failing_rps),
-        steps: c.curve.len(),
-        unbracketed: None,
-    }
 }
 
 #[cfg(test)]

@@ -165,13 +165,7 @@ pub fn settings_of(s: &SweepSettings) -> Result<Option<&TraceSettings>> {
 /// path (what the driver opens, whatever its working directory).
 pub fn replay_plan(s: &SweepSettings) -> Result<(ReplayPlan, PathBuf)> {
     let t = settings_of(s)?.ok_or_else(|| anyhow!("not a trace sweep"))?;
-    let path = t
-        .trace
-        .canonicalize()
-        .with_context(|| format!("the trace {}", t.trace.display()))?;
-    let bytes =
-        std::fs::read(&path).with_context(|| format!("reading the trace {}", path.display()))?;
-    let trace = Trace::parse_bytes(&t.trace.display().to_string(), &bytes)?;
+    let (trace, path) = read_trace(t)?;
     let spec = t.spec(s.fleet.effective_speed(), s.run_s(), s.seed);
     Ok((ReplayPlan::build(&trace, &spec)?, path))
 }
@@ -256,6 +250,18 @@ pub fn meta_of(plan: &PlanFile) -> serde_json::Value {
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or(serde_json::Value::Null)
+}
+
+/// Reads and parses the sweep's trace; returns it with its canonical path.
+pub(crate) fn read_trace(t: &TraceSettings) -> Result<(Trace, PathBuf)> {
+    let path = t
+        .trace
+        .canonicalize()
+        .with_context(|| format!("the trace {}", t.trace.display()))?;
+    let bytes =
+        std::fs::read(&path).with_context(|| format!("reading the trace {}", path.display()))?;
+    let trace = Trace::parse_bytes(&t.trace.display().to_string(), &bytes)?;
+    Ok((trace, path))
 }
 
 #[cfg(test)]
