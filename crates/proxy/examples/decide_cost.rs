@@ -76,6 +76,7 @@ fn shared(policy: &str) -> Shared {
         health_oks_to_up: 2,
         max_in_flight_per_replica: u32::MAX,
         upstream_keep_alive: true,
+        token_parity_check: false,
     };
     Shared::new(
         policies::build(&spec).expect("policy"),

@@ -301,9 +301,19 @@ async fn replicas_api(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<
                     );
                 }
             };
+            let others = shared.replicas();
             match shared.add_replica(&spec) {
                 Ok(r) => {
                     start_replica_tasks(shared, &r).await;
+                    if let Err(e) = admitted_by_parity(shared, &r, &others).await {
+                        r.stop_tasks();
+                        shared.remove_replica(r.id);
+                        return error_response(
+                            StatusCode::UNPROCESSABLE_ENTITY,
+                            &e.to_string(),
+                            Some("url"),
+                        );
+                    }
                     json_response(StatusCode::CREATED, replica_json(&r).to_string())
                 }
                 Err(e) => error_response(StatusCode::BAD_REQUEST, &e, Some("url")),
@@ -337,6 +347,23 @@ async fn replicas_api(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<
         ),
         _ => error_response(StatusCode::NOT_FOUND, &format!("no route for {path}"), None),
     }
+}
+
+/// An added replica joins only if its token parity holds, with exact keys and the check on
+/// ([`crate::parity`]): its own probes, and its `/tokenize` ids against a replica already
+/// serving.
+async fn admitted_by_parity(
+    shared: &Arc<Shared>,
+    added: &Arc<crate::state::Replica>,
+    others: &[Arc<crate::state::Replica>],
+) -> Result<(), crate::parity::ParityError> {
+    if shared.keying != policies::Keying::ExactTokens || !shared.settings.token_parity_check {
+        return Ok(());
+    }
+    let reference = crate::parity::reference_of(shared, others).await?;
+    crate::parity::check_fleet(shared, std::slice::from_ref(added), reference)
+        .await
+        .map(|_| ())
 }
 
 #[cfg(test)]

@@ -124,6 +124,10 @@ pub struct RouterConfig {
     /// endpoints and `/v1/models` need `Authorization: Bearer <key>`. `None` (the default): no
     /// keys, no limits. The endpoint picker (`epp`) does not enforce them.
     pub api_keys: Option<std::sync::Arc<crate::keys::ApiKeys>>,
+    /// Probe every replica's token parity before taking traffic and before an added replica
+    /// joins, refusing on a disagreement ([`crate::parity`]); only for exact keys
+    /// (`exact-residency`). On by default; `--no-token-parity-check` turns it off.
+    pub token_parity_check: bool,
 }
 
 /// Default of [`RouterConfig::workers`]: 2, chosen by measurement (docs/proxy-bench.md,
@@ -247,6 +251,7 @@ impl RouterConfig {
             share_decisions_queue: crate::sharing::DEFAULT_QUEUE,
             share_loads: false,
             api_keys: None,
+            token_parity_check: true,
         }
     }
 }

@@ -22,6 +22,8 @@
 //! - [`events`]: KV event decoding (both encodings), sequence-gap detection, replay, subscriber.
 //! - [`sharing`]: decision sharing between routers over one fleet (PUB of served decisions,
 //!   SUB of peers', sequence gaps counted, never repaired).
+//! - [`parity`]: the token-parity probes (block size, `/tokenize` vs the engine's own prompt ids,
+//!   across replicas) run before exact keys are trusted.
 //! - [`rows`]: `router.csv` writer thread.
 //! - [`metrics`]: Prometheus counters and the overhead histogram.
 //! - [`upstream`]: the pooled client, the router clock, the self-timing request body.
@@ -37,6 +39,7 @@ pub mod config;
 pub mod events;
 pub mod keys;
 pub mod metrics;
+pub mod parity;
 pub mod request;
 pub mod rows;
 pub mod server;

@@ -74,6 +74,10 @@ pub struct Metrics {
     /// Of those, the ones where the two counts differ: the router's `/tokenize` body does not
     /// tokenize as the engine's request does, so its exact keys cannot match the engine's blocks.
     pub prompt_token_mismatches: AtomicU64,
+    /// Replicas whose startup token-parity probes agreed with their engine ([`crate::parity`]).
+    pub token_parity_agreed: AtomicU64,
+    /// Replicas the token-parity probes could not check (unreachable, an error status).
+    pub token_parity_unchecked: AtomicU64,
     decisions: [AtomicU64; BRANCHES.len() + 1],
     overhead_buckets: [AtomicU64; OVERHEAD_BUCKETS_US.len() + 1],
     overhead_sum_us: AtomicU64,
@@ -238,6 +242,18 @@ impl Metrics {
             "kvroute_router_prompt_token_mismatches_total",
             "Compared requests whose router-side prompt length differs from the engine's usage.prompt_tokens.",
             &self.prompt_token_mismatches,
+        );
+        c(
+            out,
+            "kvroute_router_token_parity_agreed_total",
+            "Replicas whose token-parity probes agreed with their engine (at startup or when added).",
+            &self.token_parity_agreed,
+        );
+        c(
+            out,
+            "kvroute_router_token_parity_unchecked_total",
+            "Replicas the token-parity probes could not check (unreachable or an error status).",
+            &self.token_parity_unchecked,
         );
 
         out.push_str("# HELP kvroute_router_decisions_total Routing decisions by policy branch.\n# TYPE kvroute_router_decisions_total counter\n");

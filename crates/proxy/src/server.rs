@@ -166,6 +166,19 @@ impl Router {
         for r in shared.replicas() {
             start_replica_tasks(&shared, &r).await;
         }
+        // Exact keys are only as good as the tokens: refuse to route on keys the engines would
+        // not match (crate::parity). After the subscriptions, so the probes' blocks are known.
+        if shared.keying == policies::Keying::ExactTokens && shared.settings.token_parity_check {
+            let replicas = shared.replicas();
+            if let Err(e) = crate::parity::check_fleet(&shared, &replicas, None).await {
+                for r in &replicas {
+                    r.stop_tasks();
+                }
+                return Err(RouterError::Config(format!(
+                    "{e} (the router refuses to start; --no-token-parity-check starts it anyway)"
+                )));
+            }
+        }
         let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
         let addr = listener.local_addr()?;
         let admin_listener = TcpListener::bind((cfg.admin_host.as_str(), cfg.admin_port)).await?;
@@ -549,6 +562,7 @@ pub fn shared_from_config(
         health_oks_to_up: cfg.health_oks_to_up.max(1),
         max_in_flight_per_replica: cfg.max_in_flight_per_replica.unwrap_or(u32::MAX),
         upstream_keep_alive: cfg.upstream_keep_alive,
+        token_parity_check: cfg.token_parity_check,
     };
     let salt = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -636,7 +650,7 @@ async fn check_health(s: &Shared, r: &Replica, timeout: Duration) -> bool {
 }
 
 async fn scrape_kv_usage(s: &Shared, r: &Replica, timeout: Duration) -> Option<f32> {
-    let fut = crate::service::small_request(s, r, Method::GET, "/metrics", None);
+    let fut = crate::service::small_request(s, r, Method::GET, "/metrics", None, &[]);
     let (status, _, body) = tokio::time::timeout(timeout, fut).await.ok()?.ok()?;
     if !status.is_success() {
         return None;

@@ -1019,16 +1019,21 @@ impl HeaderRetain for HeaderMap {
     }
 }
 
-/// Reads a small upstream reply whole (bounded), for `/tokenize`, `/v1/models`, `/metrics`.
+/// Reads a small upstream reply whole (bounded), for `/tokenize`, `/v1/models`, `/metrics` and
+/// the token-parity probes, with `headers` added.
 pub(crate) async fn small_request(
     shared: &Shared,
     replica: &Replica,
     method: Method,
     path: &str,
     body: Option<Vec<u8>>,
+    headers: &[(&'static str, &'static str)],
 ) -> Result<(StatusCode, HeaderMap, Bytes), String> {
     let uri = join_uri(&replica.scheme, &replica.authority, path).map_err(|e| e.to_string())?;
     let mut b = Request::builder().method(method).uri(uri);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
     let body = match body {
         Some(bytes) => {
             b = b.header(header::CONTENT_TYPE, "application/json");
@@ -1065,6 +1070,7 @@ async fn tokenize(
         Method::POST,
         "/tokenize",
         Some(parsed.tokenize_body(model)),
+        &[],
     );
     let (status, _, body) = tokio::time::timeout(TOKENIZE_TIMEOUT, fut)
         .await
@@ -1079,7 +1085,7 @@ async fn models(shared: &Shared) -> Response<RouterBody> {
     let reps = shared.replicas();
     for r in reps.iter().filter(|r| r.eligible()) {
         if let Ok((status, headers, body)) =
-            small_request(shared, r, Method::GET, "/v1/models", None).await
+            small_request(shared, r, Method::GET, "/v1/models", None, &[]).await
         {
             let mut resp = Response::new(RouterBody::full(body));
             *resp.status_mut() = status;

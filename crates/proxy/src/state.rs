@@ -304,6 +304,8 @@ pub struct Settings {
     pub max_in_flight_per_replica: u32,
     /// Pool upstream connections (`RouterConfig::upstream_keep_alive`).
     pub upstream_keep_alive: bool,
+    /// Probe token parity before a replica takes traffic (`RouterConfig::token_parity_check`).
+    pub token_parity_check: bool,
 }
 
 impl Shared {

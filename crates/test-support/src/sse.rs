@@ -51,6 +51,19 @@ pub struct Script {
     /// it) plus `d` — 0 agrees with a router that tokenized through `/tokenize`, anything else
     /// is a tokenization drift.
     pub prompt_tokens_offset: Option<i64>,
+    /// Answer `return_token_ids` with the prompt's ids (vLLM ≥ 0.10.2: chat at the top level,
+    /// completions in the choice). Off: the field is ignored, as an older engine does.
+    pub return_token_ids: bool,
+    /// A planted "missing BOS": generation prefills this token before the prompt, `/tokenize`
+    /// does not.
+    pub engine_bos: Option<u32>,
+    /// A planted "other chat template": this replica renders each chat message as
+    /// `role: content\n`, in `/tokenize` and in generation alike (replicas started with
+    /// different templates).
+    pub role_template: bool,
+    /// Serve `/metrics` with vLLM's `vllm:cache_config_info{block_size=…}`; `None`: no
+    /// `/metrics` (404).
+    pub metrics_block_size: Option<u32>,
 }
 
 impl Default for Script {
@@ -65,6 +78,10 @@ impl Default for Script {
             fail_status: None,
             response_headers: Vec::new(),
             prompt_tokens_offset: None,
+            return_token_ids: true,
+            engine_bos: None,
+            role_template: false,
+            metrics_block_size: None,
         }
     }
 }
@@ -92,6 +109,10 @@ pub struct MockState {
     pub unhealthy: AtomicBool,
     /// Tokenize calls.
     pub tokenize_calls: AtomicU64,
+    /// Requests marked as the router's token-parity probes (header `x-kvroute-probe`): answered
+    /// at once and unscripted, and not counted in `seen`, `reported` or `tokenize_calls`, so
+    /// a test's counts and scripts see only its own traffic.
+    pub probe_calls: AtomicU64,
     /// Health checks answered.
     pub health_calls: AtomicU64,
     /// The next this many health checks get 503.
@@ -114,6 +135,7 @@ impl MockState {
             script: Mutex::new(script),
             unhealthy: AtomicBool::new(false),
             tokenize_calls: AtomicU64::new(0),
+            probe_calls: AtomicU64::new(0),
             health_calls: AtomicU64::new(0),
             fail_health_next: AtomicU64::new(0),
             stall_health_next: AtomicU64::new(0),
@@ -252,16 +274,48 @@ impl Drop for MockReplica {
 
 /// The mock tokenizer: one token per byte of the prompt text (chat: the contents, concatenated).
 pub fn mock_tokens(v: &serde_json::Value) -> Vec<u32> {
+    mock_tokens_with(v, false)
+}
+
+/// [`mock_tokens`], or with `role_template` each chat message rendered `role: content\n`.
+fn mock_tokens_with(v: &serde_json::Value, role_template: bool) -> Vec<u32> {
     let mut text = String::new();
     if let Some(p) = v.get("prompt").and_then(|p| p.as_str()) {
         text.push_str(p);
     }
     if let Some(ms) = v.get("messages").and_then(|m| m.as_array()) {
         for m in ms {
-            text.push_str(m.get("content").and_then(|c| c.as_str()).unwrap_or(""));
+            let content = m.get("content").and_then(|c| c.as_str()).unwrap_or("");
+            if role_template {
+                let role = m.get("role").and_then(|r| r.as_str()).unwrap_or("");
+                text.push_str(&format!("{role}: {content}\n"));
+            } else {
+                text.push_str(content);
+            }
         }
     }
     text.bytes().map(u32::from).collect()
+}
+
+/// The answer to a token-parity probe: the prompt's ids as the script's engine prefills them.
+fn probe_answer(script: &Script, chat: bool, v: &serde_json::Value) -> serde_json::Value {
+    let mut ids: Vec<u32> = script.engine_bos.into_iter().collect();
+    ids.extend(mock_tokens_with(v, script.role_template));
+    let usage = serde_json::json!({"prompt_tokens": ids.len(), "completion_tokens": 1, "total_tokens": ids.len() + 1});
+    let mut out = if chat {
+        serde_json::json!({"id":"p","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"t"},"finish_reason":"length"}],"usage":usage})
+    } else {
+        serde_json::json!({"id":"p","object":"text_completion","choices":[{"index":0,"text":"t","finish_reason":"length"}],"usage":usage})
+    };
+    if script.return_token_ids && v.get("return_token_ids") == Some(&serde_json::Value::Bool(true))
+    {
+        if chat {
+            out["prompt_token_ids"] = serde_json::json!(ids);
+        } else {
+            out["choices"][0]["prompt_token_ids"] = serde_json::json!(ids);
+        }
+    }
+    out
 }
 
 fn json(status: StatusCode, v: serde_json::Value) -> Response<Full<Bytes>> {
@@ -289,6 +343,10 @@ async fn handle(
         .map(|c| c.to_bytes())
         .unwrap_or_default();
     let plain = |r: Response<Full<Bytes>>| Ok(r.map(http_body_util::Either::Right));
+    let probe = headers.contains_key("x-kvroute-probe");
+    if probe {
+        st.probe_calls.fetch_add(1, Ordering::SeqCst);
+    }
     match path.as_str() {
         "/health" => {
             let take = |n: &AtomicU64| {
@@ -316,13 +374,30 @@ async fn handle(
             StatusCode::OK,
             serde_json::json!({"object":"list","data":[{"id":"mock-model","object":"model","owned_by":"vllm"}]}),
         )),
+        "/metrics" if st.script.lock().metrics_block_size.is_some() => {
+            let b = st.script.lock().metrics_block_size.unwrap_or_default();
+            let text = format!(
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{b}\",enable_prefix_caching=\"True\",num_gpu_blocks=\"512\"}} 1.0\n"
+            );
+            plain(Response::new(Full::new(Bytes::from(text))))
+        }
         "/tokenize" => {
-            st.tokenize_calls.fetch_add(1, Ordering::SeqCst);
+            if !probe {
+                st.tokenize_calls.fetch_add(1, Ordering::SeqCst);
+            }
             let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-            let toks = mock_tokens(&v);
+            let role_template = st.script.lock().role_template;
+            let toks = mock_tokens_with(&v, role_template);
+            // One piece per byte, as vLLM's `return_token_strs` gives one per token.
+            let strs =
+                (v.get("return_token_strs") == Some(&serde_json::Value::Bool(true))).then(|| {
+                    toks.iter()
+                        .map(|&b| char::from(b as u8).to_string())
+                        .collect::<Vec<_>>()
+                });
             plain(json(
                 StatusCode::OK,
-                serde_json::json!({"count": toks.len(), "max_model_len": 8192, "tokens": toks, "token_strs": null}),
+                serde_json::json!({"count": toks.len(), "max_model_len": 8192, "tokens": toks, "token_strs": strs}),
             ))
         }
         "/v1/completions" | "/v1/chat/completions" => {
@@ -334,6 +409,9 @@ async fn handle(
                 .unwrap_or("")
                 .to_string();
             let script = st.script.lock().clone();
+            if probe {
+                return plain(json(StatusCode::OK, probe_answer(&script, chat, &v)));
+            }
             let prompt_tokens = match script.prompt_tokens_offset {
                 None => body.len() as u64,
                 Some(d) => (mock_tokens(&v).len() as i64 + d).max(0) as u64,

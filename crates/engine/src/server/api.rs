@@ -73,6 +73,10 @@ pub struct GenRequest {
     pub include_usage: bool,
     /// Usage on every chunk (`stream_options.continuous_usage_stats`).
     pub continuous_usage: bool,
+    /// `return_token_ids` (vLLM ≥ 0.10.2): a non-stream answer carries the prompt's token ids
+    /// (chat: top-level `prompt_token_ids`; completions: the choice's) and the choice's
+    /// generated `token_ids`. The router's token-parity probe reads them.
+    pub return_token_ids: bool,
 }
 
 fn obj(body: &[u8]) -> Result<serde_json::Map<String, Value>, ApiError> {
@@ -274,6 +278,7 @@ pub fn parse_generate(
             "Stream options can only be defined when `stream=True`.",
         ));
     }
+    let return_token_ids = get_bool(&m, "return_token_ids", false)?;
     Ok(GenRequest {
         kind,
         prompt,
@@ -281,6 +286,7 @@ pub fn parse_generate(
         stream,
         include_usage,
         continuous_usage,
+        return_token_ids,
     })
 }
 
@@ -354,6 +360,9 @@ pub struct Formatter {
     pub text: String,
     /// Finish reason, once finished.
     pub finish: Option<&'static str>,
+    /// The prompt's and the generated token ids, kept when the request asked for
+    /// `return_token_ids` (non-stream only).
+    token_ids: Option<(Vec<u32>, Vec<u32>)>,
 }
 
 impl Formatter {
@@ -386,6 +395,9 @@ impl Formatter {
             cached_tokens: 0,
             text: String::new(),
             finish: None,
+            token_ids: req
+                .return_token_ids
+                .then(|| (req.prompt.clone(), Vec::new())),
         }
     }
 
@@ -495,6 +507,9 @@ impl Formatter {
     pub fn absorb(&mut self, e: Emit) -> bool {
         self.count(e);
         self.text.push_str(tokenizer::decode_token(e.token));
+        if let Some((_, out)) = &mut self.token_ids {
+            out.push(e.token);
+        }
         e.finish.is_some()
     }
 
@@ -517,7 +532,7 @@ impl Formatter {
             true,
         );
         let usage: Value = serde_json::from_str(&usage).expect("usage is valid JSON");
-        let v = match self.kind {
+        let mut v = match self.kind {
             Kind::Completion => json!({
                 "id": id, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": 0, "text": self.text, "logprobs": null,
@@ -533,6 +548,15 @@ impl Formatter {
                 "usage": usage, "prompt_logprobs": null,
             }),
         };
+        // vLLM's placement: a chat answer carries the prompt's ids at the top level, a
+        // completion in its choice; both put the generated ids in the choice.
+        if let Some((prompt, out)) = &self.token_ids {
+            v["choices"][0]["token_ids"] = json!(out);
+            match self.kind {
+                Kind::Chat => v["prompt_token_ids"] = json!(prompt),
+                Kind::Completion => v["choices"][0]["prompt_token_ids"] = json!(prompt),
+            }
+        }
         v.to_string()
     }
 }
