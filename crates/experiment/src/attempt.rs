@@ -203,7 +203,7 @@ pub fn bounds_from(
         lateness: lateness_bound(floors, speed, lateness_share),
         throttle: match kind {
             FleetKind::Command => throttle.cloned(),
-            FleetKind::Emulated | FleetKind::Static | FleetKind::Llama => None,
+            FleetKind::Emulated | FleetKind::Static | FleetKind::Llama | FleetKind::Vllm => None,
         },
     }
 }

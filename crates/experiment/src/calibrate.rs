@@ -329,7 +329,7 @@ pub fn calibrate(
     // The cells' throttle bound comes from the cards NVML read; an emulated fleet has none.
     let gpu_throttle_bound = match s.fleet.kind {
         FleetKind::Command => calibration::throttle_bound(&replicas, &used),
-        FleetKind::Emulated | FleetKind::Static | FleetKind::Llama => None,
+        FleetKind::Emulated | FleetKind::Static | FleetKind::Llama | FleetKind::Vllm => None,
     };
     for r in replicas.iter().filter(|r| r.outlier_reason.is_some()) {
         eprintln!(

@@ -155,6 +155,13 @@ pub struct SearchConfig {
     pub resolution: f64,
     /// Most coarse steps up (or down) before the search gives up.
     pub max_coarse_steps: u32,
+    /// Coarse steps taken at `step_factor` before each further one squares the previous step's
+    /// factor (×1.1, ×1.1, ×1.1, ×1.21, ×1.46, ×2.14: from 1.77× to 5.0× in six steps), so a
+    /// start far from the answer still brackets it; `None`: every coarse step is
+    /// `step_factor`. A live search that starts at the simulator's prediction takes fine
+    /// steps near it and wide ones past it.
+    #[serde(default)]
+    pub widen_after: Option<u32>,
     /// Re-runs of an unsettled step, each with its warm-up doubled, before it counts as not
     /// meeting the SLO.
     pub max_lengthenings: u32,
@@ -165,6 +172,41 @@ pub struct SearchConfig {
     /// capacity, which is stale for open loops that start otherwise.
     #[serde(default)]
     pub open_start: workload::OpenStart,
+}
+
+impl SearchConfig {
+    /// The factor of coarse step `k` (0-based): `step_factor`, squared once per step past
+    /// `widen_after`.
+    pub fn coarse_factor(&self, k: u32) -> f64 {
+        match self.widen_after {
+            Some(w) if k >= w => self.step_factor.powf(2f64.powi((k - w + 1) as i32)),
+            _ => self.step_factor,
+        }
+    }
+
+    /// How far the coarse steps reach from the start, either way: the product of every
+    /// coarse factor.
+    pub fn coarse_span(&self) -> f64 {
+        (0..self.max_coarse_steps)
+            .map(|k| self.coarse_factor(k))
+            .product()
+    }
+
+    /// `6 coarse steps of ×1.1` or `6 coarse steps of ×1.1, widening after 3 (×5.05 in all)`.
+    fn coarse_text(&self, sign: &str) -> String {
+        match self.widen_after {
+            Some(w) if w < self.max_coarse_steps => format!(
+                "{} coarse steps of {sign}{}, widening after {w} ({sign}{:.2} in all)",
+                self.max_coarse_steps,
+                self.step_factor,
+                self.coarse_span()
+            ),
+            _ => format!(
+                "{} coarse steps of {sign}{}",
+                self.max_coarse_steps, self.step_factor
+            ),
+        }
+    }
 }
 
 /// One measurement the search asks for.
@@ -387,9 +429,9 @@ impl Searcher<'_> {
             .collect();
         if !steps.is_empty() && steps.iter().all(|p| p.step.settled && !p.step.overloaded) {
             format!(
-                ". Every step there settled with no growing backlog, so the misses are not load: requests miss on their own service time (the prefill of what their replica does not hold, and their decode) against the SLO's bounds, which {:.0}% of requests must meet at any rate — halving the rate {} times did not change that",
+                ". Every step there settled with no growing backlog, so the misses are not load: requests miss on their own service time (the prefill of what their replica does not hold, and their decode) against the SLO's bounds, which {:.0}% of requests must meet at any rate — {} down did not change that",
                 ATTAINMENT_TARGET * 100.0,
-                self.cfg.max_coarse_steps
+                self.cfg.coarse_text("÷")
             )
         } else {
             String::new()
@@ -475,8 +517,8 @@ pub fn search(
         Some(policy) => {
             lo = (start, policy);
             let mut failing = None;
-            for _ in 0..cfg.max_coarse_steps {
-                let r = next(lo.0 * cfg.step_factor)?;
+            for k in 0..cfg.max_coarse_steps {
+                let r = next(lo.0 * cfg.coarse_factor(k))?;
                 match s.meets(r, "coarse")? {
                     Some(policy) => lo = (r, policy),
                     None => {
@@ -488,19 +530,18 @@ pub fn search(
             hi = failing.ok_or_else(|| Unbracketed {
                 summary: format!("met the SLO at every rate tried, up to {} req/s", lo.0),
                 message: format!(
-                    "the fleet met the SLO on ≥ {:.0}% of requests at every rate tried, up to {} req/s ({} coarse steps of ×{} from {start}); its capacity is higher than that — start higher or allow more steps",
+                    "the fleet met the SLO on ≥ {:.0}% of requests at every rate tried, up to {} req/s ({} from {start}); its capacity is higher than that — start higher or allow more steps",
                     ATTAINMENT_TARGET * 100.0,
                     lo.0,
-                    cfg.max_coarse_steps,
-                    cfg.step_factor
+                    cfg.coarse_text("×")
                 ),
             })?;
         }
         None => {
             hi = start;
             let mut meeting = None;
-            for _ in 0..cfg.max_coarse_steps {
-                let r = next(hi / cfg.step_factor)?;
+            for k in 0..cfg.max_coarse_steps {
+                let r = next(hi / cfg.coarse_factor(k))?;
                 match s.meets(r, "coarse")? {
                     Some(policy) => {
                         meeting = Some((r, policy));
@@ -520,9 +561,8 @@ pub fn search(
                             if why.is_empty() { "" } else { ": not load" }
                         ),
                         message: format!(
-                            "the fleet fails its SLO even at the lowest rate tried, {hi} req/s (model time; {} coarse steps of ÷{} from {start}): no policy of [{}] met the SLO on ≥ {:.0}% of measured requests there — {}{why}",
-                            cfg.max_coarse_steps,
-                            cfg.step_factor,
+                            "the fleet fails its SLO even at the lowest rate tried, {hi} req/s (model time; {} from {start}): no policy of [{}] met the SLO on ≥ {:.0}% of measured requests there — {}{why}",
+                            cfg.coarse_text("÷"),
                             cfg.policies.join(", "),
                             ATTAINMENT_TARGET * 100.0,
                             s.describe(hi)
@@ -901,6 +941,7 @@ pub fn find_live(
         step_factor: c.step_factor,
         resolution: c.resolution,
         max_coarse_steps: c.max_coarse_steps,
+        widen_after: None,
         max_lengthenings: c.max_lengthenings,
         policies: c.policies.clone(),
         open_start: cal.open_start(),
@@ -1220,6 +1261,7 @@ mod tests {
             step_factor: 2.0,
             resolution: 0.1,
             max_coarse_steps: 6,
+            widen_after: None,
             max_lengthenings: 1,
             policies: vec!["session-affinity".into(), "prefix-affinity".into()],
             open_start: workload::OpenStart::Stationary,
@@ -1483,6 +1525,43 @@ mod tests {
         let err = search(&config(1.0), &mut measure(false)).unwrap_err();
         assert!(err.downcast_ref::<Unbracketed>().is_some(), "{err}");
         assert!(!err.to_string().contains("not load"), "{err}");
+    }
+
+    #[test]
+    fn a_widening_search_brackets_a_capacity_far_below_its_start() {
+        // ×1.1 steps from 10 req/s with the capacity at 2.5: six plain steps reach only
+        // 10 ÷ 1.77 = 5.64 and find no bracket; widened after three they reach 10 ÷ 5.05.
+        let mut cfg = config(10.0);
+        cfg.step_factor = 1.1;
+        cfg.resolution = 0.05;
+        let fake = || Fake {
+            attainment: |r: f64, _: &str| monotone(2.5)(r),
+            unsettled: |_: &StepRequest| false,
+            overloaded: |r| r > 2.5,
+            calls: vec![],
+        };
+        let err = run(&cfg, &mut fake()).unwrap_err();
+        assert!(err.downcast_ref::<Unbracketed>().is_some(), "{err}");
+        assert!(
+            err.to_string().contains("6 coarse steps of ÷1.1 from 10"),
+            "{err}"
+        );
+        cfg.widen_after = Some(3);
+        assert!(
+            (cfg.coarse_span() - 5.05).abs() < 0.01,
+            "{}",
+            cfg.coarse_span()
+        );
+        let factors: Vec<f64> = (0..6)
+            .map(|k| (cfg.coarse_factor(k) * 100.0).round() / 100.0)
+            .collect();
+        assert_eq!(factors, [1.1, 1.1, 1.1, 1.21, 1.46, 2.14]);
+        let c = run(&cfg, &mut fake()).unwrap();
+        assert!(
+            c.rate_rps <= 2.5 && c.rate_rps >= 2.5 / 1.05,
+            "{}",
+            c.rate_rps
+        );
     }
 
     #[test]

@@ -29,6 +29,9 @@ pub const FULL_BLOCKS: u64 = 8192;
 /// warm-up, while working set 1 still holds ~70 conversations for 32 users.
 pub const QUICK_BLOCKS: u64 = 4096;
 
+/// `--max-model-len` of a vLLM fleet's replicas.
+pub const VLLM_MAX_MODEL_LEN: u32 = 4096;
+
 /// Replicas by default: 5, or 3 with `--quick`.
 pub fn default_replicas(quick: bool) -> usize {
     if quick { 3 } else { 5 }
@@ -52,6 +55,9 @@ pub enum FleetKind {
     Static,
     /// Start llama.cpp `llama-server` replicas on loopback (CPU; `fleet::llama`).
     Llama,
+    /// Start real vLLM replicas on loopback (CPU; `fleet::vllm`, the install of
+    /// `scripts/vllm-server.sh`).
+    Vllm,
 }
 
 /// The KV cache an emulated fleet's engines model (`--cache-model`).
@@ -65,6 +71,10 @@ pub enum CacheModelKind {
     /// llama.cpp's slots with the llama fleet's pinned settings and the llama-tiny step model
     /// ([`EmulatedCache::llama_fleet`]): the emulated twin of `--fleet llama`.
     LlamaSlots,
+    /// vLLM's paged cache with the vLLM fleet's 32-token blocks and 4,096 tokens per sequence
+    /// and the `vllm-tiny-cpu` step model ([`EmulatedCache::vllm_fleet`]): the emulated twin of
+    /// `--fleet vllm`.
+    VllmTiny,
 }
 
 /// Emulator speed of an emulated llama-slots fleet by default: 1, the real llama fleet's, so a
@@ -76,7 +86,7 @@ pub const LLAMA_SLOTS_SPEED: f64 = 1.0;
 pub fn default_speed(cache_model: CacheModelKind) -> f64 {
     match cache_model {
         CacheModelKind::Paged => DEFAULT_SPEED,
-        CacheModelKind::LlamaSlots => LLAMA_SLOTS_SPEED,
+        CacheModelKind::LlamaSlots | CacheModelKind::VllmTiny => LLAMA_SLOTS_SPEED,
     }
 }
 
@@ -117,6 +127,8 @@ pub struct FleetSpec {
     pub llama_server: PathBuf,
     /// The GGUF model a llama fleet serves (as `--model`).
     pub model_gguf: PathBuf,
+    /// The install directory of a vLLM fleet (`fleet::vllm::default_dir`).
+    pub vllm_dir: PathBuf,
     /// The KV cache an emulated fleet's engines model.
     pub cache_model: CacheModelKind,
 }
@@ -136,6 +148,7 @@ impl FleetSpec {
     pub fn engine_flags(&self) -> serde_json::Value {
         match self.kind {
             FleetKind::Llama => self.llama_spec(self.replica_count()).meta(),
+            FleetKind::Vllm => self.vllm_spec(self.replica_count()).meta(),
             FleetKind::Emulated => self.emulated_cache().meta(),
             _ => serde_json::Value::Null,
         }
@@ -151,7 +164,7 @@ impl FleetSpec {
             (FleetKind::Llama, _) => self.llama_spec(1).parallel,
             (FleetKind::Emulated, CacheModelKind::LlamaSlots) => match self.emulated_cache() {
                 EmulatedCache::LlamaSlots { parallel_slots, .. } => parallel_slots,
-                EmulatedCache::Paged => 1,
+                EmulatedCache::Paged | EmulatedCache::PagedTwin { .. } => 1,
             },
             _ => 1,
         }
@@ -163,6 +176,7 @@ impl FleetSpec {
         match self.cache_model {
             CacheModelKind::Paged => EmulatedCache::Paged,
             CacheModelKind::LlamaSlots => EmulatedCache::llama_fleet(),
+            CacheModelKind::VllmTiny => EmulatedCache::vllm_fleet(VLLM_MAX_MODEL_LEN),
         }
     }
 
@@ -171,7 +185,7 @@ impl FleetSpec {
         match self.kind {
             FleetKind::Llama => EngineKind::LlamaCpp.no_kv_events_reason(),
             FleetKind::Emulated => self.emulated_cache().no_kv_events_reason(),
-            FleetKind::Command | FleetKind::Static => None,
+            FleetKind::Command | FleetKind::Static | FleetKind::Vllm => None,
         }
     }
 
@@ -194,8 +208,21 @@ impl FleetSpec {
         let kind = format!("{:?}", self.kind).to_lowercase();
         match (self.kind, self.cache_model) {
             (FleetKind::Emulated, CacheModelKind::LlamaSlots) => format!("{kind} llama-slots"),
+            (FleetKind::Emulated, CacheModelKind::VllmTiny) => format!("{kind} vllm-tiny"),
             _ => kind,
         }
+    }
+
+    /// A vLLM fleet: `fleet::vllm::VllmSpec::new`'s replica serving this fleet's model name with
+    /// `num_gpu_blocks` blocks of 32 tokens and 4,096 tokens per sequence (the grid's six-turn
+    /// conversations reach about 3,000 of the tiny model's tokens), replicas spread over this
+    /// machine's cores.
+    fn vllm_spec(&self, replicas: usize) -> fleet::VllmFleetSpec {
+        let mut spec = fleet::vllm::VllmSpec::new(&self.vllm_dir);
+        spec.model = self.model.clone();
+        spec.max_model_len = VLLM_MAX_MODEL_LEN;
+        spec.num_gpu_blocks = u32::try_from(self.num_gpu_blocks).unwrap_or(u32::MAX);
+        fleet::VllmFleetSpec::new(spec, replicas)
     }
 
     fn llama_spec(&self, replicas: usize) -> LlamaSpec {
@@ -265,7 +292,7 @@ impl FleetSpec {
                 speed: self.speed,
                 slowdowns: keep.iter().map(|&i| self.slowdown(i)).collect(),
                 // llama-slots sizes its pool by --ctx-tokens; the blocks are unused there.
-                num_gpu_blocks: (self.cache_model == CacheModelKind::Paged)
+                num_gpu_blocks: (self.cache_model != CacheModelKind::LlamaSlots)
                     .then_some(self.num_gpu_blocks),
                 model: self.model.clone(),
                 seed: self.engine_seed,
@@ -297,6 +324,7 @@ impl FleetSpec {
                 })
             }
             FleetKind::Llama => Source::Llama(self.llama_spec(keep.len())),
+            FleetKind::Vllm => Source::Vllm(self.vllm_spec(keep.len())),
             FleetKind::Static => Source::Static(StaticSpec {
                 urls: keep.iter().map(|&i| self.urls[i].clone()).collect(),
                 kv_events: keep
@@ -326,8 +354,9 @@ impl FleetSpec {
             replicas: n,
             speed: self.effective_speed(),
             slowdowns: (0..n).map(|i| self.slowdown(i)).collect(),
-            num_gpu_blocks: (self.kind == FleetKind::Emulated
-                && self.cache_model == CacheModelKind::Paged)
+            num_gpu_blocks: ((self.kind == FleetKind::Emulated
+                && self.cache_model != CacheModelKind::LlamaSlots)
+                || self.kind == FleetKind::Vllm)
                 .then_some(self.num_gpu_blocks),
             model: self.model.clone(),
             detail: match self.kind {
@@ -338,6 +367,7 @@ impl FleetSpec {
                 FleetKind::Command => self.command.clone(),
                 FleetKind::Static => Some(self.urls.join(",")),
                 FleetKind::Llama => Some(self.llama_spec(n).key()),
+                FleetKind::Vllm => Some(self.vllm_spec(n).spec.args(0, 0).join(" ")),
             },
         }
     }
@@ -370,6 +400,7 @@ impl FleetSpec {
             ready_timeout_s: 120.0,
             llama_server: PathBuf::from("llama-server"),
             model_gguf: PathBuf::from("m.gguf"),
+            vllm_dir: PathBuf::from("vllm"),
             cache_model: CacheModelKind::Paged,
         }
     }

@@ -402,10 +402,17 @@ pub fn run_virtual(
 
 /// The coarse step of a live search that starts at the simulator's prediction: twice the
 /// resolution. From a start near the answer the search brackets in one or two coarse steps and
-/// then bisects once or twice; a start far off costs more coarse steps (at most
-/// `CapacitySettings::max_coarse_steps`, ×1.1⁶ ≈ 1.77 either way), never a wrong bracket. A
-/// live step costs a minute or more, a simulated one a second.
+/// then bisects once or twice; a start far off costs more coarse steps, never a wrong bracket.
+/// A live step costs a minute or more, a simulated one a second.
 pub const LIVE_STEP_FACTOR: f64 = 1.0 + 2.0 * RESOLUTION;
+
+/// Coarse steps of [`LIVE_STEP_FACTOR`] before a live search widens them
+/// (`capacity::SearchConfig::widen_after`): six steps of ×1.1 reach only 1.77× from the start,
+/// and a seed-8 search at ws8-s0 (session-affinity, 5 Dec 2026) stepped down from its prediction
+/// to 4.84 req/s without meeting the SLO, where seed 7's capacity was 1.349. Widening after
+/// three reaches 5.05× in the same six steps, and the bisection that follows narrows the
+/// wider bracket to the resolution.
+pub const LIVE_WIDEN_AFTER: u32 = 3;
 
 /// What [`run_live`] found: the live report, the simulator's report of the same searches, and
 /// each live search beside its prediction.
@@ -677,6 +684,7 @@ pub fn run_live(
             step_factor: LIVE_STEP_FACTOR,
             resolution: RESOLUTION,
             max_coarse_steps: defaults.max_coarse_steps,
+            widen_after: Some(LIVE_WIDEN_AFTER),
             max_lengthenings: defaults.max_lengthenings,
             policies: vec![job.variant.policy.clone()],
             open_start: cal.open_start(),

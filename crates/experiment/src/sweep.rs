@@ -981,6 +981,7 @@ mod tests {
                 step_factor: 2.0,
                 resolution: 0.15,
                 max_coarse_steps: 4,
+                widen_after: None,
                 max_lengthenings: 1,
                 policies: vec!["prefix-affinity".into()],
                 open_start: workload::OpenStart::Stationary,

@@ -225,6 +225,7 @@ fn search_one(
         step_factor: defaults.step_factor,
         resolution: RESOLUTION,
         max_coarse_steps: defaults.max_coarse_steps,
+        widen_after: None,
         max_lengthenings: defaults.max_lengthenings,
         policies: vec![job.policy.clone()],
         // A replay starts from the slice's first request with cold caches.

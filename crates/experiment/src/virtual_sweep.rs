@@ -123,6 +123,18 @@ impl EmulatedFleet {
             cfg.engine.model = engine_core::StepModel::preset(step_model)
                 .ok_or_else(|| anyhow!("unknown step model {step_model}"))?;
         }
+        if let fleet::EmulatedCache::PagedTwin {
+            block_size,
+            max_model_len,
+            step_model,
+        } = &self.cache
+        {
+            // The engines' `--block-size … --max-model-len … --step-model …`, as the live fleet.
+            cfg.engine.block_size = *block_size;
+            cfg.engine.max_model_len = *max_model_len;
+            cfg.engine.model = engine_core::StepModel::preset(step_model)
+                .ok_or_else(|| anyhow!("unknown step model {step_model}"))?;
+        }
         cfg.engine.model.speed = self.speed;
         // No step-time jitter: an invented noise level would only make deterministic
         // repetitions look like measured ones.
@@ -369,6 +381,7 @@ pub fn find_capacity_of(
         step_factor: c.step_factor,
         resolution: c.resolution,
         max_coarse_steps: c.max_coarse_steps,
+        widen_after: None,
         max_lengthenings: c.max_lengthenings,
         policies: c.policies.clone(),
         open_start: cal.open_start(),

@@ -27,6 +27,53 @@ pub enum Source {
     Static(StaticSpec),
     /// llama.cpp `llama-server` processes on loopback (CPU), flags pinned by [`LlamaSpec`].
     Llama(LlamaSpec),
+    /// Real vLLM processes on loopback (CPU), flags pinned by [`crate::vllm::VllmSpec`].
+    Vllm(VllmFleetSpec),
+}
+
+/// A fleet of real vLLM replicas on this machine's CPU cores.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VllmFleetSpec {
+    /// Every replica's settings (its `cores` are replaced per replica).
+    pub spec: crate::vllm::VllmSpec,
+    /// Number of replicas.
+    pub replicas: usize,
+    /// `VLLM_CPU_OMP_THREADS_BIND` per replica, cycled (`["0", "1"]`: replica i on core i % 2).
+    pub cores: Vec<String>,
+}
+
+impl VllmFleetSpec {
+    /// `replicas` replicas of `spec`, replica i on core `i % cores` of this machine's cores.
+    pub fn new(spec: crate::vllm::VllmSpec, replicas: usize) -> VllmFleetSpec {
+        let n = std::thread::available_parallelism().map_or(1, usize::from);
+        VllmFleetSpec {
+            spec,
+            replicas,
+            cores: (0..n).map(|c| c.to_string()).collect(),
+        }
+    }
+
+    /// Replica `index`'s settings.
+    pub fn replica(&self, index: usize) -> crate::vllm::VllmSpec {
+        let mut s = self.spec.clone();
+        if !self.cores.is_empty() {
+            s.cores = self.cores[index % self.cores.len()].clone();
+        }
+        s
+    }
+
+    /// What `meta.json` records: the replica settings and the cores.
+    pub fn meta(&self) -> serde_json::Value {
+        let mut m = self.spec.meta();
+        m["replicas"] = self.replicas.into();
+        m["cores_per_replica"] = serde_json::json!(
+            (0..self.replicas)
+                .map(|i| self.replica(i).cores)
+                .collect::<Vec<_>>()
+        );
+        m["reset"] = "POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1)".into();
+        m
+    }
 }
 
 impl Source {
@@ -37,6 +84,7 @@ impl Source {
             Source::Command(_) => "command",
             Source::Static(_) => "static",
             Source::Llama(_) => "llama",
+            Source::Vllm(_) => "vllm",
         }
     }
 
@@ -56,7 +104,7 @@ impl Source {
         match self {
             Source::Llama(_) => EngineKind::LlamaCpp.no_kv_events_reason(),
             Source::Emulated(spec) => spec.cache.no_kv_events_reason(),
-            Source::Command(_) | Source::Static(_) => None,
+            Source::Command(_) | Source::Static(_) | Source::Vllm(_) => None,
         }
     }
 
@@ -67,6 +115,7 @@ impl Source {
             Source::Command(s) => s.replicas,
             Source::Static(s) => s.urls.len(),
             Source::Llama(s) => s.replicas,
+            Source::Vllm(s) => s.replicas,
         }
     }
 }
@@ -130,6 +179,17 @@ pub enum EmulatedCache {
         /// `--step-model` preset (`llama-tiny`: the tiny grid model on one CPU thread).
         step_model: String,
     },
+    /// vLLM's paged prefix cache with a real vLLM fleet's pinned shape and a step model fitted
+    /// to it (`--block-size B --max-model-len N --step-model S`): the emulated twin of a vLLM
+    /// fleet (KV events when asked).
+    PagedTwin {
+        /// `--block-size` (a vLLM fleet on CPU: 32).
+        block_size: u32,
+        /// `--max-model-len`.
+        max_model_len: u32,
+        /// `--step-model` preset (`vllm-tiny-cpu`: the tiny model on one CPU core).
+        step_model: String,
+    },
 }
 
 impl EmulatedCache {
@@ -146,10 +206,22 @@ impl EmulatedCache {
         }
     }
 
+    /// The vLLM fleet's pinned shape ([`crate::vllm::VllmSpec`]'s 32-token blocks, the 4,096
+    /// tokens per sequence a vLLM grid fleet runs with) and the step model fitted to its tiny
+    /// model on one core (`vllm-tiny-cpu`): the emulated twin of `--fleet vllm`.
+    pub fn vllm_fleet(max_model_len: u32) -> EmulatedCache {
+        let pinned = crate::vllm::VllmSpec::new(Path::new(""));
+        EmulatedCache::PagedTwin {
+            block_size: pinned.block_size_tokens,
+            max_model_len,
+            step_model: "vllm-tiny-cpu".into(),
+        }
+    }
+
     /// `paged` or `llama-slots` (the engine's `--cache-model`).
     pub fn name(&self) -> &'static str {
         match self {
-            EmulatedCache::Paged => "paged",
+            EmulatedCache::Paged | EmulatedCache::PagedTwin { .. } => "paged",
             EmulatedCache::LlamaSlots { .. } => "llama-slots",
         }
     }
@@ -158,6 +230,18 @@ impl EmulatedCache {
     pub fn args(&self) -> Vec<String> {
         match self {
             EmulatedCache::Paged => Vec::new(),
+            EmulatedCache::PagedTwin {
+                block_size,
+                max_model_len,
+                step_model,
+            } => vec![
+                "--block-size".into(),
+                block_size.to_string(),
+                "--max-model-len".into(),
+                max_model_len.to_string(),
+                "--step-model".into(),
+                step_model.clone(),
+            ],
             EmulatedCache::LlamaSlots {
                 parallel_slots,
                 slot_prompt_similarity,
@@ -183,6 +267,18 @@ impl EmulatedCache {
     pub fn meta(&self) -> serde_json::Value {
         match self {
             EmulatedCache::Paged => serde_json::Value::Null,
+            EmulatedCache::PagedTwin {
+                block_size,
+                max_model_len,
+                step_model,
+            } => serde_json::json!({
+                "engine": "emulator",
+                "cache_model": self.name(),
+                "block_size_tokens": block_size,
+                "max_model_len": max_model_len,
+                "step_model": step_model,
+                "args": self.args(),
+            }),
             EmulatedCache::LlamaSlots {
                 parallel_slots,
                 slot_prompt_similarity,
@@ -204,7 +300,7 @@ impl EmulatedCache {
     /// Why these engines cannot feed a policy that needs KV events, or `None` when they can.
     pub fn no_kv_events_reason(&self) -> Option<&'static str> {
         match self {
-            EmulatedCache::Paged => None,
+            EmulatedCache::Paged | EmulatedCache::PagedTwin { .. } => None,
             EmulatedCache::LlamaSlots { .. } => Some(
                 "the emulator's llama-slots cache model publishes no KV events, as llama.cpp's llama-server publishes none (its per-slot caches are not visible outside the process)",
             ),
@@ -397,6 +493,9 @@ impl Fleet {
         if let Source::Llama(spec) = &source {
             llama::check_installed(&spec.server_bin, &spec.model_gguf)?;
         }
+        if let Source::Vllm(spec) = &source {
+            crate::vllm::check_installed(&spec.spec.dir)?;
+        }
         if let Source::Emulated(spec) = &source {
             if !(spec.speed.is_finite() && spec.speed > 0.0) {
                 fail!(
@@ -449,7 +548,7 @@ impl Fleet {
     pub fn gpus(&self) -> FleetGpus {
         match &self.source {
             Source::Emulated(_) => FleetGpus::Emulated,
-            Source::Llama(_) => FleetGpus::Cpu,
+            Source::Llama(_) | Source::Vllm(_) => FleetGpus::Cpu,
             Source::Static(_) => FleetGpus::Unknown,
             Source::Command(_) => FleetGpus::Started(StartedGpus {
                 backend: self
@@ -579,7 +678,9 @@ impl Fleet {
     /// `--cache-ram` prompt store; the tiny model restarts in well under a second.
     pub fn cycle(&mut self, should_stop: &dyn Fn() -> bool) -> Result<()> {
         match &self.source {
-            Source::Static(_) => {
+            // A vLLM replica takes 20–40 s to start on 2 cores; its reset endpoint (dev mode)
+            // clears the prefix cache, and the router of the next cell subscribes afresh.
+            Source::Static(_) | Source::Vllm(_) => {
                 if self.slots.is_empty() {
                     return self.start(should_stop);
                 }
@@ -677,6 +778,7 @@ impl Fleet {
     pub fn engine_meta(&self) -> serde_json::Value {
         match &self.source {
             Source::Llama(spec) => spec.meta(),
+            Source::Vllm(spec) => spec.meta(),
             Source::Emulated(spec) => spec.cache.meta(),
             _ => serde_json::Value::Null,
         }
@@ -709,6 +811,12 @@ impl Fleet {
                 crate::metrics::cache_config(&r.text())
             }
         }
+    }
+
+    /// The replicas' KV block size in tokens, as their first replica's `/metrics` reports it
+    /// (`None` when it does not say).
+    pub fn block_size_tokens(&self) -> Option<u32> {
+        u32::try_from(self.kv_cache(0)?.block_size_tokens).ok()
     }
 
     /// Process group ids of every process this fleet runs (for the foreign-process check).
@@ -831,6 +939,25 @@ impl Fleet {
                 // Its URL comes from the port it logs (`llama::parse_listening`).
                 spawn_replica(cmd, index, starts, log_path, String::new(), None, 1.0)
             }
+            Source::Vllm(spec) => {
+                // Free ports on the first start; a restart keeps them, so the router's URL and
+                // event endpoint stay valid.
+                let port = match previous.and_then(|p| port_of(&p.url)) {
+                    Some(p) => p,
+                    None => crate::vllm::free_port()?,
+                };
+                let kv_port = match previous
+                    .and_then(|p| p.kv_events.as_deref())
+                    .and_then(port_of)
+                {
+                    Some(p) => p,
+                    None => crate::vllm::free_port()?,
+                };
+                let cmd = spec.replica(index).command(port, kv_port);
+                let url = format!("http://127.0.0.1:{port}");
+                let kv_events = Some(format!("tcp://127.0.0.1:{kv_port}"));
+                spawn_replica(cmd, index, starts, log_path, url, kv_events, 1.0)
+            }
             Source::Static(spec) => Ok(Slot {
                 info: ReplicaInfo {
                     index,
@@ -930,20 +1057,33 @@ impl Drop for Fleet {
 
 /// `POST /reset_prefix_cache` on one replica; any non-2xx answer is an error.
 pub fn reset_prefix_cache(url: &str) -> Result<()> {
-    let r = http::post(
-        &http::join(url, "/reset_prefix_cache"),
-        None,
-        Duration::from_secs(30),
-    )?;
-    if !(200..300).contains(&r.status) {
-        fail!(
-            Answer,
-            "POST /reset_prefix_cache answered {}: {}",
-            r.status,
-            r.text()
-        );
+    // vLLM answers `{"success": false}` while blocks are still held (a request finishing):
+    // retried a few times, then an error.
+    for attempt in 0..5 {
+        let r = http::post(
+            &http::join(url, "/reset_prefix_cache"),
+            None,
+            Duration::from_secs(30),
+        )?;
+        if !(200..300).contains(&r.status) {
+            fail!(
+                Answer,
+                "POST /reset_prefix_cache answered {}: {}",
+                r.status,
+                r.text()
+            );
+        }
+        let refused = serde_json::from_slice::<serde_json::Value>(&r.body)
+            .is_ok_and(|v| v.get("success") == Some(&serde_json::Value::Bool(false)));
+        if !refused {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(200 << attempt));
     }
-    Ok(())
+    fail!(
+        Answer,
+        "POST /reset_prefix_cache answered {{\"success\": false}} 5 times: blocks are still held"
+    )
 }
 
 fn port_of(url: &str) -> Option<u16> {

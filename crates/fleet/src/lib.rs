@@ -42,6 +42,7 @@ pub use error::{Error, Result};
 pub use evidence::{CheckStatus, EvidenceBounds, EvidenceConfig, EvidenceSampler, EvidenceSummary};
 pub use fleet::{
     CommandSpec, EmulatedCache, EmulatedSpec, Fleet, FleetOptions, ReplicaInfo, Source, StaticSpec,
+    VllmFleetSpec,
 };
 pub use gpu::{FleetGpus, GpuBackend};
 pub use ingress::{Ingress, IngressProcess, RouterSettings, RoutersSettings};

@@ -27,6 +27,9 @@ pub const INSTALL_HINT: &str = "run `bash scripts/vllm-server.sh` (installs vllm
 /// The tiny model's directory in the cache's `models/`.
 pub const TINY_MODEL_DIR: &str = "tiny-llama";
 
+/// The tiny model's `max_position_embeddings` (`scripts/vllm_tiny_model.py`).
+pub const TINY_MAX_POSITIONS: u32 = 2048;
+
 /// The name the tiny model is served as (`--served-model-name`): what requests name and the
 /// router salts with.
 pub const SERVED_MODEL: &str = "kvroute/tiny";
@@ -114,8 +117,15 @@ impl VllmSpec {
             .env("HF_HUB_OFFLINE", "1")
             // `POST /reset_prefix_cache` (the harness clears caches between cells, the
             // differential test before its script) is served only in vLLM's dev mode.
-            .env("VLLM_SERVER_DEV_MODE", "1")
-            .args(self.args(port, kv_port));
+            .env("VLLM_SERVER_DEV_MODE", "1");
+        if self.max_model_len > TINY_MAX_POSITIONS {
+            // The grid's longest conversations (six turns on a 1,100-token context, 128-token
+            // replies) pass 2,048 tokens. The tiny model's weights are random and its rotary
+            // positions extend to any length, so the longer limit changes nothing it computes
+            // but what fits; vLLM asks for this variable to allow it.
+            c.env("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1");
+        }
+        c.args(self.args(port, kv_port));
         c
     }
 

@@ -139,6 +139,13 @@ pub fn fleet_router_command(
         // llama-server closes a connection after each streamed response (schema::engine).
         cmd.arg("--no-upstream-keep-alive");
     }
+    if settings.kv_events
+        && let Some(block) = fleet.block_size_tokens()
+    {
+        // Exact keys in the engines' own block size: a vLLM fleet on CPU caches 32-token
+        // blocks, and the router refuses any other size (its token-parity probe).
+        cmd.args(["--block-tokens", &block.to_string()]);
+    }
     Ok(cmd)
 }
 
