@@ -944,14 +944,14 @@ impl Fleet {
                 // event endpoint stay valid.
                 let port = match previous.and_then(|p| port_of(&p.url)) {
                     Some(p) => p,
-                    None => crate::vllm::free_port()?,
+                    None => crate::ingress::haproxy::free_port()?,
                 };
                 let kv_port = match previous
                     .and_then(|p| p.kv_events.as_deref())
                     .and_then(port_of)
                 {
                     Some(p) => p,
-                    None => crate::vllm::free_port()?,
+                    None => crate::ingress::haproxy::free_port()?,
                 };
                 let cmd = spec.replica(index).command(port, kv_port);
                 let url = format!("http://127.0.0.1:{port}");

@@ -64,11 +64,20 @@ pub fn default_tiny_model() -> PathBuf {
 
 /// Fails naming the missing file and how to get it.
 pub fn check_installed(server_bin: &std::path::Path, model: &std::path::Path) -> Result<()> {
-    for (what, path) in [("llama-server", server_bin), ("the GGUF model", model)] {
+    check_files(
+        &[("llama-server", server_bin), ("the GGUF model", model)],
+        INSTALL_HINT,
+    )
+}
+
+/// Fails naming the first of `files` (what, path) that is missing, and `hint`: how to install
+/// it (the llama.cpp and vLLM installs).
+pub(crate) fn check_files(files: &[(&str, &std::path::Path)], hint: &str) -> Result<()> {
+    for (what, path) in files {
         if !path.is_file() {
             fail!(
                 NotInstalled,
-                "{what} is missing at {}: {INSTALL_HINT}",
+                "{what} is missing at {}: {hint}",
                 path.display()
             );
         }

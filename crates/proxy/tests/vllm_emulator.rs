@@ -355,19 +355,18 @@ async fn emulator(block_size: u32, blocks: u32) -> (engine::server::Server, Side
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs vLLM: bash scripts/vllm-server.sh"]
 async fn the_emulator_caches_and_evicts_as_real_vllm_does() {
-    let dir = fleet::vllm::default_dir();
-    let spec = fleet::vllm::VllmSpec::new(&dir);
+    let spec = fleet::vllm::VllmSpec::new(&fleet::vllm::default_dir());
     assert_eq!((spec.block_size_tokens, spec.num_gpu_blocks), (B, BLOCKS));
     let tmp = temp_dir("vllm-emulator");
-    let log = tmp.path().join("vllm.log");
-    let replica = tokio::task::spawn_blocking(move || {
-        fleet::vllm::start(&spec, &log, Duration::from_secs(240))
-    })
-    .await
-    .unwrap()
-    .unwrap_or_else(|e| panic!("{e}"));
+    let logs = tmp.path().to_path_buf();
+    let replica = tokio::task::spawn_blocking(move || vllm_replica(&logs))
+        .await
+        .unwrap();
     let script = script();
-    let real_side = sync(replica.url.clone(), &replica.kv_events).await;
+    let kv_events = replica.kv_event_endpoints()[0]
+        .clone()
+        .expect("KV events on");
+    let real_side = sync(replica.urls()[0].clone(), &kv_events).await;
     let real = run(&real_side, &script).await;
     drop(replica);
 

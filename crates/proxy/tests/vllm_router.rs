@@ -81,19 +81,18 @@ async fn turn(url: &str, messages: &[Value], stream: bool) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs vLLM: bash scripts/vllm-server.sh"]
 async fn exact_residency_matches_a_real_vllm_and_survives_its_restart() {
-    let dir = fleet::vllm::default_dir();
-    let spec = fleet::vllm::VllmSpec::new(&dir);
     let tmp = temp_dir("vllm-router");
-    let log = tmp.path().join("vllm-1.log");
-    let s = spec.clone();
-    let replica =
-        tokio::task::spawn_blocking(move || fleet::vllm::start(&s, &log, Duration::from_secs(240)))
-            .await
-            .unwrap()
-            .unwrap_or_else(|e| panic!("{e}"));
+    let logs = tmp.path().to_path_buf();
+    let mut replica = tokio::task::spawn_blocking(move || vllm_replica(&logs))
+        .await
+        .unwrap();
+    let replica_url = replica.urls()[0].clone();
+    let kv_events = replica.kv_event_endpoints()[0]
+        .clone()
+        .expect("KV events on");
 
     // 1. Parity.
-    let refused = Router::start(router_config(&replica.url, &replica.kv_events, 16))
+    let refused = Router::start(router_config(&replica_url, &kv_events, 16))
         .await
         .err()
         .expect("16-token keys are refused")
@@ -103,7 +102,7 @@ async fn exact_residency_matches_a_real_vllm_and_survives_its_restart() {
         "{refused}"
     );
     let rows = tmp.path().join("router.csv");
-    let mut cfg = router_config(&replica.url, &replica.kv_events, 32);
+    let mut cfg = router_config(&replica_url, &kv_events, 32);
     cfg.rows = Some(rows.clone());
     let router = Router::start(cfg).await.expect("32-token keys agree");
     assert_eq!(
@@ -144,22 +143,16 @@ async fn exact_residency_matches_a_real_vllm_and_survives_its_restart() {
     );
 
     // 3. A restart at the same URL and event endpoint.
-    let port: u16 = replica.url.rsplit(':').next().unwrap().parse().unwrap();
-    let kv_port: u16 = replica
-        .kv_events
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    drop(replica);
-    let log2 = tmp.path().join("vllm-2.log");
-    let replica = tokio::task::spawn_blocking(move || {
-        fleet::vllm::start_on(&spec, port, kv_port, &log2, Duration::from_secs(240))
+    // SIGKILL, then a new process on the same ports (the fleet's fault restart).
+    replica = tokio::task::spawn_blocking(move || {
+        replica.kill_one(0).unwrap_or_else(|e| panic!("{e}"));
+        replica
+            .restart_one(0, &fleet::fleet::never)
+            .unwrap_or_else(|e| panic!("{e}"));
+        replica
     })
     .await
-    .unwrap()
-    .unwrap_or_else(|e| panic!("{e}"));
+    .unwrap();
     // The old publisher's connection closing, or the new one's sequence starting again at 0.
     eventually("the router counts the engine restart", WAIT, || {
         let router = &router;

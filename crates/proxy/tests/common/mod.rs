@@ -151,6 +151,26 @@ impl Drop for MockPublisher {
     }
 }
 
+/// One real vLLM replica (`fleet::vllm`: the install of `scripts/vllm-server.sh`, the tiny
+/// model, 32-token blocks, 80 blocks, both cores), started by the harness's own fleet (a
+/// missing install fails saying how to install it), logs in `log_dir`. Blocking.
+pub fn vllm_replica(log_dir: &std::path::Path) -> fleet::Fleet {
+    let spec = fleet::VllmFleetSpec {
+        spec: fleet::vllm::VllmSpec::new(&fleet::vllm::default_dir()),
+        replicas: 1,
+        cores: vec!["0-1".into()],
+    };
+    let options = fleet::FleetOptions {
+        ready_timeout: std::time::Duration::from_secs(240),
+        ..fleet::FleetOptions::new(log_dir)
+    };
+    let mut f =
+        fleet::Fleet::new(fleet::Source::Vllm(spec), options).unwrap_or_else(|e| panic!("{e}"));
+    f.start(&fleet::fleet::never)
+        .unwrap_or_else(|e| panic!("{e}"));
+    f
+}
+
 /// An HTTP client for tests.
 pub fn client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build(HttpConnector::new())
