@@ -29,6 +29,10 @@ pub const EXEMPT: &[(&str, &str)] = &[
         "raw output of `python3 scripts/llama_step_floors.py` (each request as measured); nothing in it is derived",
     ),
     (
+        "vllm-step-floors",
+        "raw output of `python3 scripts/vllm_step_floors.py` (each request as measured); nothing in it is derived",
+    ),
+    (
         "load-virtual",
         "virtual sweep published as its report only (no rows); rebuilt by re-running `cargo xtask sweep load --virtual`",
     ),
