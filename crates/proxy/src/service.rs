@@ -743,8 +743,10 @@ async fn proxy_llm(
                 failure.status,
                 "upstream",
                 format!(
-                    "{} after the request was sent (not retried; attempt {})",
-                    failure.message, row.attempts
+                    "{} {}; attempt {})",
+                    failure.message,
+                    schema::rows::SENT_NOT_RETRIED,
+                    row.attempts
                 ),
             ));
         }

@@ -28,6 +28,12 @@ use serde::{Deserialize, Serialize};
 /// row as a TTFT miss.
 pub const ABANDONED_ERROR_KIND: &str = "abandoned";
 
+/// What the router's `upstream` error says when the failed attempt had handed its request to the
+/// replica (the body was written to the connection), so it was not retried on another: the
+/// replica may have been running it. The router writes it; the fault analysis reads a router
+/// answer carrying it, on the killed replica, as a request in flight there.
+pub const SENT_NOT_RETRIED: &str = "after the request was sent (not retried";
+
 /// `client.csv` columns, in contract order: [`ClientRow`]'s fields.
 pub const CLIENT_COLUMNS: [&str; 19] = [
     "request_id",

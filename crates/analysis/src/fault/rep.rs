@@ -175,11 +175,23 @@ pub fn analyse_rep(
                 Some("the router never recorded it: it was not dispatched".to_string())
             }
             // A stream cut by the kill keeps the 200 its headers carried; an error status is
-            // the router's own answer, so the request never streamed from the victim.
-            (FaultKind::Kill, Some(_)) if c.status >= 300 => Some(format!(
-                "the router answered {} itself: it was not in flight on the killed replica",
-                c.status
-            )),
+            // the router's own answer. It stands for a request in flight on the victim only
+            // when the router had handed it to the victim (and so did not retry it) before the
+            // victim was seen down: an engine that dies between reading a request and sending
+            // its head (real vLLM takes ~0.1 s to go down) fails it that way. Any other answer
+            // of the router's own means the request never reached the victim.
+            (FaultKind::Kill, Some(r))
+                if c.status >= 300
+                    && !(r.replica == Some(events.victim)
+                        && r.error
+                            .as_deref()
+                            .is_some_and(|e| e.contains(schema::rows::SENT_NOT_RETRIED))) =>
+            {
+                Some(format!(
+                    "the router answered {} itself: it was not in flight on the killed replica",
+                    c.status
+                ))
+            }
             (FaultKind::Kill, Some(r)) => match r.replica {
                 None => Some("the router dispatched it nowhere".to_string()),
                 Some(id) if id != events.victim => {

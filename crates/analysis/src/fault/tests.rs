@@ -136,10 +136,22 @@ fn kill_loses_only_what_was_in_flight_on_the_victim() {
     // In flight on the victim at the kill: sent 9.9, arrived 109.9.
     c.push(client("inflight", 9.9, None, Some("stream: reset")));
     r.push(routed("inflight", 109.9, Some(1)));
+    // Handed to the victim as it died (arrived at the kill, before it was seen down): the
+    // router's own 502 says the request was sent and so not retried: in flight there too.
+    let mut dying = client("dying", 10.0, None, Some("http: 502"));
+    dying.status = 502;
+    c.push(dying);
+    let mut dying_row = routed("dying", 110.0, Some(1));
+    dying_row.upstream_status = Some(502);
+    dying_row.error = Some(format!(
+        "upstream: replica 1 failed: client error (SendRequest) {}; attempt 1)",
+        schema::rows::SENT_NOT_RETRIED
+    ));
+    r.push(dying_row);
     let out = analyse_rep("p", 1, &e, &c, &r, &slo());
     assert!(out.violations.is_empty(), "{:?}", out.violations);
-    assert_eq!(out.lost.len(), 1);
-    assert!(out.lost[0].allowed);
+    assert_eq!(out.lost.len(), 2);
+    assert!(out.lost.iter().all(|l| l.allowed));
 
     // Sent after the kill and lost: a request not in flight at it.
     let mut c2 = c.clone();
@@ -161,9 +173,24 @@ fn kill_loses_only_what_was_in_flight_on_the_victim() {
     c2.push(client("unseen", 12.0, None, Some("connect: refused")));
     // A probe row is not a request.
     r2.push(routed("fault-clock-probe-0", 99.0, None));
+    // The same answer from a replica that was never killed is outside the bound.
+    let mut sent_other = client("sent-other", 9.9, None, Some("http: 502"));
+    sent_other.status = 502;
+    c2.push(sent_other);
+    let mut sent_other_row = routed("sent-other", 109.9, Some(2));
+    sent_other_row.error = Some(format!(
+        "upstream: replica 2 failed {}; attempt 1)",
+        schema::rows::SENT_NOT_RETRIED
+    ));
+    r2.push(sent_other_row);
     let out = analyse_rep("p", 1, &e, &c2, &r2, &slo());
-    assert_eq!(out.lost.len(), 6);
-    assert_eq!(out.violations.len(), 5, "{:?}", out.violations);
+    assert_eq!(out.lost.len(), 8);
+    assert_eq!(out.violations.len(), 6, "{:?}", out.violations);
+    assert!(
+        out.violations
+            .iter()
+            .any(|v| v.starts_with("sent-other:") && v.contains("not in flight on the killed"))
+    );
     assert!(
         out.violations
             .iter()
