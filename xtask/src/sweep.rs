@@ -162,21 +162,21 @@ pub struct SweepArgs {
     /// Plan seeds of `--policy-capacity`.
     #[arg(long, default_value_t = 3, requires = "policy_capacity")]
     pub seeds: u32,
-    /// With `--policy-capacity`: also search each belief-index policy (prefix-affinity) with the
-    /// calibration's index TTL × each factor, comma-separated (1 = the default; labelled
-    /// `<policy> ttl×<f>`). Margins are then over the varied policy's defaults.
+    /// With `--policy-capacity`: also search each belief-index policy with the calibration's TTL ×
+    /// each factor, comma-separated (`<policy> ttl×<f>`; margins over the policy's defaults).
     #[arg(long, value_delimiter = ',', requires = "policy_capacity")]
     pub ttl_scale: Vec<f64>,
-    /// With `--policy-capacity`: also search each spilling policy with this absolute spill
-    /// margin (spill needs matched − least > N outstanding; default 4), comma-separated
-    /// (`<policy> spill-abs <n>`).
+    /// With `--policy-capacity`: also search each spilling policy with this absolute spill margin
+    /// (spill needs matched − least > N outstanding; default 4), comma-separated (`<policy> spill-abs <n>`).
     #[arg(long, value_delimiter = ',', requires = "policy_capacity")]
     pub spill_abs: Vec<u32>,
     /// With `--policy-capacity`: also search each spilling policy with this ratio spill margin
-    /// (spill needs matched > R × least; default 1.5), comma-separated
-    /// (`<policy> spill-ratio <r>`).
+    /// (spill needs matched > R × least; default 1.5), comma-separated (`<policy> spill-ratio <r>`).
     #[arg(long, value_delimiter = ',', requires = "policy_capacity")]
     pub spill_ratio: Vec<f64>,
+    /// With `--policy-capacity --virtual`: also search each belief-index policy with the TTL derived at each point's own rate (`<policy> ttl@point`).
+    #[arg(long, requires = "policy_capacity")]
+    pub ttl_at_point: bool,
     /// Which capacity `--load` is a fraction of: `per-point` (each point's own; live on an
     /// emulated fleet, and virtual with `--live-calibration`, the measured reference × the
     /// simulator's ratio of the point's to the reference's; the default) or `reference` (the
@@ -264,6 +264,7 @@ impl SweepArgs {
             ttl_scales: self.ttl_scale.clone(),
             spill_abs: self.spill_abs.clone(),
             spill_ratios: self.spill_ratio.clone(),
+            ttl_at_point: self.ttl_at_point,
         }
     }
 
@@ -290,7 +291,7 @@ pub fn sweep(args: &SweepArgs, bins: &Bins) -> Result<PathBuf> {
     if args.policy_capacity {
         if args.variants() != experiment::policy_capacity::Variants::default() {
             bail!(
-                "--ttl-scale, --spill-abs and --spill-ratio vary the virtual searches (add --virtual); the live searches run each policy at its defaults"
+                "--ttl-scale, --ttl-at-point, --spill-abs and --spill-ratio vary the virtual searches (add --virtual); the live searches run each policy at its defaults"
             );
         }
         let started = Instant::now();

@@ -55,6 +55,10 @@ pub struct Variants {
     pub spill_abs: Vec<u32>,
     /// Ratio spill margins (policies that spill).
     pub spill_ratios: Vec<f64>,
+    /// Also search each belief-index policy with the index TTL derived at each point's own
+    /// rate (`<policy> ttl@point`): the calibration's TTL rule applied to a run of the point's
+    /// workload at the point's capacity ([`crate::virtual_sweep::point_index_ttl`]).
+    pub ttl_at_point: bool,
 }
 
 /// The absolute spill margin every policy runs with (`PolicySpec::default().spill_abs`).
@@ -71,6 +75,10 @@ pub struct Tuning {
     pub spill_abs: Option<u32>,
     /// … and `matched > spill_ratio × least`.
     pub spill_ratio: Option<f64>,
+    /// The TTL is derived at the point's own rate (set per point and seed in `ttl_s`).
+    pub ttl_at_point: bool,
+    /// The index TTL, wall s, replacing the calibration's (what `ttl_at_point` derived).
+    pub ttl_s: Option<f64>,
 }
 
 impl Tuning {
@@ -78,6 +86,9 @@ impl Tuning {
     pub fn apply(&self, spec: &mut policies::PolicySpec) {
         if let Some(f) = self.ttl_scale {
             spec.index_ttl_us = (spec.index_ttl_us as f64 * f).round() as u64;
+        }
+        if let Some(t) = self.ttl_s {
+            spec.index_ttl_us = (t * 1e6).round() as u64;
         }
         if let Some(a) = self.spill_abs {
             spec.spill_abs = a;
@@ -155,6 +166,17 @@ impl Variants {
                     };
                     push(tuning, format!("{p} ttl×{f}"), format!("{p}-ttl{f}"));
                 }
+                if self.ttl_at_point {
+                    let tuning = Tuning {
+                        ttl_at_point: true,
+                        ..Tuning::default()
+                    };
+                    push(
+                        tuning,
+                        format!("{p} ttl@point"),
+                        format!("{p}-ttl-at-point"),
+                    );
+                }
             }
             if spills(p) {
                 for &a in self.spill_abs.iter().filter(|&&a| a != DEFAULT_SPILL_ABS) {
@@ -212,6 +234,13 @@ impl Variants {
                         routing.index_ttl_s * f,
                         routing.index_ttl_s,
                         routing.index_ttl_rule.as_str()
+                    ));
+                }
+                if t.ttl_at_point {
+                    what.push(format!(
+                        "index TTL by the calibration's rule (`{}` there) applied at each point and seed to a prefix-affinity run of the point's workload at the point's own capacity whose index outlives the run (each in `policy-capacity/<point>/{}/seed-<k>/point-ttl.json`)",
+                        routing.index_ttl_rule.as_str(),
+                        v.slug
                     ));
                 }
                 if let Some(a) = t.spill_abs {
@@ -389,6 +418,11 @@ pub fn run_virtual(
     if searched.iter().any(|v| v.tuning != Tuning::default()) {
         basis.push_str("; ");
         basis.push_str(&Variants::describe(&searched, &cal.routing()?));
+    }
+    let ttls = point_ttls_text(&jobs);
+    if !ttls.is_empty() {
+        basis.push_str("; the TTLs derived at each point's rate: ");
+        basis.push_str(&ttls);
     }
     let report = analysis::capacity::report(&sweep, &basis, &baseline, RESOLUTION, &seeds, points);
     write_report(dir, &report)?;
@@ -823,6 +857,12 @@ fn search_one(
     cal: &crate::calibration::Calibration,
     job: &Job,
 ) -> Result<SeedCapacity> {
+    let mut job = job.clone();
+    if job.variant.tuning.ttl_at_point {
+        let derived = point_ttl(s, base, cal, &job)?;
+        job.variant.tuning.ttl_s = Some(derived.ttl_s);
+    }
+    let job = &job;
     record_search(
         job,
         cal,
@@ -845,6 +885,107 @@ fn search_one(
         },
         true,
     )
+}
+
+/// The index TTL derived at a point's own rate for one plan seed (`point-ttl.json`): what a
+/// `ttl@point` variant searches with, and the rule and evidence behind it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PointTtl {
+    /// The point's workload (`WorkloadSpec::name`); a record of another workload is re-derived.
+    pub workload: String,
+    /// The rate the deriving run offered, model req/s: the point's own capacity.
+    pub rate_rps: f64,
+    /// The TTL, wall s.
+    pub ttl_s: f64,
+    /// The rule that set it (`observed-decay` or `lru-cycle-model`).
+    pub rule: String,
+    /// The calibration's TTL, wall s, for comparison.
+    pub calibration_ttl_s: f64,
+    /// The rule's inputs (`calibration::TtlEvidence`) and the honoured share of the run.
+    pub evidence: serde_json::Value,
+}
+
+/// The TTL at `job`'s point and seed: its `point-ttl.json` when it holds the same workload,
+/// else derived by [`virtual_sweep::point_index_ttl`] at the job's start rate (the point's own
+/// capacity) and recorded (the run's rows are deleted once the TTL is derived).
+fn point_ttl(
+    s: &SweepSettings,
+    base: &sim::SimConfig,
+    cal: &crate::calibration::Calibration,
+    job: &Job,
+) -> Result<PointTtl> {
+    let record = job.work.join("point-ttl.json");
+    let workload = job.spec.name();
+    if let Some(t) = std::fs::read_to_string(&record)
+        .ok()
+        .and_then(|t| serde_json::from_str::<PointTtl>(&t).ok())
+        .filter(|t| t.workload == workload && t.rate_rps == job.start_rps)
+    {
+        return Ok(t);
+    }
+    let with_seed = SweepSettings {
+        seed: job.seed,
+        ..s.clone()
+    };
+    let rows = job.work.join("point-ttl");
+    let index = virtual_sweep::point_index_ttl(
+        &with_seed,
+        base,
+        cal,
+        &job.spec,
+        &job.point,
+        job.start_rps,
+        &rows,
+    );
+    if rows.exists() {
+        std::fs::remove_dir_all(&rows).with_context(|| format!("removing {}", rows.display()))?;
+    }
+    let index = index.with_context(|| format!("the TTL at {} (seed {})", job.point, job.seed))?;
+    let t = PointTtl {
+        workload,
+        rate_rps: job.start_rps,
+        ttl_s: index
+            .ttl_s
+            .ok_or_else(|| anyhow!("the TTL rule set no TTL at {}", job.point))?,
+        rule: index
+            .ttl_rule
+            .map_or_else(|| "none".to_string(), |r| r.as_str().to_string()),
+        calibration_ttl_s: cal.routing()?.index_ttl_s,
+        evidence: serde_json::json!({
+            "ttl_evidence": index.ttl_evidence,
+            "honoured_share": index.honoured_share,
+        }),
+    };
+    std::fs::create_dir_all(&job.work)?;
+    cell::write_atomic(&record, serde_json::to_string_pretty(&t)?.as_bytes())?;
+    Ok(t)
+}
+
+/// The TTLs the `ttl@point` searches ran with, per point: `seed s: t s (rule)`, for the basis.
+fn point_ttls_text(jobs: &[Job]) -> String {
+    let mut by_point: Vec<(String, Vec<String>)> = Vec::new();
+    for job in jobs.iter().filter(|j| j.variant.tuning.ttl_at_point) {
+        let Some(t) = std::fs::read_to_string(job.work.join("point-ttl.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<PointTtl>(&t).ok())
+        else {
+            continue;
+        };
+        let line = format!("seed {} {:.3} s ({})", job.seed, t.ttl_s, t.rule);
+        match by_point.iter_mut().find(|(p, _)| *p == job.point) {
+            Some((_, v)) => {
+                if !v.contains(&line) {
+                    v.push(line)
+                }
+            }
+            None => by_point.push((job.point.clone(), vec![line])),
+        }
+    }
+    by_point
+        .iter()
+        .map(|(p, v)| format!("{p}: {}", v.join(", ")))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// One seed's bracketed search as the report counts it.
@@ -908,6 +1049,7 @@ mod tests {
             ttl_scales: vec![0.5, 1.0, 2.0],
             spill_abs: vec![2, 4, 8],
             spill_ratios: vec![1.25, 1.5, 2.0],
+            ttl_at_point: true,
         }
     }
 
@@ -937,6 +1079,7 @@ mod tests {
                 "prefix-affinity",
                 "prefix-affinity ttl×0.5",
                 "prefix-affinity ttl×2",
+                "prefix-affinity ttl@point",
                 "prefix-affinity spill-abs 2",
                 "prefix-affinity spill-abs 8",
                 "prefix-affinity spill-ratio 1.25",
@@ -1002,6 +1145,18 @@ mod tests {
         );
         let ratio = spec_of("prefix-affinity spill-ratio 1.25");
         assert_eq!((ratio.spill_abs, ratio.spill_ratio), (4, 1.25));
+        // The TTL at a point's rate: the calibration's until the point's is derived, then that.
+        let at_point = searched
+            .iter()
+            .find(|v| v.label == "prefix-affinity ttl@point")
+            .unwrap();
+        assert!(at_point.tuning.ttl_at_point && at_point.tuning.ttl_s.is_none());
+        let mut derived = at_point.tuning;
+        derived.ttl_s = Some(7.25);
+        let mut cfg = sim::SimConfig::new(3, "round-robin");
+        crate::virtual_sweep::step_policy(&mut cfg, "prefix-affinity", 7, &routing, Some(&derived));
+        assert_eq!(cfg.policy.index_ttl_us, 7_250_000);
+        assert_eq!((cfg.policy.spill_abs, cfg.policy.spill_ratio), (4, 1.5));
         // The basis names the base TTL, its rule and the factor.
         let words = Variants::describe(&searched, &routing);
         assert!(words.contains(

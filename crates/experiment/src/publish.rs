@@ -145,7 +145,7 @@ fn copy_tree(src: &Path, dst: &Path, out: &mut Published, at: Where) -> Result<(
             | (
                 Where::Inner,
                 "plan.json" | "capacity.json" | "unbracketed.json" | "discarded.json" | "meta.json"
-                | "fault.json",
+                | "fault.json" | "point-ttl.json",
             )
             | (Where::Top, _)
                 if is_summary(&file_name) =>
@@ -319,6 +319,10 @@ mod tests {
             &run.join("policy-capacity/ws3-s0/round-robin/seed-7/unbracketed.json"),
             "[]",
         );
+        write(
+            &run.join("policy-capacity/ws1-s0/prefix-affinity-ttl-at-point/seed-7/point-ttl.json"),
+            "{}",
+        );
         let step = search.join("capacity/ws1-s0-rate9.253/session-affinity/rep-1");
         write(&step.join("meta.json"), "{}");
         write(&step.join("client.csv"), "request_id\n");
@@ -330,6 +334,7 @@ mod tests {
             got,
             [
                 "policy-capacity.json",
+                "policy-capacity/ws1-s0/prefix-affinity-ttl-at-point/seed-7/point-ttl.json",
                 "policy-capacity/ws1-s0/session-affinity/seed-7/capacity.json",
                 "policy-capacity/ws1-s0/session-affinity/seed-7/capacity/ws1-s0-rate9.253/session-affinity/rep-1/client.csv.gz",
                 "policy-capacity/ws1-s0/session-affinity/seed-7/capacity/ws1-s0-rate9.253/session-affinity/rep-1/meta.json",

@@ -81,6 +81,10 @@ pub const EXEMPT: &[(&str, &str)] = &[
         "the same variants on the workload without prefix groups, published as its report and each search's record (no rows); rebuilt by re-running the `pressure-grid-virtual-ttl-spill` command with `--prefix-groups 0 --sweep-dir-name pressure-grid-virtual-ttl-spill-no-groups` (124 s on the 2-core machine)",
     ),
     (
+        "pressure-grid-virtual-ttl-at-point",
+        "virtual per-policy capacity of prefix-affinity with the index TTL derived at each point's own rate beside its defaults, every point, published as its report, each search's record and each derived TTL (`point-ttl.json`; no rows: a search's steps and the deriving run are deleted once recorded); rebuilt by re-running `cargo xtask sweep pressure-grid --virtual --policy-capacity --policies prefix-affinity --ttl-at-point --sweep-dir-name pressure-grid-virtual-ttl-at-point` (167 s on the 2-core machine)",
+    ),
+    (
         "pressure-grid-virtual-shared",
         "virtual sweep published as its report only (no rows); rebuilt by re-running its virtual sweep (docs/measurements/README.md)",
     ),

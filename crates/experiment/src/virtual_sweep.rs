@@ -305,6 +305,77 @@ pub fn find_capacity(
     )
 }
 
+/// The index TTL at a point's own rate (issue #35, item 6): the calibration's TTL rule
+/// ([`calibration::index_from_reference`]: a band of decayed belief, else the LRU cycle of the
+/// caches' inflow) applied to one simulated open-loop run of the point's workload `spec` at
+/// `rate_rps` (model req/s, the point's capacity), under prefix-affinity whose index outlives
+/// the run, as the calibration's reference run does. The run's windows are a search step's
+/// (the sweep's, widened for the policy searches' minimum of requests, warm-up by
+/// [`capacity::steady_step_warmup_s`]); its rows go under `work`.
+pub fn point_index_ttl(
+    s: &SweepSettings,
+    base: &sim::SimConfig,
+    cal: &Calibration,
+    spec: &WorkloadSpec,
+    point: &str,
+    rate_rps: f64,
+    work: &Path,
+) -> Result<calibration::IndexCalibration> {
+    let speed = base.engine.model.speed;
+    let wall_rate = rate_rps * speed;
+    let min_requests = analysis::DriftConfig::default()
+        .min_requests
+        .max(crate::policy_capacity::MIN_WINDOW_REQUESTS);
+    let measure_s = s
+        .measure_s
+        .max(capacity::window_for_requests(wall_rate, min_requests));
+    let warmup_s =
+        capacity::steady_step_warmup_s(spec, wall_rate, cal.open_start(), s.warmup_s, measure_s)?;
+    let run_s = warmup_s + measure_s;
+    let reference_ttl_s = calibration::reference_index_ttl_s(run_s);
+    let arrival = ArrivalSpec::Open {
+        rate_rps: wall_rate,
+        duration_s: run_s,
+        start: cal.open_start(),
+    };
+    let plan = Plan::build(spec, &arrival).map_err(|e| anyhow!("{e}"))?;
+    let book = sim::PromptBook::new(&plan, &base.model, base.router.block_bytes, true)
+        .map_err(|e| anyhow!("prompts of {point}: {e}"))?;
+    let policy = "prefix-affinity";
+    let mut cfg = base.clone();
+    step_policy(&mut cfg, policy, s.seed, &cal.routing()?, None);
+    cfg.policy.index_ttl_us = (reference_ttl_s * 1e6) as u64;
+    cfg.engine.seed = s.fleet.engine_seed;
+    cfg.driver = sim::DriverModel {
+        warmup_s,
+        duration_s: Some(run_s),
+        timeout_s: s.request_timeout_s,
+    };
+    let dir = cell::rep_dir(work, point, policy, 1);
+    cell::clear(&dir)?;
+    let meta = sim::CellMeta {
+        sweep: "point-ttl-reference".into(),
+        point: point.into(),
+        rep: 1,
+        slo: cal.slo,
+        planned_end_s: Some(run_s),
+        git_rev: s.git_rev.clone(),
+        versions: s.versions.clone(),
+        run: serde_json::json!({"offered_rps": rate_rps, "offered_wall_rps": wall_rate, "index_ttl_s": reference_ttl_s}),
+    };
+    let (_, meta_json) =
+        sim::write_cell_rows(&cfg, &plan, &book, &dir, &meta).map_err(|e| anyhow!("{e}"))?;
+    sim::write_meta(&dir, &meta_json).map_err(|e| anyhow!("{e}"))?;
+    let rep = match analysis::load_rep(&dir, point, policy, 1).map_err(|e| anyhow!("{e}"))? {
+        analysis::load::RepLoad::Complete(rep) => rep,
+        analysis::load::RepLoad::Incomplete(why) => {
+            bail!("the run at {point}'s rate is incomplete: {why}")
+        }
+    };
+    calibration::index_from_reference(&rep, &cal.slo, cal.capacity_tokens, speed, reference_ttl_s)
+        .with_context(|| format!("the TTL rule at {point}'s rate ({})", dir.display()))
+}
+
 /// What one simulated capacity search searches: a workload, the name its steps go under, where
 /// it starts, and optionally its resolution and the policies whose best decides.
 #[derive(Debug, Clone)]
