@@ -389,3 +389,53 @@ fn each_policy_gets_its_own_capacity_per_plan_seed() {
         "{md}"
     );
 }
+
+/// `--ttl-at-point`: before its search, the `ttl@point` variant derives its TTL by the
+/// calibration's rule from a run at the point's own capacity, records it with its evidence, and
+/// deletes that run's rows; the live searches refuse the flag.
+#[test]
+fn the_ttl_at_a_points_rate_is_the_calibrations_rule_applied_there() {
+    let s = scratch("ttl-at-point");
+    let out = s.path().to_string_lossy().into_owned();
+    let fixed = "sweep pressure-grid --quick --virtual --policy-capacity --seeds 1 \
+                 --points ws1-s0-load1.0 --policies prefix-affinity --ttl-at-point \
+                 --replicas 2 --num-gpu-blocks 1024 --measure-s 6";
+    let mut args: Vec<&str> = fixed.split_whitespace().collect();
+    args.extend(["--out", &out, "--sweep-dir-name", "tp"]);
+    let (ok, stderr) = xtask(&args);
+    assert!(ok, "--ttl-at-point failed:\n{stderr}");
+    let dir = s.path().join("tp");
+    let search = dir.join("policy-capacity/ws1-s0/prefix-affinity-ttl-at-point/seed-7");
+    let t = json(&search.join("point-ttl.json"));
+    let point_rate = json(&dir.join("ws1-s0-load1.0/capacity.json"))["capacity"]["rate_rps"]
+        .as_f64()
+        .unwrap();
+    assert_eq!(t["rate_rps"].as_f64(), Some(point_rate), "{t}");
+    let ttl_s = t["ttl_s"].as_f64().unwrap();
+    assert!(ttl_s > 0.0, "{t}");
+    let evidence = &t["evidence"]["ttl_evidence"];
+    match t["rule"].as_str().unwrap() {
+        "lru-cycle-model" => {
+            // KV capacity ÷ the tokens entering the caches per second, as the calibration's.
+            let capacity = evidence["capacity_tokens"].as_f64().unwrap();
+            let inflow = evidence["inflow"]["tokens_per_s"].as_f64().unwrap();
+            assert!((ttl_s - capacity / inflow).abs() < 1e-6 * ttl_s, "{t}");
+        }
+        "observed-decay" => assert!(!evidence["stale_band"].is_null(), "{t}"),
+        other => panic!("unknown rule {other}: {t}"),
+    }
+    assert!(
+        !search.join("point-ttl").exists(),
+        "the deriving run's rows are deleted"
+    );
+    let md = std::fs::read_to_string(dir.join("policy-capacity.md")).unwrap();
+    assert!(md.contains("| prefix-affinity ttl@point |"), "{md}");
+    assert!(
+        md.contains("the TTLs derived at each point's rate: ws1-s0: seed 7 "),
+        "{md}"
+    );
+    // Live, each policy runs at its defaults: the flag is refused before anything starts.
+    let live: Vec<&str> = args.iter().copied().filter(|a| *a != "--virtual").collect();
+    let (ok, stderr) = xtask(&live);
+    assert!(!ok && stderr.contains("--ttl-at-point"), "{stderr}");
+}
