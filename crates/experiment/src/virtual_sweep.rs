@@ -323,14 +323,14 @@ pub fn point_index_ttl(
 ) -> Result<calibration::IndexCalibration> {
     let speed = base.engine.model.speed;
     let wall_rate = rate_rps * speed;
-    let min_requests = analysis::DriftConfig::default()
-        .min_requests
-        .max(crate::policy_capacity::MIN_WINDOW_REQUESTS);
-    let measure_s = s
-        .measure_s
-        .max(capacity::window_for_requests(wall_rate, min_requests));
-    let warmup_s =
-        capacity::steady_step_warmup_s(spec, wall_rate, cal.open_start(), s.warmup_s, measure_s)?;
+    let (warmup_s, measure_s) = step_windows(
+        s,
+        spec,
+        wall_rate,
+        cal.open_start(),
+        s.warmup_s,
+        crate::policy_capacity::MIN_WINDOW_REQUESTS,
+    )?;
     let run_s = warmup_s + measure_s;
     let reference_ttl_s = calibration::reference_index_ttl_s(run_s);
     let arrival = ArrivalSpec::Open {
@@ -374,6 +374,29 @@ pub fn point_index_ttl(
     };
     calibration::index_from_reference(&rep, &cal.slo, cal.capacity_tokens, speed, reference_ttl_s)
         .with_context(|| format!("the TTL rule at {point}'s rate ({})", dir.display()))
+}
+
+/// A simulated open-loop step's warm-up and measured window, wall s: the sweep's window widened
+/// to hold at least `min_window_requests` (and the drift check's minimum) at `wall_rate`, and a
+/// warm-up long enough in the workload's own terms ([`capacity::steady_step_warmup_s`]) from
+/// `warmup_s`. One rule for the capacity steps and the run that derives a point's TTL.
+fn step_windows(
+    s: &SweepSettings,
+    spec: &WorkloadSpec,
+    wall_rate: f64,
+    open_start: workload::OpenStart,
+    warmup_s: f64,
+    min_window_requests: usize,
+) -> Result<(f64, f64)> {
+    let min_requests = analysis::DriftConfig::default()
+        .min_requests
+        .max(min_window_requests);
+    let measure_s = s
+        .measure_s
+        .max(capacity::window_for_requests(wall_rate, min_requests));
+    let warmup_s =
+        capacity::steady_step_warmup_s(spec, wall_rate, open_start, warmup_s, measure_s)?;
+    Ok((warmup_s, measure_s))
 }
 
 /// What one simulated capacity search searches: a workload, the name its steps go under, where
@@ -459,23 +482,18 @@ pub fn find_capacity_of(
     };
     let sweep_dir = work.join("capacity");
     cell::clear(&sweep_dir)?;
-    let min_requests = analysis::DriftConfig::default()
-        .min_requests
-        .max(min_window_requests.unwrap_or(0));
     let mut workload_name = String::new();
     let mut measure = |step: &StepRequest| -> Result<StepMeasurement> {
         let wall_rate = step.rate_rps * speed;
-        let measure_s = c
-            .measure_s
-            .max(capacity::window_for_requests(wall_rate, min_requests));
         // Long enough, in the workload's own terms, that the window is past the run's start:
         // at most MAX_COLD_RESUME_SHARE of its requests resume a conversation cold.
-        let warmup_s = capacity::steady_step_warmup_s(
+        let (warmup_s, measure_s) = step_windows(
+            s,
             spec,
             wall_rate,
             cfg.open_start,
             capacity::step_warmup_s(c.warmup_s, step.lengthening),
-            measure_s,
+            min_window_requests.unwrap_or(0),
         )?;
         let run_s = warmup_s + measure_s;
         let step_point = capacity::step_point_of(point, step.rate_rps, step.lengthening);
