@@ -324,7 +324,7 @@ pub fn point_index_ttl(
     let speed = base.engine.model.speed;
     let wall_rate = rate_rps * speed;
     let (warmup_s, measure_s) = step_windows(
-        s,
+        s.measure_s,
         spec,
         wall_rate,
         cal.open_start(),
@@ -376,12 +376,12 @@ pub fn point_index_ttl(
         .with_context(|| format!("the TTL rule at {point}'s rate ({})", dir.display()))
 }
 
-/// A simulated open-loop step's warm-up and measured window, wall s: the sweep's window widened
+/// A simulated open-loop step's warm-up and measured window, wall s: `measure_s` widened
 /// to hold at least `min_window_requests` (and the drift check's minimum) at `wall_rate`, and a
 /// warm-up long enough in the workload's own terms ([`capacity::steady_step_warmup_s`]) from
 /// `warmup_s`. One rule for the capacity steps and the run that derives a point's TTL.
 fn step_windows(
-    s: &SweepSettings,
+    measure_s: f64,
     spec: &WorkloadSpec,
     wall_rate: f64,
     open_start: workload::OpenStart,
@@ -391,9 +391,7 @@ fn step_windows(
     let min_requests = analysis::DriftConfig::default()
         .min_requests
         .max(min_window_requests);
-    let measure_s = s
-        .measure_s
-        .max(capacity::window_for_requests(wall_rate, min_requests));
+    let measure_s = measure_s.max(capacity::window_for_requests(wall_rate, min_requests));
     let warmup_s =
         capacity::steady_step_warmup_s(spec, wall_rate, open_start, warmup_s, measure_s)?;
     Ok((warmup_s, measure_s))
@@ -488,7 +486,7 @@ pub fn find_capacity_of(
         // Long enough, in the workload's own terms, that the window is past the run's start:
         // at most MAX_COLD_RESUME_SHARE of its requests resume a conversation cold.
         let (warmup_s, measure_s) = step_windows(
-            s,
+            c.measure_s,
             spec,
             wall_rate,
             cfg.open_start,
