@@ -7,7 +7,9 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use experiment::Bins;
 
-/// The packages whose binaries the experiment drives.
+/// The packages whose binaries the experiment drives, built in one invocation so their shared
+/// dependencies compile once; the tests' `test_support::release_bin` builds the same set (a test
+/// below holds the two lists equal).
 pub const BIN_PACKAGES: &[&str] = &["engine-bin", "router-bin", "driver-bin", "report-bin"];
 
 /// The workspace root (xtask lives one level below it).
@@ -63,4 +65,13 @@ pub fn git_rev() -> Option<String> {
 /// Versions worth recording beside results (`experiment::provenance::versions`).
 pub fn versions() -> serde_json::Value {
     experiment::provenance::versions()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_tests_build_the_same_package_set_as_the_main_job() {
+        // Another set would unify features differently and compile shared dependencies again.
+        assert_eq!(super::BIN_PACKAGES, test_support::EXPERIMENT_BIN_PACKAGES);
+    }
 }

@@ -10,7 +10,7 @@ mod dirs;
 mod sse;
 mod wait;
 
-pub use bins::{release_bin, target_dir, workspace_root};
+pub use bins::{EXPERIMENT_BIN_PACKAGES, release_bin, target_dir, workspace_root};
 pub use dirs::temp_dir;
 pub use sse::{MockReplica, MockState, Script, Seen, mock_tokens};
 pub use tempfile::TempDir;
