@@ -6,11 +6,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use experiment::Bins;
-
-/// The packages whose binaries the experiment drives, built in one invocation so their shared
-/// dependencies compile once; the tests' `test_support::release_bin` builds the same set (a test
-/// below holds the two lists equal).
-pub const BIN_PACKAGES: &[&str] = &["engine-bin", "router-bin", "driver-bin", "report-bin"];
+use experiment::bins::BIN_PACKAGES;
 
 /// The workspace root (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {
@@ -18,19 +14,11 @@ pub fn workspace_root() -> PathBuf {
     manifest.parent().unwrap_or(manifest).to_path_buf()
 }
 
-/// The cargo target directory (honours `CARGO_TARGET_DIR`).
+/// The cargo target directory (honours `CARGO_TARGET_DIR`, relative to the workspace root; an
+/// absolute one replaces the root in `join`).
 pub fn target_dir() -> PathBuf {
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) => {
-            let dir = PathBuf::from(dir);
-            if dir.is_absolute() {
-                dir
-            } else {
-                workspace_root().join(dir)
-            }
-        }
-        None => workspace_root().join("target"),
-    }
+    let dir = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| "target".into(), PathBuf::from);
+    workspace_root().join(dir)
 }
 
 /// The release binaries under the target dir (not checked).
@@ -65,13 +53,4 @@ pub fn git_rev() -> Option<String> {
 /// Versions worth recording beside results (`experiment::provenance::versions`).
 pub fn versions() -> serde_json::Value {
     experiment::provenance::versions()
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn the_tests_build_the_same_package_set_as_the_main_job() {
-        // Another set would unify features differently and compile shared dependencies again.
-        assert_eq!(super::BIN_PACKAGES, test_support::EXPERIMENT_BIN_PACKAGES);
-    }
 }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+use experiment::fleet_description::FleetDescription;
 use experiment::fleet_spec::{
     CacheModelKind, FleetKind, FleetSpec, default_blocks, default_replicas, default_speed,
 };
@@ -24,6 +25,9 @@ pub struct FleetArgs {
     /// Emulated engines' KV cache: `paged` (vLLM's) or `llama-slots` (the llama fleet's twin).
     #[arg(long, value_enum, default_value_t = CacheModelKind::Paged)]
     pub cache_model: CacheModelKind,
+    /// A fleet description (`fleets/*.toml`) whose engines the emulated fleet runs; its KV sets the pool.
+    #[arg(long, value_parser = FleetDescription::from_arg)]
+    pub fleet_description: Option<FleetDescription>,
     /// Per-replica emulated slowdown factors, e.g. `1,1,1,1,1.5` (a throttled card).
     #[arg(long, value_delimiter = ',')]
     pub slowdowns: Vec<f64>,
@@ -83,7 +87,10 @@ impl FleetArgs {
             replicas: self.replicas.unwrap_or_else(|| default_replicas(quick)),
             speed: self.speed.unwrap_or(default_speed(self.cache_model)),
             slowdowns: self.slowdowns.clone(),
-            num_gpu_blocks: self.num_gpu_blocks.unwrap_or_else(|| default_blocks(quick)),
+            num_gpu_blocks: (self
+                .num_gpu_blocks
+                .or(FleetDescription::blocks(&self.fleet_description)))
+            .unwrap_or_else(|| default_blocks(quick)),
             model: self.model.clone(),
             engine_seed: self.engine_seed,
             command: self.command.clone(),
@@ -98,6 +105,7 @@ impl FleetArgs {
             model_gguf: or(&self.model_gguf, fleet::llama::default_tiny_model),
             vllm_dir: or(&self.vllm_dir, fleet::vllm::default_dir),
             cache_model: self.cache_model,
+            description: self.fleet_description.clone(),
         }
     }
 }

@@ -9,6 +9,7 @@
 pub mod block_pool;
 pub mod config;
 pub mod core;
+pub mod describe;
 pub mod kv_events;
 pub mod llama_slots;
 pub mod tokenizer;

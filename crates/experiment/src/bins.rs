@@ -6,6 +6,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
 
+/// The packages whose binaries the experiment drives, built in one cargo invocation (xtask's
+/// `env::build_release_bins`) so their shared dependencies compile once; the tests'
+/// `test_support::release_bin` builds the same set (a test below holds the two lists equal).
+pub const BIN_PACKAGES: &[&str] = &["engine-bin", "router-bin", "driver-bin", "report-bin"];
+
 /// Paths of the release binaries.
 #[derive(Debug, Clone)]
 pub struct Bins {
@@ -54,5 +59,14 @@ mod tests {
             err.starts_with("/nonexistent/release/engine is missing"),
             "{err}"
         );
+    }
+}
+
+#[cfg(test)]
+mod package_set {
+    #[test]
+    fn the_tests_build_the_same_package_set_as_the_main_job() {
+        // Another set would unify features differently and compile shared dependencies again.
+        assert_eq!(super::BIN_PACKAGES, test_support::EXPERIMENT_BIN_PACKAGES);
     }
 }

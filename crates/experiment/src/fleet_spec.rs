@@ -131,6 +131,9 @@ pub struct FleetSpec {
     pub vllm_dir: PathBuf,
     /// The KV cache an emulated fleet's engines model.
     pub cache_model: CacheModelKind,
+    /// The fleet description an emulated fleet's engines follow (`--fleet-description`): their
+    /// limits and step model; `None` for the emulator's default engine.
+    pub description: Option<crate::fleet_description::FleetDescription>,
 }
 
 impl FleetSpec {
@@ -164,7 +167,9 @@ impl FleetSpec {
             (FleetKind::Llama, _) => self.llama_spec(1).parallel,
             (FleetKind::Emulated, CacheModelKind::LlamaSlots) => match self.emulated_cache() {
                 EmulatedCache::LlamaSlots { parallel_slots, .. } => parallel_slots,
-                EmulatedCache::Paged | EmulatedCache::PagedTwin { .. } => 1,
+                EmulatedCache::Paged
+                | EmulatedCache::PagedTwin { .. }
+                | EmulatedCache::Described(_) => 1,
             },
             _ => 1,
         }
@@ -174,7 +179,10 @@ impl FleetSpec {
     /// fleet's pinned settings.
     pub fn emulated_cache(&self) -> EmulatedCache {
         match self.cache_model {
-            CacheModelKind::Paged => EmulatedCache::Paged,
+            CacheModelKind::Paged => match &self.description {
+                Some(d) => d.emulated_cache(),
+                None => EmulatedCache::Paged,
+            },
             CacheModelKind::LlamaSlots => EmulatedCache::llama_fleet(),
             CacheModelKind::VllmTiny => EmulatedCache::vllm_fleet(VLLM_MAX_MODEL_LEN),
         }
@@ -274,6 +282,7 @@ impl FleetSpec {
                 self.slowdowns.len()
             );
         }
+        self.check_description()?;
         if self.cache_model != CacheModelKind::Paged && self.kind != FleetKind::Emulated {
             bail!(
                 "--cache-model applies to --fleet emulated (a real fleet's cache is its engine's)"
@@ -333,6 +342,27 @@ impl FleetSpec {
                     .collect(),
             }),
         })
+    }
+
+    /// Refuses a fleet description where it cannot apply: it describes emulated engines of
+    /// vLLM's paged cache, so not a real fleet, and not with another `--cache-model`.
+    pub fn check_description(&self) -> Result<()> {
+        if let Some(d) = &self.description {
+            if self.kind != FleetKind::Emulated {
+                bail!(
+                    "--fleet-description {} describes emulated engines; a real fleet's engines are what they are (give --fleet emulated, or --virtual)",
+                    d.path.display()
+                );
+            }
+            if self.cache_model != CacheModelKind::Paged {
+                bail!(
+                    "--fleet-description {} describes vLLM's paged cache; it cannot be combined with --cache-model {:?}",
+                    d.path.display(),
+                    self.cache_model
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Log directory and timeouts.
@@ -402,6 +432,7 @@ impl FleetSpec {
             model_gguf: PathBuf::from("m.gguf"),
             vllm_dir: PathBuf::from("vllm"),
             cache_model: CacheModelKind::Paged,
+            description: None,
         }
     }
 }

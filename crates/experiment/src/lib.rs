@@ -44,6 +44,7 @@ pub mod calibration;
 pub mod capacity;
 pub mod cell;
 pub mod fault;
+pub mod fleet_description;
 pub mod fleet_spec;
 pub mod gate;
 pub mod grid;

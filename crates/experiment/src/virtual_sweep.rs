@@ -135,6 +135,25 @@ impl EmulatedFleet {
             cfg.engine.model = engine_core::StepModel::preset(step_model)
                 .ok_or_else(|| anyhow!("unknown step model {step_model}"))?;
         }
+        if let fleet::EmulatedCache::Described(d) = &self.cache {
+            // The engines' flags from a fleet description, as the live fleet passes them.
+            cfg.engine.block_size = d.block_size;
+            cfg.engine.max_num_batched_tokens = d.max_num_batched_tokens;
+            cfg.engine.max_num_seqs = d.max_num_seqs;
+            cfg.engine.max_model_len = d.max_model_len;
+            cfg.engine.model = engine_core::StepModel {
+                overhead_ms: d.step_overhead_ms,
+                weight_bytes: d.weight_bytes,
+                kv_bytes_per_token: d.kv_bytes_per_token,
+                bandwidth_bytes_per_s: d.bandwidth_bytes_per_s,
+                c_tok_ms: d.c_tok_ms,
+                c_attn_ms: d.c_attn_ms,
+                c_decode_ctx_ms: d.c_decode_ctx_ms,
+                frontend_ms: d.frontend_ms,
+                tokenize_ms: d.tokenize_ms,
+                ..engine_core::StepModel::default()
+            };
+        }
         cfg.engine.model.speed = self.speed;
         // No step-time jitter: an invented noise level would only make deterministic
         // repetitions look like measured ones.
@@ -1055,7 +1074,7 @@ pub fn check(s: &SweepSettings) -> Result<()> {
     if s.reps == 0 {
         bail!("--reps must be at least 1");
     }
-    Ok(())
+    s.fleet.check_description()
 }
 
 /// A virtual sweep ready to run: what it runs under and the repetitions left to simulate.
@@ -1499,5 +1518,90 @@ mod tests {
         assert!(meta["accepted"].is_boolean());
         assert!(meta["drift"]["warming"].is_boolean());
         assert!(cell::CellState::of(&s.0.join("a")).is_done());
+    }
+
+    /// A fleet description's engines are the simulated fleet's: the reference description is
+    /// the emulator's default engine (no flags, the same key, the same simulated config, so
+    /// every virtual result is unchanged), and another description's limits and step model reach
+    /// the simulator exactly as the engine flags a live fleet passes carry them.
+    #[test]
+    fn a_described_fleet_is_simulated_with_its_engines() {
+        use crate::fleet_description::{FleetDescription, shipped};
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let all = shipped(&root).unwrap();
+        let by = |name: &str| -> FleetDescription {
+            all.iter().find(|d| d.name == name).unwrap().clone()
+        };
+        let base = |s: &FleetSpec| {
+            let f = EmulatedFleet::of(s).unwrap();
+            f.base_config(&f.used_replicas()).unwrap()
+        };
+        let plain = FleetSpec::test_emulated();
+        let reference = FleetSpec {
+            description: Some(by("rtx3090-llama-3-8b-4bit")),
+            ..plain.clone()
+        };
+        assert_eq!(reference.emulated_cache(), fleet::EmulatedCache::Paged);
+        assert_eq!(reference.key(), plain.key());
+        assert_eq!(base(&reference).engine, base(&plain).engine);
+
+        let h100 = by("h100-llama-3.1-8b-bf16");
+        let spec = FleetSpec {
+            description: Some(h100.clone()),
+            num_gpu_blocks: u64::from(h100.num_gpu_blocks()),
+            ..plain.clone()
+        };
+        let cfg = base(&spec).engine;
+        let want = h100.engine_config();
+        assert_eq!(
+            cfg.model,
+            engine_core::StepModel {
+                speed: plain.speed,
+                jitter: 0.0,
+                ..want.model.clone()
+            }
+        );
+        assert_eq!(
+            (
+                cfg.block_size,
+                cfg.num_gpu_blocks,
+                cfg.max_num_batched_tokens
+            ),
+            (
+                want.block_size,
+                want.num_gpu_blocks,
+                want.max_num_batched_tokens
+            )
+        );
+        assert_eq!(
+            (cfg.max_num_seqs, cfg.max_model_len),
+            (want.max_num_seqs, want.max_model_len)
+        );
+        // The live engines' flags read back to the very constants simulated.
+        let args = spec.emulated_cache().args();
+        let flag = |name: &str| -> f64 {
+            let i = args.iter().position(|a| a == name).unwrap();
+            args[i + 1].parse().unwrap()
+        };
+        assert_eq!(flag("--c-tok-ms"), want.model.c_tok_ms);
+        assert_eq!(
+            flag("--bandwidth-bytes-per-s"),
+            want.model.bandwidth_bytes_per_s
+        );
+        assert_eq!(flag("--kv-bytes-per-token"), want.model.kv_bytes_per_token);
+        assert_eq!(flag("--max-num-seqs"), f64::from(want.max_num_seqs));
+        // A calibration for one fleet is not another's.
+        assert_ne!(spec.key(), plain.key());
+        // A description applies to emulated paged engines only.
+        let real = FleetSpec {
+            kind: FleetKind::Static,
+            ..spec.clone()
+        };
+        assert!(real.check_description().is_err());
+        let slots = FleetSpec {
+            cache_model: crate::fleet_spec::CacheModelKind::LlamaSlots,
+            ..spec
+        };
+        assert!(slots.check_description().is_err());
     }
 }

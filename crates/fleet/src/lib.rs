@@ -41,8 +41,8 @@ pub use driver_process::{DriverSettings, start_driver, wait_driver};
 pub use error::{Error, Result};
 pub use evidence::{CheckStatus, EvidenceBounds, EvidenceConfig, EvidenceSampler, EvidenceSummary};
 pub use fleet::{
-    CommandSpec, EmulatedCache, EmulatedSpec, Fleet, FleetOptions, ReplicaInfo, Source, StaticSpec,
-    VllmFleetSpec,
+    CommandSpec, DescribedEngine, EmulatedCache, EmulatedSpec, Fleet, FleetOptions, ReplicaInfo,
+    Source, StaticSpec, VllmFleetSpec,
 };
 pub use gpu::{FleetGpus, GpuBackend};
 pub use ingress::{Ingress, IngressProcess, RouterSettings, RoutersSettings};

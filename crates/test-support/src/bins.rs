@@ -25,7 +25,7 @@ pub fn target_dir() -> PathBuf {
 }
 
 /// The packages the experiment's binaries come from, built together in one cargo invocation both
-/// by the main job (`xtask`'s `env::BIN_PACKAGES`, which a test in xtask holds equal to this) and by
+/// by the main job (`experiment::bins::BIN_PACKAGES`, which a test there holds equal to this) and by
 /// [`release_bin`]. Why together: cargo unifies the features of shared dependencies (tokio, hyper)
 /// over the packages of one invocation, so `-p engine-bin` alone and the four together compile
 /// those dependencies twice; measured on this 2-core machine (6 Dec 2026), building engine-bin,
