@@ -8,7 +8,7 @@ use anyhow::{Result, bail};
 
 /// The packages whose binaries the experiment drives, built in one cargo invocation (xtask's
 /// `env::build_release_bins`) so their shared dependencies compile once; the tests'
-/// `test_support::release_bin` builds the same set (a test below holds the two lists equal).
+/// `test_support::release_bin` and `.ci/run` build the same set (a test below holds them equal).
 pub const BIN_PACKAGES: &[&str] = &["engine-bin", "router-bin", "driver-bin", "report-bin"];
 
 /// Paths of the release binaries.
@@ -68,5 +68,12 @@ mod package_set {
     fn the_tests_build_the_same_package_set_as_the_main_job() {
         // Another set would unify features differently and compile shared dependencies again.
         assert_eq!(super::BIN_PACKAGES, test_support::EXPERIMENT_BIN_PACKAGES);
+        // .ci/run builds the set before the tests: the same invocation, or they build it again.
+        let flags: Vec<String> = super::BIN_PACKAGES
+            .iter()
+            .map(|p| format!("-p {p}"))
+            .collect();
+        let ci = include_str!("../../../.ci/run");
+        assert!(ci.contains(&flags.join(" ")), ".ci/run builds another set");
     }
 }

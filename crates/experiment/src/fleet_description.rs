@@ -300,11 +300,7 @@ impl FleetDescription {
                 frontend_ms: self.frontend_ms,
                 ..StepModel::preset(preset).expect("checked by parse")
             },
-            None => StepModel {
-                overhead_ms: self.step_overhead_ms,
-                frontend_ms: self.frontend_ms,
-                ..describe::roofline(&self.gpu, &self.model, self.tp, &self.efficiency)
-            },
+            None => self.roofline_step_model(),
         }
     }
 
@@ -323,6 +319,26 @@ impl FleetDescription {
         u32::try_from(self.kv_tokens_per_replica / u64::from(self.block_tokens)).unwrap_or(u32::MAX)
     }
 
+    /// The emulated engines this description gives: the emulator's default engine
+    /// (`EmulatedCache::Paged`, no flags) when it is exactly that one, so the reference fleet's
+    /// description changes nothing a run records; else its engine config as the engine's flags
+    /// ([`engine_args`]). The pool (`--num-gpu-blocks`) is the fleet's, set apart.
+    pub fn emulated_cache(&self) -> fleet::EmulatedCache {
+        let cfg = self.engine_config();
+        let default = EngineConfig::default();
+        if (EngineConfig {
+            num_gpu_blocks: default.num_gpu_blocks,
+            ..cfg.clone()
+        }) == default
+        {
+            return fleet::EmulatedCache::Paged;
+        }
+        fleet::EmulatedCache::Described(Box::new(fleet::DescribedEngine {
+            name: self.name.clone(),
+            args: engine_args(&cfg),
+        }))
+    }
+
     /// One replica's engine configuration: the described limits and step model, everything else
     /// at the engine's defaults.
     pub fn engine_config(&self) -> EngineConfig {
@@ -338,39 +354,33 @@ impl FleetDescription {
     }
 }
 
-impl FleetDescription {
-    /// The emulated engines this description gives: the emulator's default engine
-    /// (`EmulatedCache::Paged`, no flags) when it is exactly that one, so the reference fleet's
-    /// description changes nothing a run records; else every limit and step constant as the
-    /// engine's flags. The pool (`--num-gpu-blocks`) is the fleet's, set apart.
-    pub fn emulated_cache(&self) -> fleet::EmulatedCache {
-        let cfg = self.engine_config();
-        let default = EngineConfig::default();
-        let same_pool = EngineConfig {
-            num_gpu_blocks: default.num_gpu_blocks,
-            ..cfg.clone()
-        };
-        if same_pool == default {
-            return fleet::EmulatedCache::Paged;
-        }
-        let m = cfg.model;
-        fleet::EmulatedCache::Described(Box::new(fleet::DescribedEngine {
-            name: self.name.clone(),
-            block_size: cfg.block_size,
-            max_num_batched_tokens: cfg.max_num_batched_tokens,
-            max_num_seqs: cfg.max_num_seqs,
-            max_model_len: cfg.max_model_len,
-            step_overhead_ms: m.overhead_ms,
-            weight_bytes: m.weight_bytes,
-            kv_bytes_per_token: m.kv_bytes_per_token,
-            bandwidth_bytes_per_s: m.bandwidth_bytes_per_s,
-            c_tok_ms: m.c_tok_ms,
-            c_attn_ms: m.c_attn_ms,
-            c_decode_ctx_ms: m.c_decode_ctx_ms,
-            frontend_ms: m.frontend_ms,
-            tokenize_ms: m.tokenize_ms,
-        }))
-    }
+/// The `engine` binary's flags for `cfg`'s limits and step-time constants (its pool, seed, speed,
+/// slowdown and jitter are the fleet's, passed apart). Rust prints an `f64` in the shortest form
+/// that reads back to the same value, so the engine runs exactly these constants.
+pub fn engine_args(cfg: &EngineConfig) -> Vec<String> {
+    let m = &cfg.model;
+    let limits = [
+        ("--block-size", cfg.block_size),
+        ("--max-num-batched-tokens", cfg.max_num_batched_tokens),
+        ("--max-num-seqs", cfg.max_num_seqs),
+        ("--max-model-len", cfg.max_model_len),
+    ];
+    let constants = [
+        ("--step-overhead-ms", m.overhead_ms),
+        ("--weight-bytes", m.weight_bytes),
+        ("--kv-bytes-per-token", m.kv_bytes_per_token),
+        ("--bandwidth-bytes-per-s", m.bandwidth_bytes_per_s),
+        ("--c-tok-ms", m.c_tok_ms),
+        ("--c-attn-ms", m.c_attn_ms),
+        ("--c-decode-ctx-ms", m.c_decode_ctx_ms),
+        ("--frontend-ms", m.frontend_ms),
+        ("--tokenize-ms", m.tokenize_ms),
+    ];
+    let limits = limits.iter().map(|(f, v)| [f.to_string(), v.to_string()]);
+    let constants = constants
+        .iter()
+        .map(|(f, v)| [f.to_string(), v.to_string()]);
+    limits.chain(constants).flatten().collect()
 }
 
 /// The descriptions kvroute ships (`fleets/*.toml` under `root`), sorted by path.

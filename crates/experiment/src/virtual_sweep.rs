@@ -68,6 +68,8 @@ pub struct EmulatedFleet {
     pub model: String,
     /// The KV cache and step model the engines run (`--cache-model`).
     pub cache: fleet::EmulatedCache,
+    /// The fleet description the engines follow (`--fleet-description`), if any.
+    pub description: Option<crate::fleet_description::FleetDescription>,
 }
 
 impl EmulatedFleet {
@@ -82,6 +84,7 @@ impl EmulatedFleet {
             slowdowns: spec.slowdowns.clone(),
             model: spec.model.clone(),
             cache: spec.emulated_cache(),
+            description: spec.description.clone(),
         })
     }
 
@@ -106,6 +109,11 @@ impl EmulatedFleet {
     /// The simulated fleet's base config (no policy yet), keeping only the replicas in `used`.
     pub fn base_config(&self, used: &[usize]) -> Result<sim::SimConfig> {
         let mut cfg = sim::SimConfig::new(used.len() as u32, "round-robin");
+        if let Some(d) = &self.description {
+            // The described engines, as the live fleet passes them (`engine_args`); the pool is
+            // the fleet's.
+            cfg.engine = d.engine_config();
+        }
         cfg.engine.num_gpu_blocks = self.num_gpu_blocks;
         if let fleet::EmulatedCache::LlamaSlots {
             parallel_slots,
@@ -134,25 +142,6 @@ impl EmulatedFleet {
             cfg.engine.max_model_len = *max_model_len;
             cfg.engine.model = engine_core::StepModel::preset(step_model)
                 .ok_or_else(|| anyhow!("unknown step model {step_model}"))?;
-        }
-        if let fleet::EmulatedCache::Described(d) = &self.cache {
-            // The engines' flags from a fleet description, as the live fleet passes them.
-            cfg.engine.block_size = d.block_size;
-            cfg.engine.max_num_batched_tokens = d.max_num_batched_tokens;
-            cfg.engine.max_num_seqs = d.max_num_seqs;
-            cfg.engine.max_model_len = d.max_model_len;
-            cfg.engine.model = engine_core::StepModel {
-                overhead_ms: d.step_overhead_ms,
-                weight_bytes: d.weight_bytes,
-                kv_bytes_per_token: d.kv_bytes_per_token,
-                bandwidth_bytes_per_s: d.bandwidth_bytes_per_s,
-                c_tok_ms: d.c_tok_ms,
-                c_attn_ms: d.c_attn_ms,
-                c_decode_ctx_ms: d.c_decode_ctx_ms,
-                frontend_ms: d.frontend_ms,
-                tokenize_ms: d.tokenize_ms,
-                ..engine_core::StepModel::default()
-            };
         }
         cfg.engine.model.speed = self.speed;
         // No step-time jitter: an invented noise level would only make deterministic
@@ -1285,6 +1274,7 @@ mod tests {
             slowdowns: slowdowns.to_vec(),
             model: sim::DEFAULT_MODEL.into(),
             cache: fleet::EmulatedCache::Paged,
+            description: None,
         }
     }
 

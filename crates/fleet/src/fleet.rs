@@ -196,71 +196,17 @@ pub enum EmulatedCache {
     Described(Box<DescribedEngine>),
 }
 
-/// An emulated engine as a fleet description gives it: the engine's limits and its step-time
-/// constants, each one of the `engine` binary's flags (units in the names, as the flags). The
-/// constants mirror `engine_core::StepModel`'s on purpose: `fleet` may not depend on
-/// `engine-core` (docs/ARCHITECTURE.md, the layering), so they travel as the flags the engine
-/// parses; `experiment`'s virtual-sweep test holds the round trip to the simulated engine exact.
+/// An emulated engine as a fleet description gives it: its name and the `engine` binary's
+/// flags that carry its limits and step-time constants. `fleet` may not depend on `engine-core`
+/// (docs/ARCHITECTURE.md, the layering), so the constants travel as the flags the engine parses,
+/// made in one place from the engine config the description derives
+/// (`experiment::fleet_description::engine_args`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DescribedEngine {
     /// The description's name (recorded in meta, for the reader).
     pub name: String,
-    /// `--block-size`.
-    pub block_size: u32,
-    /// `--max-num-batched-tokens`.
-    pub max_num_batched_tokens: u32,
-    /// `--max-num-seqs`.
-    pub max_num_seqs: u32,
-    /// `--max-model-len`.
-    pub max_model_len: u32,
-    /// `--step-overhead-ms`.
-    pub step_overhead_ms: f64,
-    /// `--weight-bytes`.
-    pub weight_bytes: f64,
-    /// `--kv-bytes-per-token`.
-    pub kv_bytes_per_token: f64,
-    /// `--bandwidth-bytes-per-s`.
-    pub bandwidth_bytes_per_s: f64,
-    /// `--c-tok-ms`.
-    pub c_tok_ms: f64,
-    /// `--c-attn-ms`.
-    pub c_attn_ms: f64,
-    /// `--c-decode-ctx-ms`.
-    pub c_decode_ctx_ms: f64,
-    /// `--frontend-ms`.
-    pub frontend_ms: f64,
-    /// `--tokenize-ms`.
-    pub tokenize_ms: f64,
-}
-
-impl DescribedEngine {
-    /// The engine flags, in a fixed order. Rust prints an `f64` in the shortest form that reads
-    /// back to the same value, so the engine runs exactly these constants.
-    pub fn args(&self) -> Vec<String> {
-        let mut args = Vec::new();
-        for (flag, v) in [
-            ("--block-size", self.block_size),
-            ("--max-num-batched-tokens", self.max_num_batched_tokens),
-            ("--max-num-seqs", self.max_num_seqs),
-            ("--max-model-len", self.max_model_len),
-        ] {
-            args.extend([flag.to_string(), v.to_string()]);
-        }
-        for (flag, v) in [
-            ("--step-overhead-ms", self.step_overhead_ms),
-            ("--weight-bytes", self.weight_bytes),
-            ("--kv-bytes-per-token", self.kv_bytes_per_token),
-            ("--bandwidth-bytes-per-s", self.bandwidth_bytes_per_s),
-            ("--c-tok-ms", self.c_tok_ms),
-            ("--c-attn-ms", self.c_attn_ms),
-            ("--c-decode-ctx-ms", self.c_decode_ctx_ms),
-            ("--frontend-ms", self.frontend_ms),
-            ("--tokenize-ms", self.tokenize_ms),
-        ] {
-            args.extend([flag.to_string(), v.to_string()]);
-        }
-        args
-    }
+    /// The engine flags, `--block-size …` to `--tokenize-ms …`.
+    pub args: Vec<String>,
 }
 
 impl EmulatedCache {
@@ -303,7 +249,7 @@ impl EmulatedCache {
     pub fn args(&self) -> Vec<String> {
         match self {
             EmulatedCache::Paged => Vec::new(),
-            EmulatedCache::Described(d) => d.args(),
+            EmulatedCache::Described(d) => d.args.clone(),
             EmulatedCache::PagedTwin {
                 block_size,
                 max_model_len,
@@ -345,7 +291,7 @@ impl EmulatedCache {
                 "engine": "emulator",
                 "cache_model": self.name(),
                 "description": d.name,
-                "args": d.args(),
+                "args": d.args,
             }),
             EmulatedCache::PagedTwin {
                 block_size,
