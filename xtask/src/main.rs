@@ -58,6 +58,15 @@ enum Cmd {
         #[arg(long, default_value = "session-affinity")]
         baseline: String,
     },
+    /// Write the trace a workload description (`workloads/*.toml`) describes, for `sweep trace
+    /// --trace` (`experiment::workload_description`).
+    Workload {
+        /// The description.
+        description: PathBuf,
+        /// The trace to write (JSONL).
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Copy a sweep's summaries, meta and gzip-compressed rows into docs/measurements/.
     Publish(publish::PublishArgs),
     /// Render the figures from published measurements (`figures::render_all`).
@@ -101,6 +110,9 @@ fn main() {
             virtual_dir,
             baseline,
         } => report::crosscheck(&live, &virtual_dir, &baseline),
+        Cmd::Workload { description, out } => {
+            experiment::workload_description::write(&description, &out)
+        }
         Cmd::Publish(args) => to_workspace_root().and_then(|()| publish::run(&args).map(|_| ())),
         Cmd::Ci => ci(),
     };
@@ -214,15 +226,8 @@ mod tests {
         assert!(s.needs_capacity() && !s.warmup_given);
         let s = sweep(&["xtask", "sweep", "turns", "--load", "0.7,1.0,1.3"]);
         assert_eq!(s.load_fractions, Some(vec![0.7, 1.0, 1.3]));
-        let s = sweep(&[
-            "xtask",
-            "sweep",
-            "pressure-grid",
-            "--users",
-            "8",
-            "--warmup-s",
-            "2",
-        ]);
+        let words = |a: &'static str| a.split(' ').collect::<Vec<_>>();
+        let s = sweep(&words("xtask sweep pressure-grid --users 8 --warmup-s 2"));
         assert_eq!((s.load_fractions, s.users, s.warmup_given), (None, 8, true));
         assert_eq!(
             sweep(&["xtask", "sweep", "load", "--rates", "2,4"]).load_fractions,
@@ -243,16 +248,9 @@ mod tests {
             panic!("not calibrate")
         };
         assert!(c.settings().capacity.is_none());
-        let Cmd::Fault(f) = parse(&[
-            "xtask",
-            "fault",
-            "drain",
-            "--quick",
-            "--slo-ttft-ms",
-            "100",
-            "--slo-itl-ms",
-            "5",
-        ]) else {
+        let Cmd::Fault(f) = parse(&words(
+            "xtask fault drain --quick --slo-ttft-ms 100 --slo-itl-ms 5",
+        )) else {
             panic!("not a fault")
         };
         assert_eq!(f.dir(), PathBuf::from("measurements/fault-drain-quick"));

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod output;
 pub mod report;
 pub mod rows;
+pub mod stages;
 pub mod stats;
 
 pub use compare::{Margin, Refusal, Verdict, check_comparable};

@@ -505,5 +505,10 @@ pub fn render(report: &Report) -> String {
         }
         out.push('\n');
     }
+    if !report.stages.is_empty() {
+        out.push_str("## Stages\n\nThe replay's load ladder (a generated trace's stages), every repetition in the units serving benchmarks report.\n\n");
+        out.push_str(&crate::stages::markdown(&report.stages));
+        out.push('\n');
+    }
     out
 }

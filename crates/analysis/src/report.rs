@@ -380,6 +380,10 @@ pub struct Report {
     pub adaptive_router_test: AdaptiveTest,
     /// Things a reader should know (mixed SLOs, unjoined rows, meta/dir mismatches).
     pub warnings: Vec<String>,
+    /// Each repetition's load-ladder stages, when its replay has them (`crate::stages`); absent
+    /// from every other report.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<crate::stages::CellStages>,
 }
 
 /// `count` as a share of the measured requests; `None` when there were none.
@@ -643,6 +647,7 @@ struct Builder<'c> {
     refused: Vec<Refusal>,
     warnings: Vec<String>,
     overhead: BTreeMap<(usize, String), OverheadSamples>,
+    stages: Vec<crate::stages::CellStages>,
 }
 
 impl<'c> Builder<'c> {
@@ -653,6 +658,7 @@ impl<'c> Builder<'c> {
             refused: Vec::new(),
             warnings: Vec::new(),
             overhead: BTreeMap::new(),
+            stages: Vec::new(),
         }
     }
 
@@ -660,6 +666,8 @@ impl<'c> Builder<'c> {
         if reps.is_empty() {
             return;
         }
+        self.stages
+            .extend(reps.iter().filter_map(|r| crate::stages::rep_stages(r)));
         for r in reps {
             let id = format!("{}/{}/rep-{}", r.point, r.policy, r.rep);
             // An empty name was not recorded.
@@ -717,6 +725,7 @@ impl<'c> Builder<'c> {
             in_progress: None,
             overhead_by_policy,
             warnings: self.warnings,
+            stages: self.stages,
         }
     }
 }

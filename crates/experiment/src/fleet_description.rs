@@ -136,12 +136,12 @@ struct EfficiencyFile {
 }
 
 /// The 1-based line of byte `offset` in `text`.
-fn line_of(text: &str, offset: usize) -> usize {
+pub(crate) fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].matches('\n').count() + 1
 }
 
 /// The line of `key = …` (at the start of a line) in `text`, for errors found after parsing.
-fn line_of_key(text: &str, key: &str) -> Option<usize> {
+pub(crate) fn line_of_key(text: &str, key: &str) -> Option<usize> {
     text.lines()
         .position(|l| {
             l.trim_start()
@@ -383,16 +383,23 @@ pub fn engine_args(cfg: &EngineConfig) -> Vec<String> {
     limits.chain(constants).flatten().collect()
 }
 
-/// The descriptions kvroute ships (`fleets/*.toml` under `root`), sorted by path.
-pub fn shipped(root: &Path) -> Result<Vec<FleetDescription>> {
-    let dir = root.join(SHIPPED_DIR);
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
+/// The `*.toml` files in `dir`, sorted by path: the shipped descriptions' listing.
+pub(crate) fn toml_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("listing {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "toml"))
         .collect();
     paths.sort();
-    paths.iter().map(|p| FleetDescription::read(p)).collect()
+    Ok(paths)
+}
+
+/// The descriptions kvroute ships (`fleets/*.toml` under `root`), sorted by path.
+pub fn shipped(root: &Path) -> Result<Vec<FleetDescription>> {
+    toml_files(&root.join(SHIPPED_DIR))?
+        .iter()
+        .map(|p| FleetDescription::read(p))
+        .collect()
 }
 
 #[cfg(test)]

@@ -59,6 +59,7 @@ pub mod sweep;
 pub mod trace_capacity;
 pub mod trace_sweep;
 pub mod virtual_sweep;
+pub mod workload_description;
 
 pub use bins::Bins;
 pub use fleet_spec::{FleetKind, FleetSpec};

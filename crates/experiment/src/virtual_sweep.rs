@@ -1025,7 +1025,12 @@ pub fn run_cell(s: &CellSettings, job: &Job) -> Result<analysis::DriftClass> {
         &analysis::DriftConfig::default(),
     )
     .map_err(|e| anyhow!("drift check of {}: {e}", job.dir.display()))?;
-    let accepted = !drift.warming;
+    // A load ladder (a generated trace's stages) changes its load by design: its drift is
+    // recorded, never a reason to set it aside; the report gives it stage by stage instead.
+    let ladder = job.run["trace"]["stages"]
+        .as_array()
+        .is_some_and(|s| !s.is_empty());
+    let accepted = ladder || !drift.warming;
     meta_json["accepted"] = serde_json::Value::Bool(accepted);
     meta_json["set_aside_reason"] = if accepted {
         serde_json::Value::Null

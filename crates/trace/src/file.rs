@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::TraceError;
-use crate::replay::{ReplayPlan, ReplaySpec};
+use crate::replay::{ReplayPlan, ReplaySpec, StageRun};
 
 /// A replay written once and replayed by every policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -27,6 +27,10 @@ pub struct ReplayFile {
     pub plan_fingerprint: String,
     /// Requests in the plan.
     pub requests: usize,
+    /// The load-ladder stages of a generated trace, as runs of lines; absent for a trace without
+    /// stages (every file written before they existed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageRun>,
 }
 
 impl ReplayFile {
@@ -41,6 +45,7 @@ impl ReplayFile {
             workload_fingerprint: plan.workload_fingerprint_hex(),
             plan_fingerprint: plan.fingerprint_hex(),
             requests: plan.len(),
+            stages: plan.stage_runs().to_vec(),
         }
     }
 

@@ -15,11 +15,14 @@
 //! - [`text`]: each hash id's deterministic block of English-like text, and a request's prompt
 //!   assembled from its blocks.
 //! - [`stats`]: what a trace's sharing structure looks like ([`TraceStats`]).
+//! - [`generate`]: [`SharedPrefix`], the single-turn shared-prefix workload as a Mooncake-format
+//!   trace, sent as a staged load ladder ([`Stage`]).
 //! - [`file`]: [`ReplayFile`], the replay's parameters on disk (what a sweep hands the driver).
 //!
 //! Pure: no I/O, no clock, no async. Reading the file is the caller's job.
 
 pub mod file;
+pub mod generate;
 pub mod parse;
 pub mod replay;
 pub mod session;
@@ -27,8 +30,9 @@ pub mod stats;
 pub mod text;
 
 pub use file::ReplayFile;
+pub use generate::{SharedPrefix, Stage};
 pub use parse::{LineError, Record, TRACE_BLOCK_TOKENS, Trace};
-pub use replay::{ReplayPlan, ReplayRequest, ReplaySpec};
+pub use replay::{ReplayPlan, ReplayRequest, ReplaySpec, StageRun};
 pub use session::{SessionKey, Sessions};
 pub use stats::TraceStats;
 

@@ -3,7 +3,8 @@
 //! Every line must be one JSON object with `timestamp` (a number of milliseconds ≥ 0),
 //! `input_length` (tokens ≥ 1), `output_length` (tokens ≥ 0) and `hash_ids` (a non-empty array of
 //! non-negative integers) whose length agrees with `input_length` at 512 tokens a block:
-//! `(n − 1) × 512 < input_length ≤ n × 512`. Other fields are ignored, so every Mooncake release
+//! `(n − 1) × 512 < input_length ≤ n × 512`. An optional `stage` (an integer ≥ 0, the ladder
+//! stage of a generated trace) is kept. Other fields are ignored, so every Mooncake release
 //! with these four fields parses. A line that breaks any rule — including an empty line — is
 //! reported as `source:line: why` and the trace is refused; nothing is skipped. Requests are kept
 //! in arrival order (a stable sort by timestamp, so equal timestamps keep file order).
@@ -41,6 +42,9 @@ pub struct Record {
     pub input_tokens: u32,
     /// Completion length, tokens.
     pub output_tokens: u32,
+    /// The load-ladder stage the line says it belongs to (`"stage"`, a kvroute extension that
+    /// generated traces carry: [`crate::generate`]); `None` in Mooncake's own traces.
+    pub stage: Option<u32>,
     ids_start: u32,
     ids_len: u32,
 }
@@ -61,6 +65,8 @@ struct RawLine {
     input_length: u64,
     output_length: u64,
     hash_ids: Vec<u64>,
+    #[serde(default)]
+    stage: Option<u32>,
 }
 
 /// Line-by-line accumulation shared by the byte and the reader entry points.
@@ -125,6 +131,7 @@ impl<'a> Parser<'a> {
             timestamp_us: (r.timestamp * 1000.0).round() as u64,
             input_tokens: r.input_length as u32,
             output_tokens: r.output_length as u32,
+            stage: r.stage,
             ids_start,
             ids_len,
         });

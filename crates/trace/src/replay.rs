@@ -160,6 +160,18 @@ pub struct ReplayRequest {
     ids_len: u32,
 }
 
+/// Consecutive trace lines of one load-ladder stage (a generated trace's `stage` field): how a
+/// report splits a replay's rows (`t<line>`) by stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageRun {
+    /// The 0-based stage.
+    pub stage: u32,
+    /// First trace line of the run (1-based).
+    pub first_line: u32,
+    /// Last trace line of the run, inclusive.
+    pub last_line: u32,
+}
+
 /// A trace slice mapped to requests; the texts are generated on demand.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplayPlan {
@@ -171,6 +183,7 @@ pub struct ReplayPlan {
     session_ids: Vec<String>,
     requests: Vec<ReplayRequest>,
     ids: Vec<u64>,
+    stage_runs: Vec<StageRun>,
 }
 
 fn secs_to_us(s: f64) -> u64 {
@@ -191,6 +204,7 @@ impl ReplayPlan {
         let mut session_ids = Vec::new();
         let mut requests = Vec::new();
         let mut ids = Vec::new();
+        let mut stage_runs: Vec<StageRun> = Vec::new();
         for (k, r) in trace.records().iter().enumerate() {
             if r.timestamp_us < start_us {
                 continue;
@@ -225,6 +239,18 @@ impl ReplayPlan {
                 ids_len: block_ids.len() as u32,
             });
             ids.extend_from_slice(block_ids);
+            if let Some(stage) = r.stage {
+                match stage_runs.last_mut() {
+                    Some(run) if run.stage == stage && run.last_line + 1 == r.line => {
+                        run.last_line = r.line;
+                    }
+                    _ => stage_runs.push(StageRun {
+                        stage,
+                        first_line: r.line,
+                        last_line: r.line,
+                    }),
+                }
+            }
         }
         if requests.is_empty() {
             return Err(TraceError::Spec(format!(
@@ -246,7 +272,15 @@ impl ReplayPlan {
             session_ids,
             requests,
             ids,
+            stage_runs,
         })
+    }
+
+    /// The slice's load-ladder stages as runs of consecutive lines (empty when the trace's
+    /// lines carry no `stage`). Not part of the fingerprint: a stage labels requests, it does not
+    /// change what is sent.
+    pub fn stage_runs(&self) -> &[StageRun] {
+        &self.stage_runs
     }
 
     /// The mapping parameters.
