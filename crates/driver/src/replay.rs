@@ -45,7 +45,14 @@ pub fn load_trace(path: &Path) -> Result<Trace, DriverError> {
 /// The replay of the trace at `path` mapped by `spec`.
 pub fn load_replay(path: &Path, spec: &ReplaySpec) -> Result<ReplayPlan, DriverError> {
     let trace = load_trace(path)?;
-    ReplayPlan::build(&trace, spec).map_err(|e| DriverError::Plan(e.to_string()))
+    let plan = ReplayPlan::build(&trace, spec).map_err(|e| DriverError::Plan(e.to_string()))?;
+    if plan.drain_starts().contains(&true) {
+        return Err(DriverError::Plan(format!(
+            "{} has a stage that waits for the one before it to drain (\"drain\": true); only the simulator replays that (`sweep trace --virtual`)",
+            path.display()
+        )));
+    }
+    Ok(plan)
 }
 
 /// The replay a [`ReplayFile`] (a sweep's `trace-plan.json`) records: its trace, mapped by its

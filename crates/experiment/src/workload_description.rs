@@ -17,7 +17,8 @@
 //!
 //! [[stage]]                 # one per ladder step, in order
 //! requests = 1024
-//! rate_rps = 8.0            # Poisson; leave out to send the stage all at once (the last only)
+//! rate_rps = 8.0            # Poisson; leave out to send the stage all at once
+//! wait_for_drain = false    # true: start only when every earlier request has ended
 //! ```
 //!
 //! Unknown keys are refused, and every error names `path:line`.
@@ -66,6 +67,8 @@ struct SharedPrefixFile {
 struct StageFile {
     requests: u32,
     rate_rps: Option<f64>,
+    #[serde(default)]
+    wait_for_drain: bool,
 }
 
 impl WorkloadDescription {
@@ -96,6 +99,7 @@ impl WorkloadDescription {
                 .map(|st| Stage {
                     rate_rps: st.rate_rps,
                     requests: st.requests,
+                    wait_for_drain: st.wait_for_drain,
                 })
                 .collect(),
         };
@@ -246,10 +250,12 @@ mod tests {
                     Stage {
                         rate_rps: Some(2.0),
                         requests: 20,
+                        wait_for_drain: false,
                     },
                     Stage {
                         rate_rps: Some(6.0),
                         requests: 30,
+                        wait_for_drain: true,
                     },
                 ],
             },

@@ -294,6 +294,15 @@ struct Sim<'a> {
     now: u64,
     /// When the last request ended (stale timeouts run later and must not count).
     last_end_us: u64,
+    /// Trace replay: which requests open a stage that waits for everything before it to end
+    /// (`trace::ReplayPlan::drain_starts`).
+    drain_starts: Vec<bool>,
+    /// Trace replay: the request held back until the fleet drains.
+    drain_pending: Option<u32>,
+    /// Trace replay: how long the drains so far have delayed every later arrival, µs.
+    drain_shift_us: u64,
+    /// Trace replay: requests fired and not yet ended.
+    trace_open: u32,
 }
 
 /// Simulates `plan` under `cfg`, building the prompt book itself.
@@ -417,6 +426,13 @@ fn run(cfg: &SimConfig, src: Source<'_>) -> Result<SimOutput, SimError> {
         events: 0,
         now: 0,
         last_end_us: 0,
+        drain_starts: match src {
+            Source::Trace(t) => t.drain_starts(),
+            Source::Plan { .. } => Vec::new(),
+        },
+        drain_pending: None,
+        drain_shift_us: 0,
+        trace_open: 0,
     };
     sim.start();
     sim.run();
@@ -631,11 +647,16 @@ impl Sim<'_> {
             Source::Plan { plan, .. } => plan,
             Source::Trace(trace) => {
                 let requests = trace.requests();
-                if let Some(next) = requests.get(who as usize + 1)
-                    && !self.stopped(next.at_us)
-                {
-                    self.push(next.at_us, Ev::Fire(who + 1));
+                if let Some(next) = requests.get(who as usize + 1) {
+                    let at = next.at_us + self.drain_shift_us;
+                    if self.drain_starts[who as usize + 1] {
+                        // Sent when everything before it has ended (`finish`).
+                        self.drain_pending = Some(who + 1);
+                    } else if !self.stopped(at) {
+                        self.push(at, Ev::Fire(who + 1));
+                    }
                 }
+                self.trace_open += 1;
                 let q = requests[who as usize];
                 let origin = Origin::Trace {
                     index: who,
@@ -1048,6 +1069,20 @@ impl Sim<'_> {
             self.per_replica_requests[i as usize] += 1;
         }
         self.finished.push(r);
+        if let (Origin::Trace { .. }, Source::Trace(trace)) = (origin, self.src) {
+            self.trace_open -= 1;
+            if self.trace_open == 0
+                && let Some(next) = self.drain_pending.take()
+            {
+                // The stage that waited starts now: it and every later arrival move by the wait.
+                let planned = trace.requests()[next as usize].at_us + self.drain_shift_us;
+                let at = planned.max(t);
+                self.drain_shift_us += at - planned;
+                if !self.stopped(at) {
+                    self.push(at, Ev::Fire(next));
+                }
+            }
+        }
         if let Some(next) = self.conv_queue[conversation].pop_front() {
             self.send(next, t);
         } else {

@@ -164,3 +164,67 @@ fn a_request_longer_than_the_engines_admit_is_a_row_not_a_panic() {
     }));
     assert!(context_tokens(&plan) > 200);
 }
+
+/// A ladder whose second stage waits for the first to drain: in virtual time no request of the
+/// second stage is sent before every request of the first has ended, the second stage keeps its
+/// own gaps (every arrival after the wait moves by the same amount), and without the flag the
+/// stages overlap.
+#[test]
+fn a_stage_that_waits_for_the_drain_starts_when_the_fleet_is_empty() {
+    use sim::rows::Origin;
+    use trace::{SharedPrefix, Stage};
+    let ladder = |wait| SharedPrefix {
+        groups: 2,
+        prompts_per_group: 4,
+        prefix_tokens: 512,
+        question_tokens: 64,
+        output_tokens: 32,
+        seed: 1,
+        stages: vec![
+            Stage {
+                rate_rps: Some(400.0),
+                requests: 16,
+                wait_for_drain: false,
+            },
+            Stage {
+                rate_rps: Some(50.0),
+                requests: 16,
+                wait_for_drain: wait,
+            },
+        ],
+    };
+    let run = |wait| {
+        let text = ladder(wait).to_jsonl().unwrap();
+        let t = Trace::parse_bytes("ladder.jsonl", text.as_bytes()).unwrap();
+        let plan = ReplayPlan::build(&t, &ReplaySpec::default()).unwrap();
+        let out = sim::simulate_trace(&config("round-robin", &plan), &plan).unwrap();
+        assert_eq!(out.outcomes.len(), 32);
+        let mut by_line: Vec<_> = out
+            .outcomes
+            .iter()
+            .map(|o| match o.origin {
+                Origin::Trace { line, .. } => (line, o.scheduled_us, o.sent_us, o.end_us),
+                _ => panic!("a trace request"),
+            })
+            .collect();
+        by_line.sort();
+        let (first, second) = by_line.split_at(16);
+        let first_end = first.iter().map(|r| r.3).max().unwrap();
+        let second_start = second.iter().map(|r| r.2).min().unwrap();
+        let planned: Vec<u64> = t.records()[16..].iter().map(|r| r.timestamp_us).collect();
+        let shifts: Vec<u64> = second.iter().zip(&planned).map(|(r, p)| r.1 - p).collect();
+        (first_end, second_start, shifts)
+    };
+    let (first_end, second_start, shifts) = run(true);
+    assert!(second_start >= first_end, "{second_start} < {first_end}");
+    assert!(
+        shifts.iter().all(|s| *s == shifts[0]) && shifts[0] > 0,
+        "{shifts:?}"
+    );
+    let (first_end, second_start, shifts) = run(false);
+    assert!(
+        second_start < first_end,
+        "without the wait the stages overlap"
+    );
+    assert!(shifts.iter().all(|s| *s == 0));
+}

@@ -15,8 +15,10 @@
 //!   seeded, first arrival at the stage's start), or all at its start when the rate is
 //!   unbounded (`bench_serving`'s default `--request-rate inf`). Stage `k + 1` starts at stage
 //!   `k`'s nominal end, `start + requests ÷ rate`, or at its last arrival if that came later (so
-//!   stages never interleave). An unbounded stage must be the last: its
-//!   nominal end is its start, and waiting for it to drain is not built.
+//!   stages never interleave). With `wait_for_drain` a stage starts only when every request
+//!   before it has ended: its lines carry `"drain": true` and a replayer (the simulator) shifts
+//!   it and every later arrival by the wait. An unbounded stage may be followed only by one that
+//!   waits (its nominal end is its start).
 //! - **Records.** Each line carries `"stage": k` (0-based) beside the four Mooncake fields, so
 //!   a report can split the rows by stage (`t<line>` request ids); other readers ignore it.
 //!
@@ -29,12 +31,15 @@ use crate::TraceError;
 use crate::parse::TRACE_BLOCK_TOKENS;
 
 /// One stage of a load ladder.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Stage {
     /// Offered rate, requests per second (Poisson); `None`: every request at the stage's start.
     pub rate_rps: Option<f64>,
     /// Requests the stage sends.
     pub requests: u32,
+    /// The stage starts only when every request before it has ended (its lines carry
+    /// `"drain": true`; a replayer shifts it and every later arrival by the wait).
+    pub wait_for_drain: bool,
 }
 
 /// The single-turn shared-prefix workload and its ladder.
@@ -101,12 +106,16 @@ impl SharedPrefix {
                 Some(r) if !(r.is_finite() && r > 0.0) => {
                     return bad(format!("stage {k}: rate {r} req/s must be > 0"));
                 }
-                None if k + 1 < self.stages.len() => {
+                None if self.stages.get(k + 1).is_some_and(|n| !n.wait_for_drain) => {
                     return bad(format!(
-                        "stage {k} sends everything at once and is not the last: a later stage would start at the same instant (waiting for a stage to drain is not built)"
+                        "stage {k} sends everything at once, so stage {} would start at the same instant: let it wait_for_drain",
+                        k + 1
                     ));
                 }
                 _ => {}
+            }
+            if k == 0 && s.wait_for_drain {
+                return bad("stage 0 has nothing before it to wait for".into());
             }
             total += u64::from(s.requests);
         }
@@ -177,11 +186,16 @@ impl SharedPrefix {
                     .map(|b| (first_question_id + p * question_blocks + b).to_string()),
             );
             out.push_str(&format!(
-                "{{\"timestamp\": {}.{:03}, \"input_length\": {input}, \"output_length\": {}, \"hash_ids\": [{}], \"stage\": {stage}}}\n",
+                "{{\"timestamp\": {}.{:03}, \"input_length\": {input}, \"output_length\": {}, \"hash_ids\": [{}], \"stage\": {stage}{}}}\n",
                 at_us / 1000,
                 at_us % 1000,
                 self.output_tokens,
-                ids.join(", ")
+                ids.join(", "),
+                if self.stages[stage as usize].wait_for_drain {
+                    ", \"drain\": true"
+                } else {
+                    ""
+                }
             ));
         }
         Ok(out)
@@ -210,6 +224,7 @@ mod tests {
         let s = spec(vec![Stage {
             rate_rps: None,
             requests: 30,
+            wait_for_drain: false,
         }]);
         let text = s.to_jsonl().unwrap();
         let t = Trace::parse_bytes("gen", text.as_bytes()).unwrap();
@@ -248,10 +263,12 @@ mod tests {
             Stage {
                 rate_rps: Some(2.0),
                 requests: 2_000,
+                wait_for_drain: false,
             },
             Stage {
                 rate_rps: Some(8.0),
                 requests: 4_000,
+                wait_for_drain: false,
             },
         ]);
         let arrivals = s.arrivals_us();
@@ -285,15 +302,31 @@ mod tests {
             Stage {
                 rate_rps: None,
                 requests: 4,
+                wait_for_drain: false,
             },
             Stage {
                 rate_rps: Some(1.0),
                 requests: 4,
+                wait_for_drain: false,
             },
         ]);
         let err = s.to_jsonl().unwrap_err().to_string();
         assert!(err.contains("stage 0 sends everything at once"), "{err}");
+        // Allowed when the next stage waits for it to drain; its lines say so.
+        s.stages[1].wait_for_drain = true;
+        let t = Trace::parse_bytes("gen", s.to_jsonl().unwrap().as_bytes()).unwrap();
+        assert_eq!(
+            t.records().iter().map(|r| r.drain).collect::<Vec<_>>(),
+            [false, false, false, false, true, true, true, true]
+        );
         s.stages.reverse();
+        assert!(
+            s.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("nothing before it")
+        );
+        s.stages[0].wait_for_drain = false;
         s.to_jsonl().unwrap();
         s.prefix_tokens = 1000;
         assert!(

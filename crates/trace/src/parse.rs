@@ -45,6 +45,9 @@ pub struct Record {
     /// The load-ladder stage the line says it belongs to (`"stage"`, a kvroute extension that
     /// generated traces carry: [`crate::generate`]); `None` in Mooncake's own traces.
     pub stage: Option<u32>,
+    /// Whether the line's stage starts only when everything before it has ended (`"drain":
+    /// true`, the same kvroute extension); false in Mooncake's own traces.
+    pub drain: bool,
     ids_start: u32,
     ids_len: u32,
 }
@@ -67,6 +70,8 @@ struct RawLine {
     hash_ids: Vec<u64>,
     #[serde(default)]
     stage: Option<u32>,
+    #[serde(default)]
+    drain: bool,
 }
 
 /// Line-by-line accumulation shared by the byte and the reader entry points.
@@ -132,6 +137,7 @@ impl<'a> Parser<'a> {
             input_tokens: r.input_length as u32,
             output_tokens: r.output_length as u32,
             stage: r.stage,
+            drain: r.drain,
             ids_start,
             ids_len,
         });

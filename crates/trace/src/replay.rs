@@ -170,6 +170,9 @@ pub struct StageRun {
     pub first_line: u32,
     /// Last trace line of the run, inclusive.
     pub last_line: u32,
+    /// The stage starts only when everything before it has ended (`"drain": true`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub after_drain: bool,
 }
 
 /// A trace slice mapped to requests; the texts are generated on demand.
@@ -241,13 +244,18 @@ impl ReplayPlan {
             ids.extend_from_slice(block_ids);
             if let Some(stage) = r.stage {
                 match stage_runs.last_mut() {
-                    Some(run) if run.stage == stage && run.last_line + 1 == r.line => {
+                    Some(run)
+                        if run.stage == stage
+                            && run.after_drain == r.drain
+                            && run.last_line + 1 == r.line =>
+                    {
                         run.last_line = r.line;
                     }
                     _ => stage_runs.push(StageRun {
                         stage,
                         first_line: r.line,
                         last_line: r.line,
+                        after_drain: r.drain,
                     }),
                 }
             }
@@ -281,6 +289,21 @@ impl ReplayPlan {
     /// change what is sent.
     pub fn stage_runs(&self) -> &[StageRun] {
         &self.stage_runs
+    }
+
+    /// For each request, whether it opens a stage that waits for everything before it to end
+    /// (the first request of a `"drain": true` stage after another stage).
+    pub fn drain_starts(&self) -> Vec<bool> {
+        let starts: std::collections::HashSet<u32> = self
+            .stage_runs
+            .windows(2)
+            .filter(|w| w[1].after_drain && w[0].stage != w[1].stage)
+            .map(|w| w[1].first_line)
+            .collect();
+        self.requests
+            .iter()
+            .map(|r| starts.contains(&r.line))
+            .collect()
     }
 
     /// The mapping parameters.
