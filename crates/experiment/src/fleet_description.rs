@@ -136,7 +136,7 @@ struct EfficiencyFile {
 }
 
 /// The 1-based line of byte `offset` in `text`.
-pub(crate) fn line_of(text: &str, offset: usize) -> usize {
+fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].matches('\n').count() + 1
 }
 
@@ -171,10 +171,7 @@ impl FleetDescription {
 
     /// Parses and checks `text`, read from `path` (named in every error as `path:line`).
     pub fn parse(path: &Path, text: &str) -> Result<FleetDescription> {
-        let file: File = toml::from_str(text).map_err(|e| {
-            let line = e.span().map_or(1, |s| line_of(text, s.start));
-            anyhow!("{}:{line}: {}", path.display(), e.message().trim_end())
-        })?;
+        let file: File = from_toml(path, text)?;
         let at = |key: &str| -> String {
             match line_of_key(text, key) {
                 Some(line) => format!("{}:{line}", path.display()),
@@ -383,23 +380,29 @@ pub fn engine_args(cfg: &EngineConfig) -> Vec<String> {
     limits.chain(constants).flatten().collect()
 }
 
-/// The `*.toml` files in `dir`, sorted by path: the shipped descriptions' listing.
-pub(crate) fn toml_files(dir: &Path) -> Result<Vec<PathBuf>> {
+/// `text`, read from `path`, as a `T`; a TOML error (a typo'd key, a wrong type) names
+/// `path:line`. The one parser of the description files (fleets and workloads).
+pub(crate) fn from_toml<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T> {
+    toml::from_str(text).map_err(|e| {
+        let line = e.span().map_or(1, |s| line_of(text, s.start));
+        anyhow!("{}:{line}: {}", path.display(), e.message().trim_end())
+    })
+}
+
+/// Every `*.toml` file in `dir`, sorted by path, read by `read`: the shipped descriptions.
+pub(crate) fn read_toml_dir<T>(dir: &Path, read: impl Fn(&Path) -> Result<T>) -> Result<Vec<T>> {
     let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("listing {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "toml"))
         .collect();
     paths.sort();
-    Ok(paths)
+    paths.iter().map(|p| read(p)).collect()
 }
 
 /// The descriptions kvroute ships (`fleets/*.toml` under `root`), sorted by path.
 pub fn shipped(root: &Path) -> Result<Vec<FleetDescription>> {
-    toml_files(&root.join(SHIPPED_DIR))?
-        .iter()
-        .map(|p| FleetDescription::read(p))
-        .collect()
+    read_toml_dir(&root.join(SHIPPED_DIR), FleetDescription::read)
 }
 
 #[cfg(test)]

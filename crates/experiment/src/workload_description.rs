@@ -29,7 +29,7 @@ use anyhow::{Context, Result, anyhow};
 use serde::Deserialize;
 use trace::{SharedPrefix, Stage};
 
-use crate::fleet_description::{line_of, line_of_key};
+use crate::fleet_description::{from_toml, line_of_key};
 
 /// A parsed workload description.
 #[derive(Debug, Clone, PartialEq)]
@@ -81,10 +81,7 @@ impl WorkloadDescription {
 
     /// Parses and checks `text`, read from `path` (named in every error as `path:line`).
     pub fn parse(path: &Path, text: &str) -> Result<WorkloadDescription> {
-        let file: File = toml::from_str(text).map_err(|e| {
-            let line = e.span().map_or(1, |s| line_of(text, s.start));
-            anyhow!("{}:{line}: {}", path.display(), e.message().trim_end())
-        })?;
+        let file: File = from_toml(path, text)?;
         let s = file.shared_prefix;
         let shared_prefix = SharedPrefix {
             groups: s.groups,
@@ -168,10 +165,7 @@ pub fn write(description: &Path, out: &Path) -> Result<()> {
 
 /// The descriptions kvroute ships (`workloads/*.toml` under `root`), sorted by path.
 pub fn shipped(root: &Path) -> Result<Vec<WorkloadDescription>> {
-    crate::fleet_description::toml_files(&root.join("workloads"))?
-        .iter()
-        .map(|p| WorkloadDescription::read(p))
-        .collect()
+    crate::fleet_description::read_toml_dir(&root.join("workloads"), WorkloadDescription::read)
 }
 
 #[cfg(test)]
